@@ -1,0 +1,51 @@
+//! Tunables, in one place, read once from the environment. Each has a default; docs/design.md lists them.
+
+use once_cell::sync::Lazy;
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// TIDE_TIMEOUT_S (default 120): how long a rank waits at a rendezvous or barrier for its peers
+    /// before the call fails with an error naming the missing ranks. Never hang.
+    pub timeout_s: f64,
+    /// TIDE_RS_MAX_CTAS (default 16): upper bound on CTAs of one fp32 reduction kernel launch.
+    pub rs_max_ctas: u32,
+    /// TIDE_RS_STAGE_SLOTS (default 2): number of staging slots in the reduce-scatter pipeline.
+    pub rs_stage_slots: usize,
+    /// TIDE_RS_SLOT_BYTES (default 32 MiB): bytes of one staging slot. The reduce-scatter's scratch per
+    /// rank is rs_stage_slots * rs_slot_bytes, independent of the group size.
+    pub rs_slot_bytes: usize,
+    /// TIDE_AG_STREAMS (default 4): copy streams the CUDA all-gather spreads peer copies over.
+    pub ag_streams: usize,
+    /// TIDE_MULTICAST (default off): allow NVLink multicast paths when the hardware reports support.
+    /// Never set on shared machines.
+    pub multicast: bool,
+}
+
+fn env_parse<T: std::str::FromStr>(name: &str, default: T) -> T {
+    match std::env::var(name) {
+        Ok(v) => match v.trim().parse() {
+            Ok(x) => x,
+            Err(_) => {
+                log::warn!("tide: ignoring {name}={v:?}: not a valid value");
+                default
+            }
+        },
+        Err(_) => default,
+    }
+}
+
+impl Config {
+    pub fn from_env() -> Config {
+        Config {
+            timeout_s: env_parse("TIDE_TIMEOUT_S", 120.0),
+            rs_max_ctas: env_parse("TIDE_RS_MAX_CTAS", 16u32).max(1),
+            rs_stage_slots: env_parse("TIDE_RS_STAGE_SLOTS", 2usize).max(1),
+            rs_slot_bytes: env_parse("TIDE_RS_SLOT_BYTES", 32usize << 20).max(4096),
+            ag_streams: env_parse("TIDE_AG_STREAMS", 4usize).max(1),
+            multicast: env_parse("TIDE_MULTICAST", 0u32) != 0,
+        }
+    }
+}
+
+/// The process-wide configuration, read on first use.
+pub static CONFIG: Lazy<Config> = Lazy::new(Config::from_env);

@@ -1,0 +1,23 @@
+//! tide: zero-copy FSDP collectives for JAX.
+//!
+//! Layers, innermost first (docs/design.md):
+//! - `layout`, `topology`, `plan`: the pure core. Shard arithmetic and collective plans as data; no
+//!   CUDA, no XLA, no Python.
+//! - `engine::cpu`: runs plans on host memory, ranks as threads; the test oracle and the JAX CPU backend.
+//! - `cuda`: runs plans on GPUs with copy engines and short-lived reduction kernels.
+//! - `ffi`: the thin XLA FFI edge (C++ in `cxxbridge/`, bridged with cxx).
+
+pub mod call;
+pub mod config;
+pub mod cuda;
+pub mod engine;
+pub mod error;
+pub mod ffi;
+pub mod layout;
+pub mod plan;
+pub mod rendezvous;
+pub mod topology;
+
+pub use error::{Result, TideError};
+pub use layout::{DType, GroupLayout, ParamLayout, ParamSpec};
+pub use topology::Topology;

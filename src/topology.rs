@@ -1,0 +1,62 @@
+//! Topology: `nodes x gpus_per_node` ranks, numbered node-major (`rank = node * gpus_per_node + local`).
+//! A node is an NVSwitch / copy-engine domain; ranks on different nodes talk only over the rail (NCCL).
+
+use crate::error::{Result, TideError};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Topology {
+    pub nodes: usize,
+    pub gpus_per_node: usize,
+}
+
+impl Topology {
+    pub fn new(nodes: usize, gpus_per_node: usize) -> Result<Topology> {
+        if nodes == 0 || gpus_per_node == 0 {
+            return Err(TideError::InvalidTopology(format!(
+                "{nodes}x{gpus_per_node}: nodes and gpus_per_node must be at least 1"
+            )));
+        }
+        Ok(Topology { nodes, gpus_per_node })
+    }
+    /// Every rank on one node.
+    pub fn single_node(world: usize) -> Topology {
+        Topology { nodes: 1, gpus_per_node: world.max(1) }
+    }
+    /// Parses "2x4" (nodes x gpus_per_node), as in TIDE_TOPOLOGY.
+    pub fn parse(s: &str) -> Result<Topology> {
+        let bad = || TideError::InvalidTopology(format!("{s:?}: expected NODESxGPUS, e.g. 2x4"));
+        let (a, b) = s.trim().split_once(['x', 'X']).ok_or_else(bad)?;
+        let nodes = a.trim().parse().map_err(|_| bad())?;
+        let gpus = b.trim().parse().map_err(|_| bad())?;
+        Topology::new(nodes, gpus)
+    }
+    pub fn world(&self) -> usize {
+        self.nodes * self.gpus_per_node
+    }
+    pub fn node_of(&self, rank: usize) -> usize {
+        rank / self.gpus_per_node
+    }
+    pub fn local_of(&self, rank: usize) -> usize {
+        rank % self.gpus_per_node
+    }
+    pub fn rank(&self, node: usize, local: usize) -> usize {
+        node * self.gpus_per_node + local
+    }
+    pub fn check_world(&self, world: usize) -> Result<()> {
+        if self.world() != world {
+            return Err(TideError::InvalidTopology(format!(
+                "{}x{} has {} ranks but the group has world size {world}",
+                self.nodes,
+                self.gpus_per_node,
+                self.world()
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for Topology {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}x{}", self.nodes, self.gpus_per_node)
+    }
+}
