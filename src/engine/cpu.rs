@@ -1,0 +1,1 @@
+//! CPU engine (stub; filled in by the core work).

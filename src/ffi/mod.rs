@@ -1,0 +1,1 @@
+//! XLA FFI edge (stub; filled in by the FFI work).
