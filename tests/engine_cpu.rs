@@ -92,7 +92,7 @@ fn barrier_failure_is_an_error_not_a_hang() {
     }
     let layout = GroupLayout::new(&[ParamSpec::new("w", &[2], DType::F32)], 1).unwrap();
     let plan = plan::all_gather(&layout, Topology::single_node(1)).unwrap();
-    let input = vec![0u8; 8];
+    let input = [0u8; 8];
     let mut out = vec![0u8; 8];
     let bufs = vec![RankBuffers { inputs: vec![input.as_ptr() as usize], outputs: vec![out.as_mut_ptr() as usize], stages: vec![] }];
     // SAFETY: as above.

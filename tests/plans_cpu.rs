@@ -321,3 +321,97 @@ fn plans_print() {
     assert_eq!(text.lines().filter(|l| l.trim_start().starts_with("phase ") && l.contains("rank ")).count(), plan.stats().steps);
     assert!(text.contains("reduce r0.out[0]+0"), "{text}");
 }
+
+/// The documented summation order, in fp32: for destination rank q = (m, l), node partials in node
+/// order m, m+1, ... (mod N), each summed over local ranks 0..G-1. One node: rank order.
+fn expected_rs_fp32(layout: &GroupLayout, topology: Topology, inputs: &[Vec<Vec<u8>>]) -> Vec<Vec<Vec<u32>>> {
+    let (nodes, gpus) = (topology.nodes, topology.gpus_per_node);
+    let mut out = Vec::new();
+    for q in 0..layout.world {
+        let m = topology.node_of(q);
+        let mut per_param = Vec::new();
+        for p in &layout.params {
+            let (start, _) = p.owned_rows(q);
+            let mut bits = vec![0u32; p.shard_rows * p.row_elems];
+            for (e, b) in bits.iter_mut().enumerate().take(p.valid_rows(q) * p.row_elems) {
+                let idx = start * p.row_elems + e;
+                let node_sum = |n: usize| {
+                    let mut acc = 0f32;
+                    for l in 0..gpus {
+                        let x = reference::element_f64(&inputs[topology.rank(n, l)][p.index], p.dtype, idx).unwrap() as f32;
+                        acc = if l == 0 { x } else { acc + x };
+                    }
+                    acc
+                };
+                let mut acc = node_sum(m);
+                for r in 1..nodes {
+                    acc += node_sum((m + r) % nodes);
+                }
+                *b = acc.to_bits();
+            }
+            per_param.push(bits);
+        }
+        out.push(per_param);
+    }
+    out
+}
+
+#[test]
+fn reduce_scatter_sums_in_the_documented_order() {
+    for (n, g) in [(1, 1), (1, 5), (1, 8), (2, 1), (2, 4), (3, 5), (4, 4)] {
+        let topology = Topology::new(n, g).unwrap();
+        let layout = GroupLayout::new(&rs_group(), topology.world()).unwrap();
+        let mut rng = Rng(77 + n as u64 * 10 + g as u64);
+        let inputs: Vec<Vec<Vec<u8>>> = (0..topology.world())
+            .map(|_| layout.params.iter().map(|p| rng.values(p.dtype, p.rows * p.row_elems)).collect())
+            .collect();
+        let want = expected_rs_fp32(&layout, topology, &inputs);
+        // Chunking never changes the per-element order, so every option gives the same bits.
+        for opts in rs_opts(g) {
+            let plan = plan::reduce_scatter(&layout, topology, opts).unwrap();
+            let got = run_threads(&plan, &inputs).unwrap();
+            for (q, outs) in got.iter().enumerate() {
+                for (i, out) in outs.iter().enumerate() {
+                    let bits: Vec<u32> = out.chunks(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+                    assert!(bits == want[q][i], "{topology} {opts:?}: rank {q} {}", layout.params[i].describe());
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn latin_square_placement() {
+    // 4x4: over the rounds, each destination's remote contributors land on distinct GPUs of its node,
+    // and in every round each GPU receives exactly one partial over its own rail.
+    let topology = Topology::new(4, 4).unwrap();
+    let layout = GroupLayout::new(&[ParamSpec::new("w", &[64, 3], DType::BF16)], 16).unwrap();
+    let plan = plan::reduce_scatter(&layout, topology, RsOptions { stage_slots: 2, slot_bytes: 1 << 12 }).unwrap();
+    let mut holders: Vec<Vec<usize>> = vec![Vec::new(); 16];
+    for phase in &plan.phases {
+        let mut rail_receivers = Vec::new();
+        for s in &phase.steps {
+            match &s.action {
+                Action::Copy { src, dst, .. } if topology.node_of(src.rank) != topology.node_of(dst.rank) => {
+                    assert_eq!(topology.local_of(src.rank), topology.local_of(dst.rank), "rail copy off its rail");
+                    rail_receivers.push(dst.rank);
+                }
+                Action::Reduce { dst, srcs, .. } if dst.kind == BufKind::Output && srcs.len() == 2 && srcs[0].region == *dst => {
+                    holders[dst.rank].push(srcs[1].region.rank);
+                }
+                _ => {}
+            }
+        }
+        if !rail_receivers.is_empty() {
+            rail_receivers.sort();
+            assert_eq!(rail_receivers, (0..16).collect::<Vec<_>>());
+        }
+    }
+    for (q, h) in holders.iter().enumerate() {
+        let mut gpus: Vec<usize> = h.iter().map(|&r| topology.local_of(r)).collect();
+        assert!(h.iter().all(|&r| topology.node_of(r) == topology.node_of(q)));
+        gpus.sort();
+        gpus.dedup();
+        assert_eq!(gpus.len(), 3, "rank {q}: contributors on GPUs {h:?}");
+    }
+}

@@ -289,6 +289,8 @@ impl Level1<'_> {
     }
 }
 
+// Ranks are indices into several per-rank tables at once; index loops read clearest here.
+#[allow(clippy::needless_range_loop)]
 pub fn reduce_scatter(layout: &GroupLayout, topology: Topology, opts: RsOptions) -> Result<Plan> {
     check_topology(layout, topology, "reduce_scatter plan")?;
     for p in &layout.params {
