@@ -231,21 +231,27 @@ impl Plan {
             }
             for ((rank, kind, index), mut list) in touched {
                 list.sort_by_key(|t| t.0);
-                // Sweep: active intervals (end, executor, write) overlapping the current start.
-                let mut active: Vec<(usize, usize, bool)> = Vec::new();
+                // Sweep in start order; per executor, how far its reads and its writes seen so far reach.
+                let mut active: Vec<(usize, usize, usize)> = Vec::new(); // (executor, read end, write end)
                 for (start, end, exec, write) in list {
-                    active.retain(|a| a.0 > start);
-                    if let Some(a) = active.iter().find(|a| a.1 != exec && (a.2 || write)) {
+                    active.retain(|a| a.1.max(a.2) > start);
+                    if let Some(a) = active.iter().find(|a| a.0 != exec && (a.2 > start || (write && a.1 > start))) {
+                        let other_writes = a.2 > start;
                         return Err(TideError::Internal(format!(
                             "invalid plan: phase {k} ('{}'): rank {exec} {} {:?}[{index}] of rank {rank} at bytes [{start}, {end}) while rank {} {} it in the same phase",
                             phase.name,
                             if write { "writes" } else { "reads" },
                             kind,
-                            a.1,
-                            if a.2 { "writes" } else { "reads" },
+                            a.0,
+                            if other_writes { "writes" } else { "reads" },
                         )));
                     }
-                    active.push((end, exec, write));
+                    match active.iter_mut().find(|a| a.0 == exec) {
+                        Some(a) if write => a.2 = a.2.max(end),
+                        Some(a) => a.1 = a.1.max(end),
+                        None if write => active.push((exec, 0, end)),
+                        None => active.push((exec, end, 0)),
+                    }
                 }
             }
         }
