@@ -75,6 +75,9 @@ struct State<T> {
     barrier_in: Vec<bool>,
     barrier_count: usize,
     barrier_label: String,
+    /// Ranks that called `leave`.
+    departed: Vec<bool>,
+    departures: usize,
     /// The first failure: the rank it is blamed on and the message peers report.
     failed: Option<(usize, String)>,
 }
@@ -220,6 +223,8 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
                 barrier_in: vec![false; world],
                 barrier_count: 0,
                 barrier_label: String::new(),
+                departed: vec![false; world],
+                departures: 0,
                 failed: None,
             }),
             cv: Condvar::new(),
@@ -301,6 +306,46 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
             }
             st = self.cv.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
         }
+    }
+
+    /// The last wait of every rank that joined, on success and on failure alike: returns once every
+    /// rank has left (or after the timeout), so no rank returns (and lets its buffers go) while a
+    /// peer may still be reading them. Unlike `barrier`, a failure does not cut it short; a failed
+    /// peer still leaves (after `fail`), and a peer that does not leave in time is named. Returns the
+    /// session's failure if there was one, else `Ok` once all left.
+    pub fn leave(&self, rank: usize) -> Result<()> {
+        let mut st = lock(&self.state);
+        if rank >= self.world || st.departed[rank] {
+            return Err(TideError::Internal(format!(
+                "{} {}: rank {rank} left twice or is outside world {}",
+                self.what, self.key, self.world
+            )));
+        }
+        st.departed[rank] = true;
+        st.departures += 1;
+        if st.departures == self.world {
+            self.cv.notify_all();
+        }
+        let deadline = Instant::now() + self.timeout;
+        while st.departures < self.world {
+            let now = Instant::now();
+            if now >= deadline {
+                let absent = missing(&st.departed);
+                let msg = self.timeout_message(&absent, "exit");
+                self.poison(&mut st, absent[0], msg.clone());
+                return Err(TideError::Rendezvous(msg));
+            }
+            st = self.cv.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        }
+        match self.failure(&st) {
+            Some(err) => Err(err),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether every rank has called `leave` (false after a `leave` that timed out).
+    pub fn all_left(&self) -> bool {
+        lock(&self.state).departures == self.world
     }
 
     /// Marks this session failed by `rank` with `err`, so peers waiting in it fail fast with it.
