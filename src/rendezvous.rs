@@ -108,6 +108,12 @@ fn describe_ranks(ranks: &[usize]) -> String {
 impl<T: Clone + Send + Sync + 'static> Session<T> {
     /// Publishes `value` for `rank` and waits (at most `timeout`) until all `world` ranks have.
     /// `what` names the call in errors ("tide all_gather site 3").
+    ///
+    /// Protocol: once `join` returns `Ok`, peers hold this rank's value (buffer addresses) and may
+    /// use it, so the caller must end with `leave`, on every path. The session may already be
+    /// failed (a peer failed right after joining): `check` says so, and every `barrier` fails.
+    /// `join` returns `Err` only when the meeting never completed (a rank abandoned it or did not
+    /// arrive in time); then nobody received anybody's value and there is nothing to leave.
     pub fn join(
         what: &str,
         key: Key,
@@ -120,11 +126,13 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
         let deadline = Instant::now() + timeout;
         let mut st = lock(&session.state);
         loop {
+            // Complete (every rank published): peers may use our value from now on, so we return
+            // the session even if it already failed; the caller must `leave` it.
+            if session.values.get().is_some() {
+                return Ok(session.clone());
+            }
             if let Some(err) = session.failure(&st) {
                 return Err(err);
-            }
-            if st.arrivals == world {
-                return Ok(session.clone());
             }
             let now = Instant::now();
             if now >= deadline {
@@ -198,8 +206,10 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
         }
         if st.arrivals == world {
             reg.remove(&reg_key);
-            if st.failed.is_none() {
-                let all: Vec<T> = st.values.iter_mut().map(|v| v.take().expect("every rank published")).collect();
+            // Publish only if nobody failed before the meeting completed: a rank that timed out
+            // has returned already, and its buffers must not be handed to anybody.
+            if st.failed.is_none() && st.values.iter().all(Option::is_some) {
+                let all: Vec<T> = st.values.iter_mut().filter_map(Option::take).collect();
                 let _ = session.values.set(all);
             }
             session.cv.notify_all();
@@ -229,6 +239,14 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
             }),
             cv: Condvar::new(),
             values: OnceCell::new(),
+        }
+    }
+
+    /// The session's failure, if a rank failed it (or timed out in it).
+    pub fn check(&self) -> Result<()> {
+        match self.failure(&lock(&self.state)) {
+            Some(err) => Err(err),
+            None => Ok(()),
         }
     }
 

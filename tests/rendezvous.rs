@@ -314,3 +314,54 @@ fn completed_sessions_leave_the_registry() {
     assert!(out.into_iter().all(|ok| ok));
     let _ = live_sessions();
 }
+
+#[test]
+fn leave_waits_for_every_rank_even_after_a_failure() {
+    // Rank 1 fails and is slow to leave; the others must not return before it has left.
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let rank1_left = Arc::new(AtomicBool::new(false));
+    let flag = rank1_left.clone();
+    let out = on_ranks(4, move |rank| {
+        let s = Session::join("test leave", key(119, 0), rank, 4, (), LONG).unwrap();
+        if rank == 1 {
+            s.fail(1, &TideError::Internal("copy failed".into()));
+            thread::sleep(Duration::from_millis(100));
+            flag.store(true, Ordering::SeqCst);
+            let r = s.leave(1);
+            assert!(s.all_left());
+            return (r, true);
+        }
+        // join may return before or after rank 1's failure; either way the barrier fails.
+        let e = s.wait(rank, 0).err().unwrap();
+        assert!(e.to_string().contains("rank 1 failed"), "{e}");
+        assert!(s.check().is_err());
+        let r = s.leave(rank);
+        (r, flag.load(Ordering::SeqCst))
+    });
+    for (r, saw_rank1_leave) in out {
+        assert!(saw_rank1_leave, "a rank returned before rank 1 left");
+        assert!(r.err().unwrap().to_string().contains("rank 1 failed: internal error (a tide bug): copy failed"));
+    }
+}
+
+#[test]
+fn leave_ok_and_timeout_names_who_stayed() {
+    let out = on_ranks(3, |rank| {
+        let s = Session::join("test leave ok", key(120, 0), rank, 3, (), LONG).unwrap();
+        s.leave(rank)
+    });
+    assert!(out.into_iter().all(|r| r.is_ok()));
+    let out = on_ranks(3, |rank| {
+        let s = Session::join("test leave to", key(121, 0), rank, 3, (), Duration::from_millis(150)).unwrap();
+        if rank == 2 {
+            thread::sleep(Duration::from_millis(600));
+            return None;
+        }
+        let r = s.leave(rank);
+        assert!(!s.all_left());
+        Some(r.err().unwrap().to_string())
+    });
+    for m in out.into_iter().flatten() {
+        assert!(m.contains("rank 2 did not arrive at 'exit' within 0.15 s"), "{m}");
+    }
+}

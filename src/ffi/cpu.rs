@@ -98,7 +98,7 @@ pub fn execute(call: &CallInfo) -> Result<()> {
     };
     let session = Session::join(&what, key, rank, world, mine, timeout())?;
 
-    let run = catch_unwind(AssertUnwindSafe(|| {
+    let run = session.check().and_then(|()| catch_unwind(AssertUnwindSafe(|| {
         // SAFETY: every rank published the addresses of XLA's live buffers for this call (checked
         // against the layout by `call.layout()`) and of its own stage slots, which stay alive until
         // every rank has left the session below.
@@ -109,9 +109,9 @@ pub fn execute(call: &CallInfo) -> Result<()> {
             "{what} on rank {rank}: panic in the CPU engine: {}",
             super::panic_message(&*payload)
         )))
-    });
+    }));
     if let Err(err) = &run {
-        session.fail(rank, err);
+        session.fail(rank, err); // no-op if the session had already failed
     }
     let left = session.leave(rank);
     if !session.all_left() {

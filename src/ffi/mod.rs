@@ -53,6 +53,7 @@ mod bridge {
     }
 
     /// How a call ended; the C++ maps it onto `xla::ffi::ErrorCode`.
+    #[derive(Debug)]
     #[repr(i32)]
     enum StatusCode {
         Ok = 0,
@@ -60,6 +61,7 @@ mod bridge {
         Internal = 2,
     }
 
+    #[derive(Debug)]
     struct FfiStatus {
         code: StatusCode,
         message: String,
@@ -143,6 +145,11 @@ fn tide_all_gather_cuda(call: &FfiCall) -> FfiStatus {
 }
 fn tide_reduce_scatter_cuda(call: &FfiCall) -> FfiStatus {
     entry(Op::ReduceScatter, Platform::Cuda, call)
+}
+
+/// What the CPU handlers run, callable without XLA (tests): `decode`, `cpu::execute`, `status`.
+pub fn run_cpu(op: Op, call: &FfiCall) -> FfiStatus {
+    entry(op, Platform::Cpu, call)
 }
 
 pub(crate) fn op_name(op: Op) -> &'static str {
