@@ -24,9 +24,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-// Until the core work lands, the plan builders and the CPU engine come from `interim`, which has
-// their API; after the merge these become `crate::plan::{...}` and `crate::engine::cpu::{...}`.
-use super::interim::{all_gather as plan_all_gather, execute_rank, reduce_scatter as plan_reduce_scatter, StageBuffers};
+use crate::engine::cpu::{execute_rank, StageBuffers};
+use crate::plan::{all_gather as plan_all_gather, reduce_scatter as plan_reduce_scatter};
 
 /// What a plan was built from; a cached plan is reused only when all of it is equal.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -14,7 +14,6 @@
 //! stay internal to the library.
 
 pub mod cpu;
-mod interim;
 
 use crate::call::{BufferView, CallInfo};
 use crate::error::{Result, TideError};
