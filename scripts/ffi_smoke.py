@@ -13,6 +13,7 @@ import sys
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TIDE_TIMEOUT_S", "20")
+os.environ.setdefault("TIDE_RS_SLOT_BYTES", "4096")  # tiny stage slots: many pipeline rounds
 
 import ctypes
 import itertools
@@ -31,7 +32,7 @@ jax.ffi.register_ffi_target("tide_reduce_scatter", jax.ffi.pycapsule(lib.tide_ff
 _sites = itertools.count(1)
 
 
-def attrs(mesh, axis, names, site=None, ordinal_offset=0):
+def attrs(mesh, axis, names, site=None, ordinal_offset=0, topo=None):
     """The attributes of one call: every scalar np.int64, every array np.int64 1-D, names a str."""
     world = mesh.shape[axis]
     ax = mesh.axis_names.index(axis)
@@ -47,8 +48,8 @@ def attrs(mesh, axis, names, site=None, ordinal_offset=0):
     return dict(
         site=np.int64(next(_sites) if site is None else site),
         world=np.int64(world),
-        nodes=np.int64(1),
-        gpus_per_node=np.int64(world),
+        nodes=np.int64(topo[0] if topo else 1),
+        gpus_per_node=np.int64(topo[1] if topo else world),
         device_ordinals=np.array(ordinals, np.int64),
         device_ranks=np.array(ranks, np.int64),
         device_groups=np.array(groups, np.int64),
@@ -85,9 +86,9 @@ def tide_all_gather(mesh, axis, full_shapes, dtypes, names, **kw):
                                  out_specs=(P(axis),) * len(full_shapes), check_vma=False))
 
 
-def check_all_gather(mesh, axis, params, names):
+def check_all_gather(mesh, axis, params, names, topo=None):
     world = mesh.shape[axis]
-    f = tide_all_gather(mesh, axis, [p.shape for p in params], [p.dtype for p in params], names)
+    f = tide_all_gather(mesh, axis, [p.shape for p in params], [p.dtype for p in params], names, topo=topo)
     shards = [jnp.asarray(shard_global(p, world)) for p in params]
     outs = f(*shards)
 
@@ -109,13 +110,13 @@ def check_all_gather(mesh, axis, params, names):
     return outs
 
 
-def check_reduce_scatter(mesh, axis, shapes, dtype):
+def check_reduce_scatter(mesh, axis, shapes, dtype, topo=None):
     world = mesh.shape[axis]
     rng = np.random.default_rng(0)
     # Each rank's full gradient: global (world * rows, *rest) sharded on the axis.
     grads = [rng.standard_normal((world,) + (s if s else (1,))).astype(np.float32) for s in shapes]
     grads = [jnp.asarray(g, dtype) for g in grads]
-    a = attrs(mesh, axis, [f"g{i}" for i in range(len(shapes))])
+    a = attrs(mesh, axis, [f"g{i}" for i in range(len(shapes))], topo=topo)
     out_types = [jax.ShapeDtypeStruct((shard_rows(s, world),) + tuple(s[1:]), jnp.float32) for s in shapes]
 
     def body(*gs):
@@ -172,7 +173,13 @@ def main():
     # 3. Reduce-scatter, bf16 and f32 gradients into fp32 shards, bitwise stable on repeat.
     check_reduce_scatter(mesh, "x", [(7, 5), (16,), (3, 4, 2)], jnp.bfloat16)
     check_reduce_scatter(mesh, "x", [(33, 2), ()], jnp.float32)
-    print("ok: reduce_scatter bf16/f32 -> fp32 within rounding of the fp64 sum, bitwise stable")
+    check_reduce_scatter(mesh, "x", [(300, 40), (5,)], jnp.float16)
+    print("ok: reduce_scatter bf16/f16/f32 -> fp32 within rounding of the fp64 sum, bitwise stable")
+
+    # 3b. Hierarchical plans: the same 8 CPU devices as 2 nodes x 4.
+    check_all_gather(mesh, "x", params, ["w7x5", "b16", "t3x4x2", "scalar", "ints"], topo=(2, 4))
+    check_reduce_scatter(mesh, "x", [(7, 5), (300, 40), ()], jnp.bfloat16, topo=(2, 4))
+    print("ok: all_gather and reduce_scatter with topology 2x4")
 
     # 4. 200 calls in a lax.scan (one site, seq counting): bitwise stable.
     x = rng.standard_normal((13, 4)).astype(np.float32)
