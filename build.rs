@@ -115,7 +115,8 @@ fn find_headers() -> Result<PathBuf, String> {
     if !out.status.success() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         let last = stderr.lines().last().unwrap_or("").trim().to_string();
-        return Err(format!("{python} cannot import jaxlib ({last})"));
+        let why = if last.is_empty() { out.status.to_string() } else { last };
+        return Err(format!("{python} cannot import jaxlib ({why})"));
     }
     let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
     if has_ffi(&dir) {
