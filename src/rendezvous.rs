@@ -9,6 +9,15 @@
 //! marked failed, so a very late arrival fails at once with the recorded error instead of waiting;
 //! later calls use a fresh `seq` and hence a fresh key, so a failed key never breaks them.
 //!
+//! Keys: `(site, group, seq)`. The FFI edge takes `seq` from `run_seq` (XLA's RunId plus a count
+//! of this rank's calls of the site in that run), so ranks re-synchronize at every run even after
+//! one of them skipped a call; `next_seq` (a plain per-rank count) remains for callers without a
+//! run id.
+//!
+//! Protocol for callers: `join` -> work, with `barrier`s between phases -> `leave`, where `leave`
+//! is reached on every path once `join` returned `Ok` (see `join`). A rank that fails before it
+//! can join calls `abandon`.
+//!
 //! Every wait is bounded by the session's timeout; a rank that fails (`fail`, `abandon`, or a
 //! timeout seen by any rank) poisons the session and every waiter returns that error at once.
 //! Errors name the call (`what`), the key, the label and which ranks were missing.
@@ -32,7 +41,11 @@ pub struct Key {
 
 impl fmt::Display for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "group {} seq {}", self.group, self.seq)
+        // Keys from `run_seq` carry XLA's run id in the high half.
+        match self.seq >> 32 {
+            0 => write!(f, "group {} seq {}", self.group, self.seq),
+            run => write!(f, "group {} run {:#x} call {}", self.group, run, self.seq & 0xffff_ffff),
+        }
     }
 }
 
@@ -53,6 +66,27 @@ pub fn next_seq(site: i64, group: usize, rank: usize) -> u64 {
     let seq = *n;
     *n += 1;
     seq
+}
+
+/// Per (site, group, rank): the run it last executed `site` in, and how many times it did so.
+static RUN_CALLS: Lazy<Mutex<HashMap<(i64, usize, usize), (i64, u32)>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+
+/// The sequence number of this execution of `site` by `rank` of `group` within XLA's run `run_id`
+/// (the FFI context `RunId`, shared by every device of one launch): `(run_id << 32) | call`, where
+/// `call` counts this rank's executions of `site` in that run (a loop body runs it many times).
+///
+/// Unlike `next_seq`, ranks re-synchronize at every run: if one rank never reached the call in some
+/// run (a device failed earlier in the program), its peers time out in that run only, and the next
+/// run meets again. Assumes a rank executes its runs one after another, as XLA does per device.
+pub fn run_seq(site: i64, group: usize, rank: usize, run_id: i64) -> u64 {
+    let mut calls = lock(&RUN_CALLS);
+    let entry = calls.entry((site, group, rank)).or_insert((run_id, 0));
+    if entry.0 != run_id {
+        *entry = (run_id, 0);
+    }
+    let call = entry.1;
+    entry.1 = entry.1.wrapping_add(1);
+    ((run_id as u64) << 32) | call as u64
 }
 
 /// Sessions by (value type, key). Type-erased so one registry serves every `Session<T>`.

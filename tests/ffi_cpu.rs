@@ -32,6 +32,7 @@ fn call(site: i64, world: usize, ordinal: i64, inputs: Vec<FfiBuffer>, outputs: 
         inputs,
         outputs,
         stream: 0,
+        run_id: 0,
     }
 }
 

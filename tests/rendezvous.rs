@@ -365,3 +365,18 @@ fn leave_ok_and_timeout_names_who_stayed() {
         assert!(m.contains("rank 2 did not arrive at 'exit' within 0.15 s"), "{m}");
     }
 }
+
+#[test]
+fn run_seq_counts_within_a_run_and_resyncs_across_runs() {
+    use tide::rendezvous::run_seq;
+    let run_a = 0x1234_i64;
+    assert_eq!(run_seq(122, 0, 0, run_a), 0x1234 << 32);
+    assert_eq!(run_seq(122, 0, 0, run_a), (0x1234 << 32) | 1);
+    assert_eq!(run_seq(122, 0, 1, run_a), 0x1234 << 32);
+    // Rank 1 never ran its second call of run A (it failed earlier); in run B both start at 0.
+    let run_b = -5_i64;
+    assert_eq!(run_seq(122, 0, 0, run_b), run_seq(122, 0, 1, run_b));
+    let k = Key { site: 122, group: 3, seq: run_seq(122, 3, 0, 0x10) };
+    assert_eq!(k.to_string(), "group 3 run 0x10 call 0");
+    assert_eq!(key(1, 7).to_string(), "group 0 seq 7");
+}

@@ -1,7 +1,7 @@
 //! The CPU platform's execution of one call (docs/design.md "Rendezvous"): every device of the
 //! mesh is a rank on its own XLA host thread. Each rank
-//! 1. takes its sequence number for the call site (first, so a rank that fails later keeps its
-//!    count in step with its peers),
+//! 1. takes its sequence number for the call site within XLA's run (`rendezvous::run_seq`; first,
+//!    so a rank that fails later keeps its count in step with its peers),
 //! 2. validates the call and gets the plan (cached per call site),
 //! 3. allocates its stage slots and joins the rendezvous `(site, group, seq)` publishing its buffer
 //!    addresses (or, if 2 failed, abandons it so peers fail at once with its error),
@@ -16,7 +16,7 @@ use crate::engine::RankBuffers;
 use crate::error::{Result, TideError};
 use crate::layout::GroupLayout;
 use crate::plan::{Op, Plan, RsOptions};
-use crate::rendezvous::{next_seq, Key, Session};
+use crate::rendezvous::{run_seq, Key, Session};
 use crate::topology::Topology;
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
@@ -68,11 +68,12 @@ fn timeout() -> Duration {
     Duration::from_secs_f64(CONFIG.timeout_s.max(0.001))
 }
 
-/// Runs `call` as one rank of a CPU collective. Returns once every rank of the call is done with
-/// this rank's buffers.
-pub fn execute(call: &CallInfo) -> Result<()> {
+/// Runs `call` as one rank of a CPU collective in XLA's run `run_id`. Returns once every rank of
+/// the call is done with this rank's buffers.
+pub fn execute(call: &CallInfo, run_id: i64) -> Result<()> {
+    let seq = run_seq(call.site, call.group, call.rank, run_id);
     let what = format!("{} site {}", op_name(call.op), call.site);
-    let key = Key { site: call.site, group: call.group, seq: next_seq(call.site, call.group, call.rank) };
+    let key = Key { site: call.site, group: call.group, seq };
     let (rank, world) = (call.rank, call.world);
 
     let prepared = (|| -> Result<(Arc<Plan>, StageBuffers)> {

@@ -49,6 +49,9 @@ mod bridge {
         outputs: Vec<FfiBuffer>,
         /// XLA's stream (CUstream) on CUDA, 0 on CPU.
         stream: usize,
+        /// XLA's RunId of this execution (FFI context `RunId`): the same on every device of one
+        /// launch; keys the rendezvous (`rendezvous::run_seq`).
+        run_id: i64,
     }
 
     /// How a call ended; the C++ maps it onto `xla::ffi::ErrorCode`.
@@ -163,7 +166,7 @@ fn entry(op: Op, platform: Platform, call: &FfiCall) -> FfiStatus {
     let result = catch_unwind(AssertUnwindSafe(|| {
         let info = decode(op, call)?;
         match platform {
-            Platform::Cpu => cpu::execute(&info),
+            Platform::Cpu => cpu::execute(&info, call.run_id),
             Platform::Cuda => {
                 info.layout()?;
                 crate::cuda::execute(&info)
