@@ -8,6 +8,7 @@
 //! Where the headers come from, first match wins:
 //! 1. `TIDE_XLA_FFI_INCLUDE`: a directory holding `xla/ffi/api/ffi.h`;
 //! 2. `<jaxlib>/include` of the Python in `PYO3_PYTHON`, `PYTHON_SYS_EXECUTABLE`, or `python3`.
+//!
 //! Headers newer than API 0.3 fail the build unless `TIDE_ALLOW_NEWER_XLA_HEADERS=1`.
 
 use std::env;

@@ -55,7 +55,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-static SEQS: Lazy<Mutex<HashMap<(i64, usize, usize), u64>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+/// (site, group, rank): what the per-rank counters are keyed by.
+type RankKey = (i64, usize, usize);
+
+static SEQS: Lazy<Mutex<HashMap<RankKey, u64>>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
 /// The n-th execution (from 0) of `site` by `rank` of `group`: every rank counts its own, so the
 /// counts agree across ranks of an SPMD program. Call it once per execution, before anything that
@@ -69,7 +72,7 @@ pub fn next_seq(site: i64, group: usize, rank: usize) -> u64 {
 }
 
 /// Per (site, group, rank): the run it last executed `site` in, and how many times it did so.
-static RUN_CALLS: Lazy<Mutex<HashMap<(i64, usize, usize), (i64, u32)>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+static RUN_CALLS: Lazy<Mutex<HashMap<RankKey, (i64, u32)>>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
 /// The sequence number of this execution of `site` by `rank` of `group` within XLA's run `run_id`
 /// (the FFI context `RunId`, shared by every device of one launch): `(run_id << 32) | call`, where

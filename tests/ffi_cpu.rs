@@ -52,7 +52,7 @@ fn decode_maps_ordinal_to_rank_and_group() {
 #[test]
 fn decode_errors_name_the_attribute() {
     let base = || call(2, 4, 10, vec![buf(8, F32, &[2])], vec![buf(16, F32, &[8])]);
-    let err = |c: FfiCall| decode(Op::AllGather, &c).err().expect("must fail").to_string();
+    let err = |c: FfiCall| decode(Op::AllGather, &c).expect_err("must fail").to_string();
 
     let mut c = base();
     c.device_ordinal = 3;
@@ -181,7 +181,7 @@ fn one_rank_with_a_bad_shard_fails_everyone_fast() {
     }
     // The next execution of the same site (next seq) works.
     let out = on_ranks(WORLD, |rank| {
-        let shard = vec![rank as f32; 2];
+        let shard = [rank as f32; 2];
         let mut full = vec![0f32; 8];
         let c = call(22, WORLD, 10 + rank as i64, vec![buf(shard.as_ptr() as usize, F32, &[2])],
             vec![buf(full.as_mut_ptr() as usize, F32, &[8])]);

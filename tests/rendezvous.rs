@@ -150,7 +150,7 @@ fn barrier_timeout_names_missing_rank_and_label() {
             // Rank 3 leaves without entering phase 1.
             return None;
         }
-        Some(s.wait(rank, 1).err().expect("barrier must fail"))
+        Some(s.wait(rank, 1).expect_err("barrier must fail"))
     });
     let errs: Vec<_> = out.into_iter().flatten().collect();
     assert_eq!(errs.len(), 3);
@@ -176,7 +176,7 @@ fn fail_propagates_to_waiting_peers_fast() {
     });
     assert!(t0.elapsed() < Duration::from_secs(10), "peers must not wait for the timeout");
     for (rank, r) in out.into_iter().enumerate() {
-        let msg = r.err().expect("every rank fails").to_string();
+        let msg = r.expect_err("every rank fails").to_string();
         if rank != 4 {
             assert!(msg.contains("test fail group 0 seq 0: rank 4 failed: invalid argument: param 2 'w'"), "{msg}");
         }
