@@ -193,3 +193,21 @@ fn one_rank_with_a_bad_shard_fails_everyone_fast() {
         assert_eq!(full, vec![0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]);
     }
 }
+
+#[test]
+fn ranks_that_disagree_on_the_layout_fail_without_touching_memory() {
+    // Each rank's call is valid on its own, but rank 1's parameter has 6 rows, rank 0's 4.
+    let out = on_ranks(2, |rank| {
+        let rows = if rank == 0 { 4 } else { 6 };
+        let shard = vec![1f32; rows / 2];
+        let mut full = vec![0f32; rows];
+        let c = call(23, 2, 10 + rank as i64, vec![buf(shard.as_ptr() as usize, F32, &[(rows / 2) as i64])],
+            vec![buf(full.as_mut_ptr() as usize, F32, &[rows as i64])]);
+        (run_cpu(Op::AllGather, &c), full)
+    });
+    for (s, full) in out {
+        assert_eq!(s.code, StatusCode::InvalidArgument, "{}", s.message);
+        assert!(s.message.contains("ranks [1] built a different plan than rank 0"), "{}", s.message);
+        assert!(full.iter().all(|&x| x == 0.0), "nothing may be written");
+    }
+}

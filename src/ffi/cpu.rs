@@ -68,6 +68,38 @@ fn timeout() -> Duration {
     Duration::from_secs_f64(CONFIG.timeout_s.max(0.001))
 }
 
+/// What every rank publishes: its buffers, and a fingerprint of the plan it built.
+type Published = (RankBuffers, u64);
+
+/// A fingerprint of what a plan was built from (op, topology, shapes, dtypes): ranks that meet at
+/// one key must agree on it, else their buffer addresses do not describe the same regions.
+fn fingerprint(plan: &Plan) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    plan.op.hash(&mut h);
+    plan.topology.hash(&mut h);
+    plan.layout.world.hash(&mut h);
+    for p in &plan.layout.params {
+        p.shape.hash(&mut h);
+        p.dtype.hash(&mut h);
+    }
+    plan.stage_slot_bytes.hash(&mut h);
+    h.finish()
+}
+
+/// Everyone's buffers, once it is clear that every rank built the same plan.
+fn same_plan(what: &str, key: Key, published: &[Published]) -> Result<Vec<RankBuffers>> {
+    let first = published[0].1;
+    let differ: Vec<usize> = published.iter().enumerate().filter(|(_, p)| p.1 != first).map(|(r, _)| r).collect();
+    if !differ.is_empty() {
+        return crate::invalid!(
+            "{what} {key}: ranks {differ:?} built a different plan than rank 0 (different shapes, dtypes or \
+             topology at one call site: is a site id shared by two calls?)"
+        );
+    }
+    Ok(published.iter().map(|p| p.0.clone()).collect())
+}
+
 /// Runs `call` as one rank of a CPU collective in XLA's run `run_id`. Returns once every rank of
 /// the call is done with this rank's buffers.
 pub fn execute(call: &CallInfo, run_id: i64) -> Result<()> {
@@ -76,17 +108,24 @@ pub fn execute(call: &CallInfo, run_id: i64) -> Result<()> {
     let key = Key { site: call.site, group: call.group, seq };
     let (rank, world) = (call.rank, call.world);
 
-    let prepared = (|| -> Result<(Arc<Plan>, StageBuffers)> {
+    // Under catch_unwind too, so that even a panic here abandons the key and peers fail fast.
+    let prepared = catch_unwind(AssertUnwindSafe(|| -> Result<(Arc<Plan>, StageBuffers)> {
         let layout = call.layout()?;
         let inputs = PlanInputs { op: call.op, topology: call.topology, layout, rs: rs_options() };
         let plan = plan_for(call.site, inputs)?;
         let stages = StageBuffers::new(&plan);
         Ok((plan, stages))
-    })();
+    }))
+    .unwrap_or_else(|payload| {
+        Err(TideError::Internal(format!(
+            "{what} on rank {rank}: panic while preparing the call: {}",
+            super::panic_message(&*payload)
+        )))
+    });
     let (plan, stages) = match prepared {
         Ok(p) => p,
         Err(err) => {
-            Session::<RankBuffers>::abandon(&what, key, rank, world, &err, timeout());
+            Session::<Published>::abandon(&what, key, rank, world, &err, timeout());
             return Err(err);
         }
     };
@@ -96,20 +135,23 @@ pub fn execute(call: &CallInfo, run_id: i64) -> Result<()> {
         outputs: call.outputs.iter().map(|b| b.ptr).collect(),
         stages: stages.addrs(),
     };
-    let session = Session::join(&what, key, rank, world, mine, timeout())?;
+    let session = Session::join(&what, key, rank, world, (mine, fingerprint(&plan)), timeout())?;
 
-    let run = session.check().and_then(|()| catch_unwind(AssertUnwindSafe(|| {
-        // SAFETY: every rank published the addresses of XLA's live buffers for this call (checked
-        // against the layout by `call.layout()`) and of its own stage slots, which stay alive until
-        // every rank has left the session below.
-        unsafe { execute_rank(&plan, rank, session.values(), &*session) }
-    }))
+    // same_plan first: every rank reaches the same verdict from the same values.
+    let run = same_plan(&what, key, session.values()).and_then(|bufs| session.check().map(|()| bufs)).and_then(|bufs| {
+        catch_unwind(AssertUnwindSafe(|| {
+            // SAFETY: every rank published the addresses of XLA's live buffers for this call
+            // (checked against the layout by `call.layout()`, and all ranks built the same plan)
+            // and of its own stage slots, which stay alive until every rank has left the session.
+            unsafe { execute_rank(&plan, rank, &bufs, &*session) }
+        }))
     .unwrap_or_else(|payload| {
         Err(TideError::Internal(format!(
             "{what} on rank {rank}: panic in the CPU engine: {}",
             super::panic_message(&*payload)
         )))
-    }));
+        })
+    });
     if let Err(err) = &run {
         session.fail(rank, err); // no-op if the session had already failed
     }
