@@ -44,7 +44,13 @@ impl fmt::Display for Key {
         // Keys from `run_seq` carry XLA's run id in the high half.
         match self.seq >> 32 {
             0 => write!(f, "group {} seq {}", self.group, self.seq),
-            run => write!(f, "group {} run {:#x} call {}", self.group, run, self.seq & 0xffff_ffff),
+            run => write!(
+                f,
+                "group {} run {:#x} call {}",
+                self.group,
+                run,
+                self.seq & 0xffff_ffff
+            ),
         }
     }
 }
@@ -72,7 +78,8 @@ pub fn next_seq(site: i64, group: usize, rank: usize) -> u64 {
 }
 
 /// Per (site, group, rank): the run it last executed `site` in, and how many times it did so.
-static RUN_CALLS: Lazy<Mutex<HashMap<RankKey, (i64, u32)>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+static RUN_CALLS: Lazy<Mutex<HashMap<RankKey, (i64, u32)>>> =
+    Lazy::new(|| Mutex::new(HashMap::new()));
 
 /// The sequence number of this execution of `site` by `rank` of `group` within XLA's run `run_id`
 /// (the FFI context `RunId`, shared by every device of one launch): `(run_id << 32) | call`, where
@@ -132,7 +139,12 @@ pub struct Session<T> {
 }
 
 fn missing(flags: &[bool]) -> Vec<usize> {
-    flags.iter().enumerate().filter(|(_, &f)| !f).map(|(r, _)| r).collect()
+    flags
+        .iter()
+        .enumerate()
+        .filter(|(_, &f)| !f)
+        .map(|(r, _)| r)
+        .collect()
 }
 
 fn describe_ranks(ranks: &[usize]) -> String {
@@ -178,14 +190,25 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
                 session.poison(&mut st, absent[0], msg.clone());
                 return Err(TideError::Rendezvous(msg));
             }
-            st = session.cv.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+            st = session
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 
     /// For a rank that failed before it could join `key`: counts it as arrived and poisons the
     /// session with `err`, so peers waiting in (or later joining) it fail at once with that error
     /// instead of timing out. Returns without waiting.
-    pub fn abandon(what: &str, key: Key, rank: usize, world: usize, err: &TideError, timeout: Duration) {
+    pub fn abandon(
+        what: &str,
+        key: Key,
+        rank: usize,
+        world: usize,
+        err: &TideError,
+        timeout: Duration,
+    ) {
         // An error here (bad rank, a session of another world size) leaves peers to time out,
         // which still names this rank; nothing better can be done.
         let _ = Self::arrive(what, key, rank, world, timeout, None, Some(err));
@@ -210,7 +233,9 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
         let mut reg = lock(&REGISTRY);
         let session: Arc<Session<T>> = match reg.get(&reg_key) {
             Some(any) => any.clone().downcast::<Session<T>>().map_err(|_| {
-                TideError::Internal(format!("{what} {key}: rendezvous registry holds a session of another type"))
+                TideError::Internal(format!(
+                    "{what} {key}: rendezvous registry holds a session of another type"
+                ))
             })?,
             None => {
                 let s = Arc::new(Session::new(what, key, world, timeout));
@@ -239,7 +264,11 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
         st.arrivals += 1;
         st.values[rank] = value;
         if let Some(e) = err {
-            session.poison(&mut st, rank, format!("{what} {key}: rank {rank} failed: {e}"));
+            session.poison(
+                &mut st,
+                rank,
+                format!("{what} {key}: rank {rank} failed: {e}"),
+            );
         }
         if st.arrivals == world {
             reg.remove(&reg_key);
@@ -359,7 +388,11 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
                 self.poison(&mut st, absent[0], msg.clone());
                 return Err(TideError::Rendezvous(msg));
             }
-            st = self.cv.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+            st = self
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 
@@ -390,7 +423,11 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
                 self.poison(&mut st, absent[0], msg.clone());
                 return Err(TideError::Rendezvous(msg));
             }
-            st = self.cv.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+            st = self
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
         match self.failure(&st) {
             Some(err) => Err(err),
@@ -419,7 +456,9 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
     }
 
     fn failure(&self, st: &State<T>) -> Option<TideError> {
-        st.failed.as_ref().map(|(_, msg)| TideError::Rendezvous(msg.clone()))
+        st.failed
+            .as_ref()
+            .map(|(_, msg)| TideError::Rendezvous(msg.clone()))
     }
 
     fn timeout_message(&self, absent: &[usize], label: &str) -> String {

@@ -46,7 +46,10 @@ struct CachedPlan {
 static PLANS: Lazy<Mutex<HashMap<i64, CachedPlan>>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
 fn rs_options() -> RsOptions {
-    RsOptions { stage_slots: CONFIG.rs_stage_slots, slot_bytes: CONFIG.rs_slot_bytes }
+    RsOptions {
+        stage_slots: CONFIG.rs_stage_slots,
+        slot_bytes: CONFIG.rs_slot_bytes,
+    }
 }
 
 fn plan_for(site: i64, inputs: PlanInputs) -> Result<Arc<Plan>> {
@@ -60,7 +63,13 @@ fn plan_for(site: i64, inputs: PlanInputs) -> Result<Arc<Plan>> {
         Op::AllGather => plan_all_gather(&inputs.layout, inputs.topology)?,
         Op::ReduceScatter => plan_reduce_scatter(&inputs.layout, inputs.topology, inputs.rs)?,
     });
-    plans.insert(site, CachedPlan { inputs, plan: plan.clone() });
+    plans.insert(
+        site,
+        CachedPlan {
+            inputs,
+            plan: plan.clone(),
+        },
+    );
     Ok(plan)
 }
 
@@ -90,7 +99,12 @@ fn fingerprint(plan: &Plan) -> u64 {
 /// Everyone's buffers, once it is clear that every rank built the same plan.
 fn same_plan(what: &str, key: Key, published: &[Published]) -> Result<Vec<RankBuffers>> {
     let first = published[0].1;
-    let differ: Vec<usize> = published.iter().enumerate().filter(|(_, p)| p.1 != first).map(|(r, _)| r).collect();
+    let differ: Vec<usize> = published
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.1 != first)
+        .map(|(r, _)| r)
+        .collect();
     if !differ.is_empty() {
         return crate::invalid!(
             "{what} {key}: ranks {differ:?} built a different plan than rank 0 (different shapes, dtypes or \
@@ -105,13 +119,22 @@ fn same_plan(what: &str, key: Key, published: &[Published]) -> Result<Vec<RankBu
 pub fn execute(call: &CallInfo, run_id: i64) -> Result<()> {
     let seq = run_seq(call.site, call.group, call.rank, run_id);
     let what = format!("{} site {}", op_name(call.op), call.site);
-    let key = Key { site: call.site, group: call.group, seq };
+    let key = Key {
+        site: call.site,
+        group: call.group,
+        seq,
+    };
     let (rank, world) = (call.rank, call.world);
 
     // Under catch_unwind too, so that even a panic here abandons the key and peers fail fast.
     let prepared = catch_unwind(AssertUnwindSafe(|| -> Result<(Arc<Plan>, StageBuffers)> {
         let layout = call.layout()?;
-        let inputs = PlanInputs { op: call.op, topology: call.topology, layout, rs: rs_options() };
+        let inputs = PlanInputs {
+            op: call.op,
+            topology: call.topology,
+            layout,
+            rs: rs_options(),
+        };
         let plan = plan_for(call.site, inputs)?;
         let stages = StageBuffers::new(&plan);
         Ok((plan, stages))
@@ -135,23 +158,32 @@ pub fn execute(call: &CallInfo, run_id: i64) -> Result<()> {
         outputs: call.outputs.iter().map(|b| b.ptr).collect(),
         stages: stages.addrs(),
     };
-    let session = Session::join(&what, key, rank, world, (mine, fingerprint(&plan)), timeout())?;
+    let session = Session::join(
+        &what,
+        key,
+        rank,
+        world,
+        (mine, fingerprint(&plan)),
+        timeout(),
+    )?;
 
     // same_plan first: every rank reaches the same verdict from the same values.
-    let run = same_plan(&what, key, session.values()).and_then(|bufs| session.check().map(|()| bufs)).and_then(|bufs| {
-        catch_unwind(AssertUnwindSafe(|| {
-            // SAFETY: every rank published the addresses of XLA's live buffers for this call
-            // (checked against the layout by `call.layout()`, and all ranks built the same plan)
-            // and of its own stage slots, which stay alive until every rank has left the session.
-            unsafe { execute_rank(&plan, rank, &bufs, &*session) }
-        }))
-    .unwrap_or_else(|payload| {
-        Err(TideError::Internal(format!(
-            "{what} on rank {rank}: panic in the CPU engine: {}",
-            super::panic_message(&*payload)
-        )))
-        })
-    });
+    let run = same_plan(&what, key, session.values())
+        .and_then(|bufs| session.check().map(|()| bufs))
+        .and_then(|bufs| {
+            catch_unwind(AssertUnwindSafe(|| {
+                // SAFETY: every rank published the addresses of XLA's live buffers for this call
+                // (checked against the layout by `call.layout()`, and all ranks built the same plan)
+                // and of its own stage slots, which stay alive until every rank has left the session.
+                unsafe { execute_rank(&plan, rank, &bufs, &*session) }
+            }))
+            .unwrap_or_else(|payload| {
+                Err(TideError::Internal(format!(
+                    "{what} on rank {rank}: panic in the CPU engine: {}",
+                    super::panic_message(&*payload)
+                )))
+            })
+        });
     if let Err(err) = &run {
         session.fail(rank, err); // no-op if the session had already failed
     }
