@@ -25,6 +25,9 @@ pub struct CallInfo {
     pub op: Op,
     /// Unique id of the call site (one `ffi_call` in the traced program), the same on every rank.
     pub site: i64,
+    /// XLA's RunId of this launch (the same on every device of one execution); 0 where unknown.
+    /// Rendezvous keys use it so one rank's failure cannot leave later runs out of step.
+    pub run_id: i64,
     /// XLA's device ordinal of the executing device.
     pub device_ordinal: i64,
     /// This device's rank along the sharded mesh axis, and which group (the other mesh axes) it is in.

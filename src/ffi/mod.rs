@@ -166,7 +166,7 @@ fn entry(op: Op, platform: Platform, call: &FfiCall) -> FfiStatus {
     let result = catch_unwind(AssertUnwindSafe(|| {
         let info = decode(op, call)?;
         match platform {
-            Platform::Cpu => cpu::execute(&info, call.run_id),
+            Platform::Cpu => cpu::execute(&info, info.run_id),
             Platform::Cuda => {
                 info.layout()?;
                 crate::cuda::execute(&info)
@@ -307,6 +307,7 @@ pub fn decode(op: Op, call: &FfiCall) -> Result<CallInfo> {
     Ok(CallInfo {
         op,
         site: call.site,
+        run_id: call.run_id,
         device_ordinal: device,
         rank,
         group,
