@@ -175,21 +175,23 @@ unsafe impl Send for StageBuffers {}
 unsafe impl Sync for StageBuffers {}
 
 impl StageBuffers {
-    pub fn new(plan: &Plan) -> StageBuffers {
-        let slots = plan
-            .stage_slot_bytes
-            .iter()
-            .map(|&bytes| {
-                let layout = std::alloc::Layout::from_size_align(bytes.max(1), 64).expect("stage slot layout");
-                // SAFETY: layout has non-zero size.
-                let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-                if ptr.is_null() {
-                    std::alloc::handle_alloc_error(layout);
-                }
-                (ptr, layout)
-            })
-            .collect();
-        StageBuffers { slots }
+    /// Allocates the plan's stage slots; an allocation failure is an error naming the slot, not an abort.
+    pub fn new(plan: &Plan) -> Result<StageBuffers> {
+        let mut out = StageBuffers { slots: Vec::with_capacity(plan.stage_slot_bytes.len()) };
+        for (slot, &bytes) in plan.stage_slot_bytes.iter().enumerate() {
+            let layout = std::alloc::Layout::from_size_align(bytes.max(1), 64).map_err(|_| {
+                TideError::InvalidArgument(format!("stage slot {slot}: {bytes} bytes is not allocatable"))
+            })?;
+            // SAFETY: layout has non-zero size.
+            let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+            if ptr.is_null() {
+                return Err(TideError::Internal(format!(
+                    "out of host memory allocating stage slot {slot} ({bytes} bytes)"
+                )));
+            }
+            out.slots.push((ptr, layout));
+        }
+        Ok(out)
     }
     pub fn addrs(&self) -> Vec<usize> {
         self.slots.iter().map(|&(p, _)| p as usize).collect()
@@ -293,7 +295,7 @@ pub fn run_threads(plan: &Plan, inputs: &[Vec<Vec<u8>>]) -> Result<Vec<Vec<Vec<u
     }
     let mut outputs: Vec<Vec<Vec<u8>>> =
         (0..world).map(|_| (0..n).map(|i| vec![0xa5u8; plan.output_bytes(i)]).collect()).collect();
-    let stages: Vec<StageBuffers> = (0..world).map(|_| StageBuffers::new(plan)).collect();
+    let stages: Vec<StageBuffers> = (0..world).map(|_| StageBuffers::new(plan)).collect::<Result<_>>()?;
     // Zero-byte buffers still need a distinct non-null address; none is ever dereferenced.
     let addr = |p: *const u8| p as usize;
     let bufs: Vec<RankBuffers> = (0..world)

@@ -136,7 +136,7 @@ pub fn execute(call: &CallInfo, run_id: i64) -> Result<()> {
             rs: rs_options(),
         };
         let plan = plan_for(call.site, inputs)?;
-        let stages = StageBuffers::new(&plan);
+        let stages = StageBuffers::new(&plan)?;
         Ok((plan, stages))
     }))
     .unwrap_or_else(|payload| {
