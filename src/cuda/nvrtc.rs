@@ -145,6 +145,11 @@ static COMPILE_LOCK: Mutex<()> = Mutex::new(());
 /// NVRTC's log. Options: `--fmad=false` (the kernels only add; kept so no contraction can change
 /// bits), no fast math (denormals kept, as in the CPU engine).
 pub fn compile(source: &str, name: &str, arch: &str, output: Output) -> Result<Vec<u8>> {
+    compile_with(source, name, arch, output, &[]).map(|(image, _log)| image)
+}
+
+/// `compile` with extra NVRTC options (e.g. `--ptxas-options=-v`); returns the image and the log.
+pub fn compile_with(source: &str, name: &str, arch: &str, output: Output, extra: &[&str]) -> Result<(Vec<u8>, String)> {
     ensure_loaded(crate::config::CONFIG.nvrtc_lib_dir.as_deref())?;
     let _guard = COMPILE_LOCK.lock().unwrap_or_else(|p| p.into_inner());
     let src = CString::new(source)
@@ -152,8 +157,9 @@ pub fn compile(source: &str, name: &str, arch: &str, output: Output) -> Result<V
     let cname = CString::new(name).map_err(|_| TideError::Internal("kernel name contains a NUL byte".into()))?;
     let opts: Vec<CString> = [format!("--gpu-architecture={arch}"), "--fmad=false".to_string(), "--std=c++17".to_string()]
         .into_iter()
-        .map(|o| CString::new(o).expect("option without NUL"))
-        .collect();
+        .chain(extra.iter().map(|e| e.to_string()))
+        .map(|o| CString::new(o).map_err(|_| TideError::Internal("NVRTC option contains a NUL byte".into())))
+        .collect::<Result<_>>()?;
     let opt_ptrs: Vec<*const std::ffi::c_char> = opts.iter().map(|o| o.as_ptr()).collect();
     let mut prog: sys::nvrtcProgram = std::ptr::null_mut();
     // SAFETY: library loaded; src and cname outlive prog (destroyed below); no headers.
@@ -203,7 +209,8 @@ pub fn compile(source: &str, name: &str, arch: &str, output: Output) -> Result<V
     if r != sys::nvrtcResult::NVRTC_SUCCESS {
         return Err(nvrtc_err(what, r, &format!("{name} for {arch}")));
     }
-    Ok(buf)
+    let log = program_log(prog.0).unwrap_or_default();
+    Ok((buf, log))
 }
 
 fn program_log(prog: sys::nvrtcProgram) -> Result<String> {
