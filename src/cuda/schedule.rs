@@ -261,7 +261,10 @@ pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> 
         return Err(TideError::Internal(format!("rank {rank} outside world {world}")));
     }
     let nstreams = 1 + opts.copy_streams.max(1);
-    let mut loads = vec![0usize; nstreams - 1];
+    // Bytes per side stream so far, separately for peer copies (NVLink-bound) and local copies
+    // (HBM-bound, much faster): balancing each on its own gives every stream the same time.
+    let mut loads_peer = vec![0usize; nstreams - 1];
+    let mut loads_local = vec![0usize; nstreams - 1];
     let mut phases = Vec::with_capacity(plan.phases.len());
     let mut next_event = 0usize;
     let mut side_used_any = 0usize;
@@ -315,11 +318,26 @@ pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> 
                 while j < mine.len() && is_ce_copy(mine[j].1) {
                     j += 1;
                 }
-                let sizes: Vec<usize> = mine[i..j]
-                    .iter()
-                    .map(|(_, a)| if let Action::Copy { bytes, .. } = a { *bytes } else { 0 })
-                    .collect();
-                for piece in balance(&sizes, &mut loads, opts.min_piece_bytes, opts.split_align) {
+                // Peer copies and local copies of the segment, balanced separately.
+                let mut pieces = Vec::new();
+                for local in [false, true] {
+                    let members: Vec<usize> = (i..j)
+                        .filter(|&m| match mine[m].1 {
+                            Action::Copy { src, dst, .. } => (src.rank == rank && dst.rank == rank) == local,
+                            _ => false,
+                        })
+                        .collect();
+                    let sizes: Vec<usize> = members
+                        .iter()
+                        .map(|&m| if let Action::Copy { bytes, .. } = mine[m].1 { *bytes } else { 0 })
+                        .collect();
+                    let loads = if local { &mut loads_local } else { &mut loads_peer };
+                    for mut piece in balance(&sizes, loads, opts.min_piece_bytes, opts.split_align) {
+                        piece.item = members[piece.item] - i;
+                        pieces.push(piece);
+                    }
+                }
+                for piece in pieces {
                     let mi = i + piece.item;
                     let (k, a) = mine[mi];
                     if let Action::Copy { src, dst, .. } = a {
@@ -845,18 +863,21 @@ mod tests {
         assert_eq!(waits, 4);
         assert_eq!(s.events, 4);
         assert!(cmds.iter().rev().take(8).all(|c| matches!(c, Cmd::Record { .. } | Cmd::Wait { stream: MAIN, .. })));
-        // Bytes balanced over the streams.
-        let mut per = [0usize; 5];
+        // Peer bytes and local bytes each balanced over the streams.
+        let mut peer = [0usize; 5];
+        let mut local = [0usize; 5];
         for c in cmds {
-            if let Cmd::Copy { stream, bytes, via, .. } = c {
+            if let Cmd::Copy { stream, bytes, via, src, .. } = c {
                 assert_eq!(*via, CopyVia::CopyEngine);
-                per[*stream] += bytes;
+                if src.rank == 1 { local[*stream] += bytes } else { peer[*stream] += bytes }
             }
         }
-        let total: usize = per.iter().sum();
-        assert_eq!(total, 2 * ((8 << 20) + (1 << 20) + 64));
+        let total = (8 << 20) + (1 << 20) + 64;
+        assert_eq!(peer.iter().sum::<usize>(), total);
+        assert_eq!(local.iter().sum::<usize>(), total);
         for st in 1..=4 {
-            assert!(per[st].abs_diff(total / 4) <= 4096, "{per:?}");
+            assert!(peer[st].abs_diff(total / 4) <= 4096, "{peer:?}");
+            assert!(local[st].abs_diff(total / 4) <= 4096, "{local:?}");
         }
         check_plan(&plan, &opts(4, LocalCopy::CopyEngine, 1 << 20), 3);
     }
