@@ -73,7 +73,9 @@ impl Config {
             multicast: env_parse("TIDE_MULTICAST", 0u32) != 0,
             rs_copy_streams: env_parse("TIDE_RS_COPY_STREAMS", 2usize).clamp(1, 16),
             local_copy: env_parse("TIDE_LOCAL_COPY", LocalCopy::CopyEngine),
-            nvrtc_lib_dir: std::env::var("TIDE_NVRTC_LIB_DIR").ok().filter(|s| !s.trim().is_empty()),
+            nvrtc_lib_dir: std::env::var("TIDE_NVRTC_LIB_DIR")
+                .ok()
+                .filter(|s| !s.trim().is_empty()),
         }
     }
 }

@@ -76,18 +76,32 @@ unsafe impl Sync for Dev {}
 
 fn set_ctx(d: &Dev) {
     // SAFETY: retained primary context.
-    check(unsafe { sys::cuCtxSetCurrent(d.ctx) }, "cuCtxSetCurrent", || format!("device {}", d.ordinal)).unwrap();
+    check(
+        unsafe { sys::cuCtxSetCurrent(d.ctx) },
+        "cuCtxSetCurrent",
+        || format!("device {}", d.ordinal),
+    )
+    .unwrap();
 }
 
 fn alloc_upload(d: &Dev, data: &[u8]) -> u64 {
     set_ctx(d);
     let mut p: sys::CUdeviceptr = 0;
     // SAFETY: valid out-pointer; at least 1 byte.
-    check(unsafe { sys::cuMemAlloc_v2(&mut p, data.len().max(1)) }, "cuMemAlloc", String::new).unwrap();
+    check(
+        unsafe { sys::cuMemAlloc_v2(&mut p, data.len().max(1)) },
+        "cuMemAlloc",
+        String::new,
+    )
+    .unwrap();
     if !data.is_empty() {
         // SAFETY: p holds data.len() bytes.
-        check(unsafe { sys::cuMemcpyHtoD_v2(p, data.as_ptr() as *const _, data.len()) }, "cuMemcpyHtoD", String::new)
-            .unwrap();
+        check(
+            unsafe { sys::cuMemcpyHtoD_v2(p, data.as_ptr() as *const _, data.len()) },
+            "cuMemcpyHtoD",
+            String::new,
+        )
+        .unwrap();
     }
     p
 }
@@ -97,7 +111,12 @@ fn download(d: &Dev, p: u64, len: usize) -> Vec<u8> {
     let mut v = vec![0u8; len];
     if len > 0 {
         // SAFETY: p holds len bytes.
-        check(unsafe { sys::cuMemcpyDtoH_v2(v.as_mut_ptr() as *mut _, p, len) }, "cuMemcpyDtoH", String::new).unwrap();
+        check(
+            unsafe { sys::cuMemcpyDtoH_v2(v.as_mut_ptr() as *mut _, p, len) },
+            "cuMemcpyDtoH",
+            String::new,
+        )
+        .unwrap();
     }
     v
 }
@@ -109,7 +128,12 @@ fn gpus() -> Option<Vec<Dev>> {
     }
     let mut count = 0;
     // SAFETY: valid out-pointer, driver initialized.
-    check(unsafe { sys::cuDeviceGetCount(&mut count) }, "cuDeviceGetCount", String::new).unwrap();
+    check(
+        unsafe { sys::cuDeviceGetCount(&mut count) },
+        "cuDeviceGetCount",
+        String::new,
+    )
+    .unwrap();
     if count == 0 {
         say("SKIPPED cuda_engine: no CUDA device");
         return None;
@@ -122,23 +146,40 @@ fn gpus() -> Option<Vec<Dev>> {
         // SAFETY: valid ordinal and out-pointers.
         unsafe {
             check(sys::cuDeviceGet(&mut dev, ord), "cuDeviceGet", String::new).unwrap();
-            check(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain", String::new).unwrap();
+            check(
+                sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+                "cuDevicePrimaryCtxRetain",
+                String::new,
+            )
+            .unwrap();
             check(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent", String::new).unwrap();
-            check(sys::cuStreamCreate(&mut stream, 0), "cuStreamCreate", String::new).unwrap();
+            check(
+                sys::cuStreamCreate(&mut stream, 0),
+                "cuStreamCreate",
+                String::new,
+            )
+            .unwrap();
         }
-        devs.push(Dev { ordinal: ord as i64, ctx, stream });
+        devs.push(Dev {
+            ordinal: ord as i64,
+            ctx,
+            stream,
+        });
     }
     Some(devs)
 }
 
 /// Runs `plan` on devs[0..world] `reps` times back to back (one host thread per device, no host
 /// synchronization between calls), then checks every rank's outputs against the CPU engine.
+#[allow(clippy::needless_range_loop)] // ranks and params index several tables at once
 fn run_and_check(devs: &[Dev], op: Op, site: i64, world: usize, seed: u64, reps: usize) {
     let layout = GroupLayout::new(&specs(), world).unwrap();
     let topo = Topology::single_node(world);
     let plan: Plan = match op {
         Op::AllGather => plan::all_gather(&layout, topo).unwrap(),
-        Op::ReduceScatter => plan::reduce_scatter(&layout, topo, plan::RsOptions::from_config()).unwrap(),
+        Op::ReduceScatter => {
+            plan::reduce_scatter(&layout, topo, plan::RsOptions::from_config()).unwrap()
+        }
     };
     let n = layout.len();
     let inputs: Vec<Vec<Vec<u8>>> = (0..world)
@@ -146,7 +187,11 @@ fn run_and_check(devs: &[Dev], op: Op, site: i64, world: usize, seed: u64, reps:
             (0..n)
                 .map(|i| {
                     let mut b = vec![0u8; plan.input_bytes(i)];
-                    fill(&mut b, layout.params[i].dtype, seed ^ ((r as u64) << 32) ^ (i as u64 * 7919));
+                    fill(
+                        &mut b,
+                        layout.params[i].dtype,
+                        seed ^ ((r as u64) << 32) ^ (i as u64 * 7919),
+                    );
                     b
                 })
                 .collect()
@@ -176,8 +221,16 @@ fn run_and_check(devs: &[Dev], op: Op, site: i64, world: usize, seed: u64, reps:
                 Op::AllGather => (dims_shard(i), dims_full(i), p.dtype),
                 Op::ReduceScatter => (dims_full(i), dims_shard(i), DType::F32),
             };
-            ins.push(BufferView { ptr: ip as usize, dtype: p.dtype, dims: idims });
-            outs.push(BufferView { ptr: op_ as usize, dtype: odt, dims: odims });
+            ins.push(BufferView {
+                ptr: ip as usize,
+                dtype: p.dtype,
+                dims: idims,
+            });
+            outs.push(BufferView {
+                ptr: op_ as usize,
+                dtype: odt,
+                dims: odims,
+            });
         }
         out_ptrs.push(optrs);
         calls.push(CallInfo {
@@ -206,9 +259,11 @@ fn run_and_check(devs: &[Dev], op: Op, site: i64, world: usize, seed: u64, reps:
                 }
                 set_ctx(d);
                 // SAFETY: our stream.
-                check(unsafe { sys::cuStreamSynchronize(d.stream) }, "cuStreamSynchronize", || {
-                    format!("device {} after {op:?}", d.ordinal)
-                })
+                check(
+                    unsafe { sys::cuStreamSynchronize(d.stream) },
+                    "cuStreamSynchronize",
+                    || format!("device {} after {op:?}", d.ordinal),
+                )
                 .unwrap();
             });
         }
@@ -217,7 +272,11 @@ fn run_and_check(devs: &[Dev], op: Op, site: i64, world: usize, seed: u64, reps:
         for i in 0..n {
             let got = download(&devs[r], out_ptrs[r][i], plan.output_bytes(i));
             if got != want[r][i] {
-                let first = got.iter().zip(&want[r][i]).position(|(a, b)| a != b).unwrap_or(0);
+                let first = got
+                    .iter()
+                    .zip(&want[r][i])
+                    .position(|(a, b)| a != b)
+                    .unwrap_or(0);
                 panic!(
                     "{op:?} world {world} rank {r}: {} differs from the CPU engine at byte {first} of {}",
                     layout.params[i].describe(),
@@ -226,7 +285,9 @@ fn run_and_check(devs: &[Dev], op: Op, site: i64, world: usize, seed: u64, reps:
             }
         }
     }
-    say(&format!("cuda_engine: {op:?} world {world} x{reps}: bitwise equal to the CPU engine"));
+    say(&format!(
+        "cuda_engine: {op:?} world {world} x{reps}: bitwise equal to the CPU engine"
+    ));
 }
 
 #[test]
@@ -239,8 +300,19 @@ fn cuda_engine_matches_cpu_engine() {
     let all = devs.len();
     say(&format!("cuda_engine: {all} device(s)"));
     let mut site = 1000;
-    for world in [1, all].into_iter().collect::<std::collections::BTreeSet<_>>() {
-        for (k, op) in [Op::AllGather, Op::ReduceScatter, Op::AllGather, Op::ReduceScatter].into_iter().enumerate() {
+    for world in [1, all]
+        .into_iter()
+        .collect::<std::collections::BTreeSet<_>>()
+    {
+        for (k, op) in [
+            Op::AllGather,
+            Op::ReduceScatter,
+            Op::AllGather,
+            Op::ReduceScatter,
+        ]
+        .into_iter()
+        .enumerate()
+        {
             site += 1;
             run_and_check(&devs, op, site, world, 17 + k as u64, 1);
             site += 1;

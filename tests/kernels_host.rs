@@ -11,7 +11,10 @@ use std::process::Command;
 fn kernels_match_sequential_reference_on_the_host() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("tide_kernels_host");
-    let compilers: Vec<String> = std::env::var("CXX").into_iter().chain(["c++".to_string(), "g++".to_string()]).collect();
+    let compilers: Vec<String> = std::env::var("CXX")
+        .into_iter()
+        .chain(["c++".to_string(), "g++".to_string()])
+        .collect();
     let mut built = None;
     for cxx in &compilers {
         let r = Command::new(cxx)
@@ -26,7 +29,10 @@ fn kernels_match_sequential_reference_on_the_host() {
                 built = Some(cxx.clone());
                 break;
             }
-            Ok(o) => panic!("{cxx} failed to build the kernel harness:\n{}", String::from_utf8_lossy(&o.stderr)),
+            Ok(o) => panic!(
+                "{cxx} failed to build the kernel harness:\n{}",
+                String::from_utf8_lossy(&o.stderr)
+            ),
             Err(_) => continue,
         }
     }
@@ -36,5 +42,8 @@ fn kernels_match_sequential_reference_on_the_host() {
     }
     let o = Command::new(&out).output().expect("run the kernel harness");
     let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success() && stdout.contains("ALL OK"), "kernel harness failed:\n{stdout}");
+    assert!(
+        o.status.success() && stdout.contains("ALL OK"),
+        "kernel harness failed:\n{stdout}"
+    );
 }

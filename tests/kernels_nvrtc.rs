@@ -18,7 +18,10 @@ fn nvrtc_or_skip(test: &str) -> bool {
     match ensure_loaded(dir.as_deref()) {
         Ok(()) => true,
         Err(e) => {
-            if std::env::var("TIDE_REQUIRE_NVRTC").map(|v| v == "1").unwrap_or(false) {
+            if std::env::var("TIDE_REQUIRE_NVRTC")
+                .map(|v| v == "1")
+                .unwrap_or(false)
+            {
                 panic!("{test}: TIDE_REQUIRE_NVRTC=1 but NVRTC is unavailable: {e}");
             }
             say(&format!("SKIPPED {test}: NVRTC not available ({e})"));
@@ -37,23 +40,46 @@ fn every_kernel_compiles_for_sm90() {
     let ptx = compile(SOURCE, SOURCE_NAME, "compute_90", Output::Ptx).unwrap();
     let ptx = String::from_utf8_lossy(&ptx);
     for k in KERNEL_NAMES {
-        assert!(ptx.contains(&format!(".entry {k}(")), "kernel {k} missing from the PTX");
+        assert!(
+            ptx.contains(&format!(".entry {k}(")),
+            "kernel {k} missing from the PTX"
+        );
     }
     // No local memory (register arrays indexed at run time, spills of the source pointers).
-    assert!(!ptx.contains("ld.local") && !ptx.contains("st.local"), "local memory in the PTX");
+    assert!(
+        !ptx.contains("ld.local") && !ptx.contains("st.local"),
+        "local memory in the PTX"
+    );
     // The f16 path uses the PTX conversion, the vector path 16-byte loads.
     assert!(ptx.contains("cvt.f32.f16"));
-    assert!(ptx.contains("ld.global.v4.u32") || ptx.contains("ld.global.v4.b32") || ptx.contains("ld.global.nc.v4"));
-    let (cubin, log) = compile_with(SOURCE, SOURCE_NAME, "sm_90", Output::Cubin, &["--ptxas-options=-v"]).unwrap();
+    assert!(
+        ptx.contains("ld.global.v4.u32")
+            || ptx.contains("ld.global.v4.b32")
+            || ptx.contains("ld.global.nc.v4")
+    );
+    let (cubin, log) = compile_with(
+        SOURCE,
+        SOURCE_NAME,
+        "sm_90",
+        Output::Cubin,
+        &["--ptxas-options=-v"],
+    )
+    .unwrap();
     say(&format!("kernels_nvrtc: ptxas for sm_90:\n{}", log.trim()));
     // __launch_bounds__(512) caps registers at 128; nothing may spill to local memory.
     for line in log.lines().filter(|l| l.contains("spill")) {
-        assert!(line.contains("0 bytes spill stores") && line.contains("0 bytes spill loads"), "spills: {line}");
+        assert!(
+            line.contains("0 bytes spill stores") && line.contains("0 bytes spill loads"),
+            "spills: {line}"
+        );
     }
     assert!(log.contains("Used"), "no ptxas report in the log: {log}");
     assert_eq!(&cubin[..4], b"\x7fELF", "a cubin is an ELF image");
     for k in KERNEL_NAMES {
-        assert!(cubin.windows(k.len()).any(|w| w == k.as_bytes()), "kernel {k} missing from the cubin");
+        assert!(
+            cubin.windows(k.len()).any(|w| w == k.as_bytes()),
+            "kernel {k} missing from the cubin"
+        );
     }
 }
 
@@ -62,8 +88,18 @@ fn a_broken_kernel_reports_the_nvrtc_log() {
     if !nvrtc_or_skip("a_broken_kernel_reports_the_nvrtc_log") {
         return;
     }
-    let e = compile("extern \"C\" __global__ void k() { undefined_thing(); }", "broken.cu", "sm_90", Output::Cubin)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("nvrtcCompileProgram") && e.contains("undefined_thing") && e.contains("broken.cu"), "{e}");
+    let e = compile(
+        "extern \"C\" __global__ void k() { undefined_thing(); }",
+        "broken.cu",
+        "sm_90",
+        Output::Cubin,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("nvrtcCompileProgram")
+            && e.contains("undefined_thing")
+            && e.contains("broken.cu"),
+        "{e}"
+    );
 }

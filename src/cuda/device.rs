@@ -5,7 +5,9 @@
 //! site. Each device's state sits behind its own mutex, held by the device's host thread for the
 //! whole call (XLA runs one device's program on one thread; see the `cuda` module header).
 
-use super::driver::{check, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUmodule, CUstream};
+use super::driver::{
+    check, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUmodule, CUstream,
+};
 use super::kernels;
 use super::nvrtc;
 use super::schedule::Schedule;
@@ -74,15 +76,17 @@ pub struct DeviceState {
 // identifiers the driver accepts from any host thread; the state is only used under its mutex.
 unsafe impl Send for DeviceState {}
 
-static DEVICES: Lazy<Mutex<HashMap<i64, Arc<Mutex<DeviceState>>>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+static DEVICES: Lazy<Mutex<HashMap<i64, Arc<Mutex<DeviceState>>>>> =
+    Lazy::new(|| Mutex::new(HashMap::new()));
 /// Compiled cubins by architecture ("sm_90"): compiled once, loaded into every device of that arch.
-static CUBINS: Lazy<Mutex<HashMap<String, Arc<Vec<u8>>>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+static CUBINS: Lazy<Mutex<HashMap<String, Arc<Vec<u8>>>>> =
+    Lazy::new(|| Mutex::new(HashMap::new()));
 
 /// The state of device `ordinal`, created on first use.
 pub fn get(ordinal: i64) -> Result<Arc<Mutex<DeviceState>>> {
-    let mut map = DEVICES
-        .lock()
-        .map_err(|_| TideError::Internal("CUDA device table poisoned by an earlier panic".into()))?;
+    let mut map = DEVICES.lock().map_err(|_| {
+        TideError::Internal("CUDA device table poisoned by an earlier panic".into())
+    })?;
     if let Some(d) = map.get(&ordinal) {
         return Ok(d.clone());
     }
@@ -103,11 +107,16 @@ fn event_create(device: i64, what: &str) -> Result<CUevent> {
 }
 
 fn device_handle(ordinal: i64) -> Result<CUdevice> {
-    let ord = i32::try_from(ordinal)
-        .map_err(|_| TideError::InvalidArgument(format!("device ordinal {ordinal} out of range")))?;
+    let ord = i32::try_from(ordinal).map_err(|_| {
+        TideError::InvalidArgument(format!("device ordinal {ordinal} out of range"))
+    })?;
     let mut count = 0;
     // SAFETY: valid out-pointer; driver initialized by the caller.
-    check(unsafe { sys::cuDeviceGetCount(&mut count) }, "cuDeviceGetCount", String::new)?;
+    check(
+        unsafe { sys::cuDeviceGetCount(&mut count) },
+        "cuDeviceGetCount",
+        String::new,
+    )?;
     if ord < 0 || ord >= count {
         return Err(TideError::InvalidArgument(format!(
             "device ordinal {ordinal} not among the {count} CUDA devices visible to this process"
@@ -115,7 +124,11 @@ fn device_handle(ordinal: i64) -> Result<CUdevice> {
     }
     let mut dev: CUdevice = 0;
     // SAFETY: valid out-pointer, ordinal checked.
-    check(unsafe { sys::cuDeviceGet(&mut dev, ord) }, "cuDeviceGet", || format!("ordinal {ordinal}"))?;
+    check(
+        unsafe { sys::cuDeviceGet(&mut dev, ord) },
+        "cuDeviceGet",
+        || format!("ordinal {ordinal}"),
+    )?;
     Ok(dev)
 }
 
@@ -123,18 +136,27 @@ fn primary_ctx(dev: CUdevice, ordinal: i64) -> Result<CUcontext> {
     let mut ctx: CUcontext = std::ptr::null_mut();
     // SAFETY: valid device and out-pointer. Retained for the life of the process (never released):
     // XLA uses the same primary context.
-    check(unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) }, "cuDevicePrimaryCtxRetain", || {
-        format!("device {ordinal}")
-    })?;
+    check(
+        unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) },
+        "cuDevicePrimaryCtxRetain",
+        || format!("device {ordinal}"),
+    )?;
     Ok(ctx)
 }
 
-fn attribute(dev: CUdevice, ordinal: i64, attr: sys::CUdevice_attribute, name: &str) -> Result<i32> {
+fn attribute(
+    dev: CUdevice,
+    ordinal: i64,
+    attr: sys::CUdevice_attribute,
+    name: &str,
+) -> Result<i32> {
     let mut v = 0;
     // SAFETY: valid device and out-pointer.
-    check(unsafe { sys::cuDeviceGetAttribute(&mut v, attr, dev) }, "cuDeviceGetAttribute", || {
-        format!("device {ordinal}, {name}")
-    })?;
+    check(
+        unsafe { sys::cuDeviceGetAttribute(&mut v, attr, dev) },
+        "cuDeviceGetAttribute",
+        || format!("device {ordinal}, {name}"),
+    )?;
     Ok(v)
 }
 
@@ -144,12 +166,30 @@ impl DeviceState {
         let ctx = primary_ctx(dev, ordinal)?;
         let _g = super::driver::CtxGuard::set(ctx, ordinal)?;
         use sys::CUdevice_attribute as A;
-        let major = attribute(dev, ordinal, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "compute capability")?;
-        let minor = attribute(dev, ordinal, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, "compute capability")?;
-        if attribute(dev, ordinal, A::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, "unified addressing")? == 0 {
+        let major = attribute(
+            dev,
+            ordinal,
+            A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+            "compute capability",
+        )?;
+        let minor = attribute(
+            dev,
+            ordinal,
+            A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+            "compute capability",
+        )?;
+        if attribute(
+            dev,
+            ordinal,
+            A::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING,
+            "unified addressing",
+        )? == 0
+        {
             return Err(TideError::Cuda {
                 call: "cuDeviceGetAttribute".into(),
-                detail: format!("device {ordinal} has no unified addressing; tide's CUDA engine needs it"),
+                detail: format!(
+                    "device {ordinal} has no unified addressing; tide's CUDA engine needs it"
+                ),
             });
         }
         let ready = event_create(ordinal, "ready")?;
@@ -181,7 +221,9 @@ impl DeviceState {
             let idx = self.side.len();
             // SAFETY: context current (CtxGuard held by the caller); valid out-pointer.
             check(
-                unsafe { sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
+                unsafe {
+                    sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+                },
                 "cuStreamCreate",
                 || format!("device {ord}, side copy stream {idx}"),
             )?;
@@ -212,7 +254,11 @@ impl DeviceState {
     /// `floor_bytes`, the configured bound) and reused by every call. Returns (address, bytes) per slot.
     /// A plan needing more than the allocation gets a new one; the old one is retired, not freed
     /// (work already enqueued may still use it), and a warning is logged.
-    pub fn ensure_stage(&mut self, slots: &[usize], floor_bytes: usize) -> Result<Vec<(u64, usize)>> {
+    pub fn ensure_stage(
+        &mut self,
+        slots: &[usize],
+        floor_bytes: usize,
+    ) -> Result<Vec<(u64, usize)>> {
         if slots.is_empty() {
             return Ok(Vec::new());
         }
@@ -230,9 +276,13 @@ impl DeviceState {
             let mut ptr: CUdeviceptr = 0;
             let ord = self.ordinal;
             // SAFETY: context current; valid out-pointer.
-            check(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }, "cuMemAlloc", || {
-                format!("device {ord}, {bytes} bytes of reduce-scatter staging (TIDE_RS_STAGE_SLOTS x TIDE_RS_SLOT_BYTES)")
-            })?;
+            check(
+                unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) },
+                "cuMemAlloc",
+                || {
+                    format!("device {ord}, {bytes} bytes of reduce-scatter staging (TIDE_RS_STAGE_SLOTS x TIDE_RS_SLOT_BYTES)")
+                },
+            )?;
             if let Some(old) = self.stage.take() {
                 log::warn!(
                     "tide: device {ord}: stage buffer grown from {} to {bytes} bytes; the old one stays allocated",
@@ -243,7 +293,11 @@ impl DeviceState {
             self.stage = Some((ptr, bytes));
         }
         let base = self.stage.map(|s| s.0).unwrap_or(0);
-        Ok(offsets.iter().zip(slots).map(|(&o, &b)| (base + o as u64, b)).collect())
+        Ok(offsets
+            .iter()
+            .zip(slots)
+            .map(|(&o, &b)| (base + o as u64, b))
+            .collect())
     }
 
     /// The kernel module, compiled by NVRTC for this device's arch on first use (once per arch).
@@ -276,16 +330,20 @@ impl DeviceState {
             let ord = self.ordinal;
             let mut module: CUmodule = std::ptr::null_mut();
             // SAFETY: context current; the cubin image outlives the call (the driver copies it).
-            check(unsafe { sys::cuModuleLoadData(&mut module, cubin.as_ptr() as *const _) }, "cuModuleLoadData", || {
-                format!("device {ord}, tide kernels for {arch}")
-            })?;
+            check(
+                unsafe { sys::cuModuleLoadData(&mut module, cubin.as_ptr() as *const _) },
+                "cuModuleLoadData",
+                || format!("device {ord}, tide kernels for {arch}"),
+            )?;
             let get = |name: &str| -> Result<CUfunction> {
                 let c = std::ffi::CString::new(name).expect("kernel name without NUL");
                 let mut f: CUfunction = std::ptr::null_mut();
                 // SAFETY: module loaded above; valid out-pointer and name.
-                check(unsafe { sys::cuModuleGetFunction(&mut f, module, c.as_ptr()) }, "cuModuleGetFunction", || {
-                    format!("device {ord}, kernel {name}")
-                })?;
+                check(
+                    unsafe { sys::cuModuleGetFunction(&mut f, module, c.as_ptr()) },
+                    "cuModuleGetFunction",
+                    || format!("device {ord}, kernel {name}"),
+                )?;
                 Ok(f)
             };
             let m = Module {
@@ -297,7 +355,9 @@ impl DeviceState {
             };
             self.module = Some(m);
         }
-        self.module.as_ref().ok_or_else(|| TideError::Internal("module missing after load".into()))
+        self.module
+            .as_ref()
+            .ok_or_else(|| TideError::Internal("module missing after load".into()))
     }
 
     /// Enables this device's context to access `peer`'s memory (once; "already enabled" is fine).
@@ -309,9 +369,11 @@ impl DeviceState {
         let pdev = device_handle(peer)?;
         let mut can = 0;
         // SAFETY: valid devices and out-pointer.
-        check(unsafe { sys::cuDeviceCanAccessPeer(&mut can, self.dev, pdev) }, "cuDeviceCanAccessPeer", || {
-            format!("device {ord} -> device {peer}")
-        })?;
+        check(
+            unsafe { sys::cuDeviceCanAccessPeer(&mut can, self.dev, pdev) },
+            "cuDeviceCanAccessPeer",
+            || format!("device {ord} -> device {peer}"),
+        )?;
         if can == 0 {
             return Err(TideError::Cuda {
                 call: "cuDeviceCanAccessPeer".into(),
@@ -325,7 +387,9 @@ impl DeviceState {
         // SAFETY: this device's context is current (CtxGuard held by the caller); pctx is retained.
         let r = unsafe { sys::cuCtxEnablePeerAccess(pctx, 0) };
         if r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
-            check(r, "cuCtxEnablePeerAccess", || format!("device {ord} -> device {peer}"))?;
+            check(r, "cuCtxEnablePeerAccess", || {
+                format!("device {ord} -> device {peer}")
+            })?;
         }
         self.peers.insert(peer);
         Ok(())

@@ -9,7 +9,9 @@ use cudarc::driver::sys;
 use std::ffi::CStr;
 use std::sync::OnceLock;
 
-pub use sys::{CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUmodule, CUresult, CUstream};
+pub use sys::{
+    CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUmodule, CUresult, CUstream,
+};
 
 /// "CUDA_ERROR_INVALID_VALUE (invalid argument)" for a result code.
 pub fn describe(r: CUresult) -> String {
@@ -38,7 +40,10 @@ pub fn check(r: CUresult, call: &str, what: impl FnOnce() -> String) -> Result<(
     if r == CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(TideError::Cuda { call: call.to_string(), detail: format!("{} [{}]", describe(r), what()) })
+        Err(TideError::Cuda {
+            call: call.to_string(),
+            detail: format!("{} [{}]", describe(r), what()),
+        })
     }
 }
 
@@ -66,27 +71,44 @@ pub fn init() -> Result<i32> {
         }
         Ok(v)
     });
-    r.clone().map_err(|detail| TideError::Cuda { call: "CUDA driver initialization".into(), detail })
+    r.clone().map_err(|detail| TideError::Cuda {
+        call: "CUDA driver initialization".into(),
+        detail,
+    })
 }
 
 /// Makes `ctx` current on this thread for the guard's lifetime and restores the previous context
 /// (XLA's) on drop. Drop logs, never panics.
-pub struct CtxGuard {
+pub(crate) struct CtxGuard {
     prev: CUcontext,
     changed: bool,
 }
 
 impl CtxGuard {
-    pub fn set(ctx: CUcontext, device: i64) -> Result<CtxGuard> {
+    pub(crate) fn set(ctx: CUcontext, device: i64) -> Result<CtxGuard> {
         let mut prev: CUcontext = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
-        check(unsafe { sys::cuCtxGetCurrent(&mut prev) }, "cuCtxGetCurrent", || format!("device {device}"))?;
+        check(
+            unsafe { sys::cuCtxGetCurrent(&mut prev) },
+            "cuCtxGetCurrent",
+            || format!("device {device}"),
+        )?;
         if prev == ctx {
-            return Ok(CtxGuard { prev, changed: false });
+            return Ok(CtxGuard {
+                prev,
+                changed: false,
+            });
         }
         // SAFETY: ctx is a retained primary context.
-        check(unsafe { sys::cuCtxSetCurrent(ctx) }, "cuCtxSetCurrent", || format!("device {device}"))?;
-        Ok(CtxGuard { prev, changed: true })
+        check(
+            unsafe { sys::cuCtxSetCurrent(ctx) },
+            "cuCtxSetCurrent",
+            || format!("device {device}"),
+        )?;
+        Ok(CtxGuard {
+            prev,
+            changed: true,
+        })
     }
 }
 
@@ -96,7 +118,10 @@ impl Drop for CtxGuard {
             // SAFETY: restoring the context that was current (possibly null = none).
             let r = unsafe { sys::cuCtxSetCurrent(self.prev) };
             if r != CUresult::CUDA_SUCCESS {
-                log::warn!("tide: restoring the caller's CUDA context failed: {}", describe(r));
+                log::warn!(
+                    "tide: restoring the caller's CUDA context failed: {}",
+                    describe(r)
+                );
             }
         }
     }

@@ -15,7 +15,12 @@ pub const THREADS: u32 = 512;
 /// Sources one `rs_sum_*` launch sums (`TIDE_MAX_SRCS`, the size of `TideSrcs`).
 pub const MAX_SRCS: usize = 8;
 /// Every kernel the module must export.
-pub const KERNEL_NAMES: [&str; 4] = ["rs_sum_bf16_f32", "rs_sum_f16_f32", "rs_sum_f32_f32", "tide_copy"];
+pub const KERNEL_NAMES: [&str; 4] = [
+    "rs_sum_bf16_f32",
+    "rs_sum_f16_f32",
+    "rs_sum_f32_f32",
+    "tide_copy",
+];
 
 /// The `rs_sum` kernel for sources of `dtype`.
 pub fn sum_kernel(dtype: DType) -> Result<&'static str> {
@@ -63,7 +68,12 @@ pub fn sum_launches(dtypes: &[DType]) -> Result<Vec<SumLaunch>> {
         while j < dtypes.len() && dtypes[j] == dtypes[i] && j - i < MAX_SRCS {
             j += 1;
         }
-        out.push(SumLaunch { dtype: dtypes[i], first: i, count: j - i, accumulate: i > 0 });
+        out.push(SumLaunch {
+            dtype: dtypes[i],
+            first: i,
+            count: j - i,
+            accumulate: i > 0,
+        });
         i = j;
     }
     Ok(out)
@@ -71,7 +81,7 @@ pub fn sum_launches(dtypes: &[DType]) -> Result<Vec<SumLaunch>> {
 
 /// Whether the 16-byte vector path may be used: dst and every source 16-byte aligned.
 pub fn sum_vectorized(dst: u64, srcs: &[u64]) -> bool {
-    dst % 16 == 0 && srcs.iter().all(|s| s % 16 == 0)
+    dst.is_multiple_of(16) && srcs.iter().all(|s| s.is_multiple_of(16))
 }
 
 /// CTAs for a launch covering `units` per-thread work items, at most `max_ctas`, at least 1.
@@ -94,7 +104,7 @@ pub fn sum_units(elems: u64, dtype: DType, vectorized: bool) -> u64 {
 pub fn copy_width(dst: u64, src: u64) -> i32 {
     let both = dst | src;
     for w in [16u64, 8, 4, 2] {
-        if both % w == 0 {
+        if both.is_multiple_of(w) {
             return w as i32;
         }
     }
@@ -123,7 +133,10 @@ mod tests {
         assert_eq!(define("TIDE_THREADS"), THREADS.to_string());
         assert_eq!(define("TIDE_MAX_SRCS"), MAX_SRCS.to_string());
         for k in KERNEL_NAMES {
-            assert!(SOURCE.contains(&format!("\n{k}(")), "kernel {k} not in source");
+            assert!(
+                SOURCE.contains(&format!("\n{k}(")),
+                "kernel {k} not in source"
+            );
         }
         assert_eq!(std::mem::size_of::<SrcPtrs>(), 8 * MAX_SRCS);
         // No CUDA headers, no multicast.
@@ -136,23 +149,58 @@ mod tests {
         use DType::*;
         assert_eq!(
             sum_launches(&[BF16, BF16]).unwrap(),
-            vec![SumLaunch { dtype: BF16, first: 0, count: 2, accumulate: false }]
+            vec![SumLaunch {
+                dtype: BF16,
+                first: 0,
+                count: 2,
+                accumulate: false
+            }]
         );
         let twenty = vec![BF16; 20];
         assert_eq!(
             sum_launches(&twenty).unwrap(),
             vec![
-                SumLaunch { dtype: BF16, first: 0, count: 8, accumulate: false },
-                SumLaunch { dtype: BF16, first: 8, count: 8, accumulate: true },
-                SumLaunch { dtype: BF16, first: 16, count: 4, accumulate: true },
+                SumLaunch {
+                    dtype: BF16,
+                    first: 0,
+                    count: 8,
+                    accumulate: false
+                },
+                SumLaunch {
+                    dtype: BF16,
+                    first: 8,
+                    count: 8,
+                    accumulate: true
+                },
+                SumLaunch {
+                    dtype: BF16,
+                    first: 16,
+                    count: 4,
+                    accumulate: true
+                },
             ]
         );
         assert_eq!(
             sum_launches(&[F32, BF16, BF16, F32]).unwrap(),
             vec![
-                SumLaunch { dtype: F32, first: 0, count: 1, accumulate: false },
-                SumLaunch { dtype: BF16, first: 1, count: 2, accumulate: true },
-                SumLaunch { dtype: F32, first: 3, count: 1, accumulate: true },
+                SumLaunch {
+                    dtype: F32,
+                    first: 0,
+                    count: 1,
+                    accumulate: false
+                },
+                SumLaunch {
+                    dtype: BF16,
+                    first: 1,
+                    count: 2,
+                    accumulate: true
+                },
+                SumLaunch {
+                    dtype: F32,
+                    first: 3,
+                    count: 1,
+                    accumulate: true
+                },
             ]
         );
         assert!(sum_launches(&[]).is_err());

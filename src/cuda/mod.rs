@@ -29,6 +29,7 @@
 //! 5. End: MAIN waits on every side stream used (so XLA's later work sees the outputs), records
 //!    `done` (all of this rank's reads of peer memory are before it), then the exit barrier, then
 //!    MAIN waits on every peer's `done`: peers read my inputs, and XLA must not reuse them before.
+//!
 //! No host synchronization with the device anywhere: only event records and stream waits.
 //!
 //! Why reusing events across calls is race-free: cuStreamWaitEvent captures the event's most recent
@@ -124,11 +125,24 @@ struct Local {
 }
 
 fn execute_inner(call: &CallInfo) -> Result<()> {
-    let what = format!("tide {} site {} group {}", op_name(call.op), call.site, call.group);
-    let key = Key { site: call.site, group: call.group, seq: rendezvous::next_seq(call.site, call.group, call.rank) };
+    let what = format!(
+        "tide {} site {} group {}",
+        op_name(call.op),
+        call.site,
+        call.group
+    );
+    let key = Key {
+        site: call.site,
+        group: call.group,
+        seq: rendezvous::next_seq(call.site, call.group, call.rank),
+    };
     let fail_early = |err: TideError| -> Result<()> {
         // Join anyway, publishing the error, so peers fail at once instead of at the timeout.
-        let info = RankInfo { device: call.device_ordinal, error: Some(err.to_string()), ..Default::default() };
+        let info = RankInfo {
+            device: call.device_ordinal,
+            error: Some(err.to_string()),
+            ..Default::default()
+        };
         if let Ok(s) = Session::join(&what, key, call.rank, call.world, info, timeout()) {
             s.fail(call.rank, &err);
         }
@@ -158,7 +172,14 @@ fn execute_inner(call: &CallInfo) -> Result<()> {
         Ok(l) => l,
         Err(e) => return fail_early(e),
     };
-    let session = Session::join(&what, key, call.rank, call.world, local.info.clone(), timeout())?;
+    let session = Session::join(
+        &what,
+        key,
+        call.rank,
+        call.world,
+        local.info.clone(),
+        timeout(),
+    )?;
     let result = run(call, &mut st, &local, &session);
     if let Err(e) = &result {
         session.fail(call.rank, e);
@@ -179,7 +200,11 @@ fn prepare(call: &CallInfo, st: &mut DeviceState) -> Result<Local> {
     let stream = call.stream as CUstream;
     let mut sctx: sys::CUcontext = std::ptr::null_mut();
     // SAFETY: XLA's stream handle, valid for the call; valid out-pointer.
-    check(unsafe { sys::cuStreamGetCtx(stream, &mut sctx) }, "cuStreamGetCtx", || format!("XLA's stream on device {ord}"))?;
+    check(
+        unsafe { sys::cuStreamGetCtx(stream, &mut sctx) },
+        "cuStreamGetCtx",
+        || format!("XLA's stream on device {ord}"),
+    )?;
     if sctx != st.ctx {
         return Err(TideError::Cuda {
             call: "cuStreamGetCtx".into(),
@@ -188,7 +213,11 @@ fn prepare(call: &CallInfo, st: &mut DeviceState) -> Result<Local> {
     }
     let mut cap = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     // SAFETY: as above.
-    check(unsafe { sys::cuStreamIsCapturing(stream, &mut cap) }, "cuStreamIsCapturing", || format!("device {ord}"))?;
+    check(
+        unsafe { sys::cuStreamIsCapturing(stream, &mut cap) },
+        "cuStreamIsCapturing",
+        || format!("device {ord}"),
+    )?;
     if cap != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
         return Err(TideError::InvalidArgument(format!(
             "tide {} on device {ord}: called during CUDA graph capture; tide's collectives rendezvous on the host \
@@ -207,9 +236,11 @@ fn prepare(call: &CallInfo, st: &mut DeviceState) -> Result<Local> {
     call.topology.check_world(call.world)?;
     let layout = call.layout()?;
 
-    let cached = st.prepared.get(&(call.site, call.op)).cloned().filter(|p| {
-        p.rank == call.rank && p.topology == call.topology && p.layout == layout
-    });
+    let cached = st
+        .prepared
+        .get(&(call.site, call.op))
+        .cloned()
+        .filter(|p| p.rank == call.rank && p.topology == call.topology && p.layout == layout);
     let prepared = match cached {
         Some(p) => p,
         None => {
@@ -218,7 +249,10 @@ fn prepare(call: &CallInfo, st: &mut DeviceState) -> Result<Local> {
                 Op::ReduceScatter => crate::plan::reduce_scatter(
                     &layout,
                     call.topology,
-                    crate::plan::RsOptions { stage_slots: CONFIG.rs_stage_slots, slot_bytes: CONFIG.rs_slot_bytes },
+                    crate::plan::RsOptions {
+                        stage_slots: CONFIG.rs_stage_slots,
+                        slot_bytes: CONFIG.rs_slot_bytes,
+                    },
                 )?,
             };
             plan.validate()?;
@@ -226,8 +260,19 @@ fn prepare(call: &CallInfo, st: &mut DeviceState) -> Result<Local> {
                 Op::AllGather => CONFIG.ag_streams,
                 Op::ReduceScatter => CONFIG.rs_copy_streams,
             };
-            let schedule = schedule::build(&plan, call.rank, &SchedOptions::new(streams, CONFIG.local_copy))?;
-            let p = Arc::new(Prepared { op: call.op, rank: call.rank, topology: call.topology, layout, plan, schedule });
+            let schedule = schedule::build(
+                &plan,
+                call.rank,
+                &SchedOptions::new(streams, CONFIG.local_copy),
+            )?;
+            let p = Arc::new(Prepared {
+                op: call.op,
+                rank: call.rank,
+                topology: call.topology,
+                layout,
+                plan,
+                schedule,
+            });
             st.prepared.insert((call.site, call.op), p.clone());
             p
         }
@@ -239,7 +284,10 @@ fn prepare(call: &CallInfo, st: &mut DeviceState) -> Result<Local> {
     // One more than the schedule needs: the last is the error path's join event.
     st.ensure_events(sched.events + 1)?;
     st.ensure_phase_events(plan.phases.len().saturating_sub(1))?;
-    let stages = st.ensure_stage(&plan.stage_slot_bytes, CONFIG.rs_stage_slots.saturating_mul(CONFIG.rs_slot_bytes))?;
+    let stages = st.ensure_stage(
+        &plan.stage_slot_bytes,
+        CONFIG.rs_stage_slots.saturating_mul(CONFIG.rs_slot_bytes),
+    )?;
     if sched.needs_kernels {
         st.ensure_module()?;
     }
@@ -250,7 +298,12 @@ fn prepare(call: &CallInfo, st: &mut DeviceState) -> Result<Local> {
     for i in 0..n {
         for (list, view, bytes, role) in [
             (&mut inputs, &call.inputs[i], plan.input_bytes(i), "operand"),
-            (&mut outputs, &call.outputs[i], plan.output_bytes(i), "result"),
+            (
+                &mut outputs,
+                &call.outputs[i],
+                plan.output_bytes(i),
+                "result",
+            ),
         ] {
             if view.ptr == 0 && bytes > 0 {
                 return Err(TideError::InvalidArgument(format!(
@@ -266,11 +319,17 @@ fn prepare(call: &CallInfo, st: &mut DeviceState) -> Result<Local> {
 
     // Rule 1: order after this rank's previous call, then mark the inputs ready.
     // SAFETY: XLA's stream and our events are valid; the context is current.
-    check(unsafe { sys::cuStreamWaitEvent(stream, st.done, 0) }, "cuStreamWaitEvent", || {
-        format!("device {ord}: XLA's stream on the previous call's done event")
-    })?;
+    check(
+        unsafe { sys::cuStreamWaitEvent(stream, st.done, 0) },
+        "cuStreamWaitEvent",
+        || format!("device {ord}: XLA's stream on the previous call's done event"),
+    )?;
     // SAFETY: as above.
-    check(unsafe { sys::cuEventRecord(st.ready, stream) }, "cuEventRecord", || format!("device {ord}: ready event"))?;
+    check(
+        unsafe { sys::cuEventRecord(st.ready, stream) },
+        "cuEventRecord",
+        || format!("device {ord}: ready event"),
+    )?;
 
     let info = RankInfo {
         device: ord,
@@ -279,7 +338,12 @@ fn prepare(call: &CallInfo, st: &mut DeviceState) -> Result<Local> {
         stages,
         ready: st.ready as usize,
         done: st.done as usize,
-        phases: st.phase.iter().take(plan.phases.len().saturating_sub(1)).map(|e| *e as usize).collect(),
+        phases: st
+            .phase
+            .iter()
+            .take(plan.phases.len().saturating_sub(1))
+            .map(|e| *e as usize)
+            .collect(),
         error: None,
     };
     Ok(Local { prepared, info })
@@ -289,11 +353,18 @@ fn prepare(call: &CallInfo, st: &mut DeviceState) -> Result<Local> {
 fn check_peers(call: &CallInfo, prepared: &Prepared, infos: &[RankInfo]) -> Result<()> {
     let plan = &prepared.plan;
     if infos.len() != call.world {
-        return Err(TideError::Internal(format!("rendezvous returned {} ranks, world is {}", infos.len(), call.world)));
+        return Err(TideError::Internal(format!(
+            "rendezvous returned {} ranks, world is {}",
+            infos.len(),
+            call.world
+        )));
     }
     for (q, info) in infos.iter().enumerate() {
         if let Some(e) = &info.error {
-            return Err(TideError::Rendezvous(format!("rank {q} (device {}) failed: {e}", info.device)));
+            return Err(TideError::Rendezvous(format!(
+                "rank {q} (device {}) failed: {e}",
+                info.device
+            )));
         }
     }
     for (q, info) in infos.iter().enumerate() {
@@ -309,15 +380,27 @@ fn check_peers(call: &CallInfo, prepared: &Prepared, infos: &[RankInfo]) -> Resu
             )))
         };
         if info.inputs.len() != n || info.outputs.len() != n {
-            return mismatch(format!("{} operands / {} results, expected {n}", info.inputs.len(), info.outputs.len()));
+            return mismatch(format!(
+                "{} operands / {} results, expected {n}",
+                info.inputs.len(),
+                info.outputs.len()
+            ));
         }
         for i in 0..n {
-            if info.inputs[i].1 != plan.input_bytes(i) || info.outputs[i].1 != plan.output_bytes(i) {
-                return mismatch(format!("{}: buffer sizes differ", plan.layout.params[i].describe()));
+            if info.inputs[i].1 != plan.input_bytes(i) || info.outputs[i].1 != plan.output_bytes(i)
+            {
+                return mismatch(format!(
+                    "{}: buffer sizes differ",
+                    plan.layout.params[i].describe()
+                ));
             }
         }
         if info.stages.len() < plan.stage_slot_bytes.len()
-            || info.stages.iter().zip(&plan.stage_slot_bytes).any(|(s, &b)| s.1 < b)
+            || info
+                .stages
+                .iter()
+                .zip(&plan.stage_slot_bytes)
+                .any(|(s, &b)| s.1 < b)
         {
             return mismatch("stage slots differ (TIDE_RS_* settings must match)".into());
         }
@@ -328,7 +411,12 @@ fn check_peers(call: &CallInfo, prepared: &Prepared, infos: &[RankInfo]) -> Resu
     Ok(())
 }
 
-fn run(call: &CallInfo, st: &mut DeviceState, local: &Local, session: &Session<RankInfo>) -> Result<()> {
+fn run(
+    call: &CallInfo,
+    st: &mut DeviceState,
+    local: &Local,
+    session: &Session<RankInfo>,
+) -> Result<()> {
     let infos = session.values();
     let prepared = &local.prepared;
     check_peers(call, prepared, infos)?;
@@ -352,9 +440,16 @@ fn run(call: &CallInfo, st: &mut DeviceState, local: &Local, session: &Session<R
             if p + 1 < nphases {
                 let ev = st.phase[p];
                 // SAFETY: valid event and stream; context current.
-                check(unsafe { sys::cuEventRecord(ev, main) }, "cuEventRecord", || {
-                    format!("rank {} device {}: phase {p} event", call.rank, call.device_ordinal)
-                })?;
+                check(
+                    unsafe { sys::cuEventRecord(ev, main) },
+                    "cuEventRecord",
+                    || {
+                        format!(
+                            "rank {} device {}: phase {p} event",
+                            call.rank, call.device_ordinal
+                        )
+                    },
+                )?;
                 session.barrier(call.rank, &format!("phase {p} ({})", phase.name))?;
             }
         }
@@ -366,7 +461,10 @@ fn run(call: &CallInfo, st: &mut DeviceState, local: &Local, session: &Session<R
             let ev = st.pool.get(sched.events).copied();
             for &s in &st.side {
                 if let Err(j) = record_wait(ev, s, main) {
-                    log::warn!("tide: rank {}: joining side streams after an error failed: {j}", call.rank);
+                    log::warn!(
+                        "tide: rank {}: joining side streams after an error failed: {j}",
+                        call.rank
+                    );
                 }
             }
         }
@@ -374,16 +472,30 @@ fn run(call: &CallInfo, st: &mut DeviceState, local: &Local, session: &Session<R
     }
     // Rule 5.
     // SAFETY: valid event and stream.
-    check(unsafe { sys::cuEventRecord(st.done, main) }, "cuEventRecord", || {
-        format!("rank {} device {}: done event", call.rank, call.device_ordinal)
-    })?;
+    check(
+        unsafe { sys::cuEventRecord(st.done, main) },
+        "cuEventRecord",
+        || {
+            format!(
+                "rank {} device {}: done event",
+                call.rank, call.device_ordinal
+            )
+        },
+    )?;
     session.barrier(call.rank, "exit")?;
     for (q, info) in infos.iter().enumerate() {
         if q != call.rank {
             // SAFETY: the peer's done event, recorded before the exit barrier; valid for the process.
-            check(unsafe { sys::cuStreamWaitEvent(main, info.done as CUevent, 0) }, "cuStreamWaitEvent", || {
-                format!("rank {} device {}: on rank {q}'s done event", call.rank, call.device_ordinal)
-            })?;
+            check(
+                unsafe { sys::cuStreamWaitEvent(main, info.done as CUevent, 0) },
+                "cuStreamWaitEvent",
+                || {
+                    format!(
+                        "rank {} device {}: on rank {q}'s done event",
+                        call.rank, call.device_ordinal
+                    )
+                },
+            )?;
         }
     }
     Ok(())
@@ -395,7 +507,11 @@ fn record_wait(ev: Option<CUevent>, from: CUstream, to: CUstream) -> Result<()> 
     // SAFETY: valid handles; errors are ignored by the caller.
     unsafe {
         check(sys::cuEventRecord(ev, from), "cuEventRecord", String::new)?;
-        check(sys::cuStreamWaitEvent(to, ev, 0), "cuStreamWaitEvent", String::new)
+        check(
+            sys::cuStreamWaitEvent(to, ev, 0),
+            "cuStreamWaitEvent",
+            String::new,
+        )
     }
 }
 
@@ -412,17 +528,17 @@ fn stream_of(st: &DeviceState, main: CUstream, s: usize) -> Result<CUstream> {
 
 /// The device address of `len` bytes at `r`, bounds-checked against what its rank published.
 fn address(infos: &[RankInfo], r: &Region, len: usize) -> Result<u64> {
-    let info = infos
-        .get(r.rank)
-        .ok_or_else(|| TideError::Internal(format!("region {r:?} names a rank outside the group")))?;
+    let info = infos.get(r.rank).ok_or_else(|| {
+        TideError::Internal(format!("region {r:?} names a rank outside the group"))
+    })?;
     let list = match r.kind {
         BufKind::Input => &info.inputs,
         BufKind::Output => &info.outputs,
         BufKind::Stage => &info.stages,
     };
-    let (base, bytes) = *list
-        .get(r.index)
-        .ok_or_else(|| TideError::Internal(format!("region {r:?}: no such buffer on rank {}", r.rank)))?;
+    let (base, bytes) = *list.get(r.index).ok_or_else(|| {
+        TideError::Internal(format!("region {r:?}: no such buffer on rank {}", r.rank))
+    })?;
     match r.offset.checked_add(len) {
         Some(end) if end <= bytes => Ok(base + r.offset as u64),
         _ => Err(TideError::Internal(format!(
@@ -471,49 +587,84 @@ fn issue(
             let info = &infos[*q];
             let ev = match event {
                 RankEvent::Ready => info.ready,
-                RankEvent::Phase(p) => *info
-                    .phases
-                    .get(*p)
-                    .ok_or_else(|| TideError::Internal(format!("rank {q} published no phase {p} event")))?,
+                RankEvent::Phase(p) => *info.phases.get(*p).ok_or_else(|| {
+                    TideError::Internal(format!("rank {q} published no phase {p} event"))
+                })?,
             };
             // SAFETY: a peer's event handle, created once for the life of the process.
-            check(unsafe { sys::cuStreamWaitEvent(s, ev as CUevent, 0) }, "cuStreamWaitEvent", || {
-                format!("rank {rank} device {ord}: on rank {q}'s {event:?} event")
-            })
+            check(
+                unsafe { sys::cuStreamWaitEvent(s, ev as CUevent, 0) },
+                "cuStreamWaitEvent",
+                || format!("rank {rank} device {ord}: on rank {q}'s {event:?} event"),
+            )
         }
         Cmd::WaitOwnPrevDone { .. } => {
             // SAFETY: our own event.
-            check(unsafe { sys::cuStreamWaitEvent(s, st.done, 0) }, "cuStreamWaitEvent", || {
-                format!("rank {rank} device {ord}: side stream on the previous done event")
-            })
+            check(
+                unsafe { sys::cuStreamWaitEvent(s, st.done, 0) },
+                "cuStreamWaitEvent",
+                || format!("rank {rank} device {ord}: side stream on the previous done event"),
+            )
         }
         Cmd::Record { event, .. } => {
-            let ev = *st.pool.get(*event).ok_or_else(|| TideError::Internal(format!("local event {event} not created")))?;
+            let ev = *st
+                .pool
+                .get(*event)
+                .ok_or_else(|| TideError::Internal(format!("local event {event} not created")))?;
             // SAFETY: valid event and stream.
-            check(unsafe { sys::cuEventRecord(ev, s) }, "cuEventRecord", || format!("rank {rank} device {ord}: local event {event}"))
+            check(
+                unsafe { sys::cuEventRecord(ev, s) },
+                "cuEventRecord",
+                || format!("rank {rank} device {ord}: local event {event}"),
+            )
         }
         Cmd::Wait { event, .. } => {
-            let ev = *st.pool.get(*event).ok_or_else(|| TideError::Internal(format!("local event {event} not created")))?;
+            let ev = *st
+                .pool
+                .get(*event)
+                .ok_or_else(|| TideError::Internal(format!("local event {event} not created")))?;
             // SAFETY: valid event and stream.
-            check(unsafe { sys::cuStreamWaitEvent(s, ev, 0) }, "cuStreamWaitEvent", || {
-                format!("rank {rank} device {ord}: local event {event}")
-            })
+            check(
+                unsafe { sys::cuStreamWaitEvent(s, ev, 0) },
+                "cuStreamWaitEvent",
+                || format!("rank {rank} device {ord}: local event {event}"),
+            )
         }
-        Cmd::Copy { step, src, dst, bytes, via, .. } => {
+        Cmd::Copy {
+            step,
+            src,
+            dst,
+            bytes,
+            via,
+            ..
+        } => {
             let sa = address(infos, src, *bytes)?;
             let da = address(infos, dst, *bytes)?;
             match via {
                 CopyVia::CopyEngine => {
                     // SAFETY: both ranges bounds-checked against the buffers their ranks published;
                     // peer access enabled; ordering per the module header.
-                    check(unsafe { sys::cuMemcpyAsync(da, sa, *bytes, s) }, "cuMemcpyAsync", || {
-                        format!("{} -> {:?} of rank {}, {bytes} bytes", step_ctx(call, prepared, phase, *step, src), dst.kind, dst.rank)
-                    })
+                    check(
+                        unsafe { sys::cuMemcpyAsync(da, sa, *bytes, s) },
+                        "cuMemcpyAsync",
+                        || {
+                            format!(
+                                "{} -> {:?} of rank {}, {bytes} bytes",
+                                step_ctx(call, prepared, phase, *step, src),
+                                dst.kind,
+                                dst.rank
+                            )
+                        },
+                    )
                 }
                 CopyVia::Sm => {
-                    let m = st.module.as_ref().ok_or_else(|| TideError::Internal("kernel module not loaded".into()))?;
+                    let m = st
+                        .module
+                        .as_ref()
+                        .ok_or_else(|| TideError::Internal("kernel module not loaded".into()))?;
                     let width = kernels::copy_width(da, sa);
-                    let grid = kernels::grid((*bytes as u64).div_ceil(width as u64), CONFIG.rs_max_ctas);
+                    let grid =
+                        kernels::grid((*bytes as u64).div_ceil(width as u64), CONFIG.rs_max_ctas);
                     let (mut d, mut sp, mut n, mut w) = (da, sa, *bytes as u64, width);
                     let mut params: [*mut std::ffi::c_void; 4] = [
                         &mut d as *mut u64 as *mut _,
@@ -525,33 +676,73 @@ fn issue(
                     // live across the call (the driver copies them at launch); ranges bounds-checked.
                     check(
                         unsafe {
-                            sys::cuLaunchKernel(m.copy, grid, 1, 1, kernels::THREADS, 1, 1, 0, s, params.as_mut_ptr(), std::ptr::null_mut())
+                            sys::cuLaunchKernel(
+                                m.copy,
+                                grid,
+                                1,
+                                1,
+                                kernels::THREADS,
+                                1,
+                                1,
+                                0,
+                                s,
+                                params.as_mut_ptr(),
+                                std::ptr::null_mut(),
+                            )
                         },
                         "cuLaunchKernel(tide_copy)",
-                        || format!("{}, {bytes} bytes, grid {grid}", step_ctx(call, prepared, phase, *step, src)),
+                        || {
+                            format!(
+                                "{}, {bytes} bytes, grid {grid}",
+                                step_ctx(call, prepared, phase, *step, src)
+                            )
+                        },
                     )
                 }
             }
         }
-        Cmd::Zero { step, dst, bytes, .. } => {
+        Cmd::Zero {
+            step, dst, bytes, ..
+        } => {
             let da = address(infos, dst, *bytes)?;
             // SAFETY: range bounds-checked; the buffer is this rank's output.
-            check(unsafe { sys::cuMemsetD8Async(da, 0, *bytes, s) }, "cuMemsetD8Async", || {
-                format!("{}, {bytes} bytes", step_ctx(call, prepared, phase, *step, dst))
-            })
+            check(
+                unsafe { sys::cuMemsetD8Async(da, 0, *bytes, s) },
+                "cuMemsetD8Async",
+                || {
+                    format!(
+                        "{}, {bytes} bytes",
+                        step_ctx(call, prepared, phase, *step, dst)
+                    )
+                },
+            )
         }
-        Cmd::Reduce { step, dst, srcs, elems, .. } => {
-            let m = st.module.as_ref().ok_or_else(|| TideError::Internal("kernel module not loaded".into()))?;
+        Cmd::Reduce {
+            step,
+            dst,
+            srcs,
+            elems,
+            ..
+        } => {
+            let m = st
+                .module
+                .as_ref()
+                .ok_or_else(|| TideError::Internal("kernel module not loaded".into()))?;
             let da = address(infos, dst, elems * 4)?;
             let dtypes: Vec<_> = srcs.iter().map(|o| o.dtype).collect();
             for l in kernels::sum_launches(&dtypes)? {
-                let mut ptrs = kernels::SrcPtrs { p: [0; kernels::MAX_SRCS] };
+                let mut ptrs = kernels::SrcPtrs {
+                    p: [0; kernels::MAX_SRCS],
+                };
                 for k in 0..l.count {
                     let o = &srcs[l.first + k];
                     ptrs.p[k] = address(infos, &o.region, elems * o.dtype.size_bytes())?;
                 }
                 let vectorized = kernels::sum_vectorized(da, &ptrs.p[..l.count]);
-                let grid = kernels::grid(kernels::sum_units(*elems as u64, l.dtype, vectorized), CONFIG.rs_max_ctas);
+                let grid = kernels::grid(
+                    kernels::sum_units(*elems as u64, l.dtype, vectorized),
+                    CONFIG.rs_max_ctas,
+                );
                 let f = m.sum(l.dtype)?;
                 let mut d = da;
                 let mut nsrc = l.count as i32;
@@ -570,7 +761,21 @@ fn issue(
                 // (TideSrcs = SrcPtrs, repr(C)); all ranges bounds-checked; sources are local or
                 // peer memory with access enabled.
                 check(
-                    unsafe { sys::cuLaunchKernel(f, grid, 1, 1, kernels::THREADS, 1, 1, 0, s, params.as_mut_ptr(), std::ptr::null_mut()) },
+                    unsafe {
+                        sys::cuLaunchKernel(
+                            f,
+                            grid,
+                            1,
+                            1,
+                            kernels::THREADS,
+                            1,
+                            1,
+                            0,
+                            s,
+                            params.as_mut_ptr(),
+                            std::ptr::null_mut(),
+                        )
+                    },
                     "cuLaunchKernel(rs_sum)",
                     || {
                         format!(

@@ -38,7 +38,10 @@ fn nvrtc_err(call: &str, r: sys::nvrtcResult, detail: &str) -> TideError {
             CStr::from_ptr(p).to_string_lossy().into_owned()
         }
     };
-    TideError::Cuda { call: call.into(), detail: format!("{msg}{}{detail}", if detail.is_empty() { "" } else { ": " }) }
+    TideError::Cuda {
+        call: call.into(),
+        detail: format!("{msg}{}{detail}", if detail.is_empty() { "" } else { ": " }),
+    }
 }
 
 /// Files in `dir` whose names start with `prefix`, excluding NVIDIA's `.alt.` variants, sorted.
@@ -77,7 +80,11 @@ fn preload_dir(dir: &std::path::Path) -> std::result::Result<Option<String>, Str
         }
     }
     // Prefer a versioned soname (libnvrtc.so.13) over the development symlink.
-    let lib = libs.iter().rev().find(|p| p.to_string_lossy().contains(".so.")).unwrap_or(&libs[0]);
+    let lib = libs
+        .iter()
+        .rev()
+        .find(|p| p.to_string_lossy().contains(".so."))
+        .unwrap_or(&libs[0]);
     // SAFETY: as above, NVRTC's own library.
     match unsafe { Library::open(lib.to_str(), RTLD_NOW | RTLD_GLOBAL) } {
         Ok(l) => {
@@ -122,7 +129,10 @@ pub fn ensure_loaded(dir: Option<&str>) -> Result<()> {
             notes.join("; ")
         ))
     });
-    r.clone().map_err(|detail| TideError::Cuda { call: "loading NVRTC".into(), detail })
+    r.clone().map_err(|detail| TideError::Cuda {
+        call: "loading NVRTC".into(),
+        detail,
+    })
 }
 
 /// NVRTC's version (major, minor).
@@ -149,22 +159,42 @@ pub fn compile(source: &str, name: &str, arch: &str, output: Output) -> Result<V
 }
 
 /// `compile` with extra NVRTC options (e.g. `--ptxas-options=-v`); returns the image and the log.
-pub fn compile_with(source: &str, name: &str, arch: &str, output: Output, extra: &[&str]) -> Result<(Vec<u8>, String)> {
+pub fn compile_with(
+    source: &str,
+    name: &str,
+    arch: &str,
+    output: Output,
+    extra: &[&str],
+) -> Result<(Vec<u8>, String)> {
     ensure_loaded(crate::config::CONFIG.nvrtc_lib_dir.as_deref())?;
     let _guard = COMPILE_LOCK.lock().unwrap_or_else(|p| p.into_inner());
     let src = CString::new(source)
         .map_err(|_| TideError::Internal("kernel source contains a NUL byte".into()))?;
-    let cname = CString::new(name).map_err(|_| TideError::Internal("kernel name contains a NUL byte".into()))?;
-    let opts: Vec<CString> = [format!("--gpu-architecture={arch}"), "--fmad=false".to_string(), "--std=c++17".to_string()]
-        .into_iter()
-        .chain(extra.iter().map(|e| e.to_string()))
-        .map(|o| CString::new(o).map_err(|_| TideError::Internal("NVRTC option contains a NUL byte".into())))
-        .collect::<Result<_>>()?;
+    let cname = CString::new(name)
+        .map_err(|_| TideError::Internal("kernel name contains a NUL byte".into()))?;
+    let opts: Vec<CString> = [
+        format!("--gpu-architecture={arch}"),
+        "--fmad=false".to_string(),
+        "--std=c++17".to_string(),
+    ]
+    .into_iter()
+    .chain(extra.iter().map(|e| e.to_string()))
+    .map(|o| {
+        CString::new(o).map_err(|_| TideError::Internal("NVRTC option contains a NUL byte".into()))
+    })
+    .collect::<Result<_>>()?;
     let opt_ptrs: Vec<*const std::ffi::c_char> = opts.iter().map(|o| o.as_ptr()).collect();
     let mut prog: sys::nvrtcProgram = std::ptr::null_mut();
     // SAFETY: library loaded; src and cname outlive prog (destroyed below); no headers.
     let r = unsafe {
-        sys::nvrtcCreateProgram(&mut prog, src.as_ptr(), cname.as_ptr(), 0, std::ptr::null(), std::ptr::null())
+        sys::nvrtcCreateProgram(
+            &mut prog,
+            src.as_ptr(),
+            cname.as_ptr(),
+            0,
+            std::ptr::null(),
+            std::ptr::null(),
+        )
     };
     if r != sys::nvrtcResult::NVRTC_SUCCESS {
         return Err(nvrtc_err("nvrtcCreateProgram", r, name));
@@ -184,13 +214,15 @@ pub fn compile_with(source: &str, name: &str, arch: &str, output: Output, extra:
     let r = unsafe { sys::nvrtcCompileProgram(prog.0, opt_ptrs.len() as i32, opt_ptrs.as_ptr()) };
     if r != sys::nvrtcResult::NVRTC_SUCCESS {
         let log = program_log(prog.0).unwrap_or_else(|e| format!("(no log: {e})"));
-        return Err(nvrtc_err("nvrtcCompileProgram", r, &format!("{name} for {arch}:\n{log}")));
+        return Err(nvrtc_err(
+            "nvrtcCompileProgram",
+            r,
+            &format!("{name} for {arch}:\n{log}"),
+        ));
     }
-    let (size_fn, get_fn, what): (
-        unsafe fn(sys::nvrtcProgram, *mut usize) -> sys::nvrtcResult,
-        unsafe fn(sys::nvrtcProgram, *mut std::ffi::c_char) -> sys::nvrtcResult,
-        &str,
-    ) = match output {
+    type SizeFn = unsafe fn(sys::nvrtcProgram, *mut usize) -> sys::nvrtcResult;
+    type GetFn = unsafe fn(sys::nvrtcProgram, *mut std::ffi::c_char) -> sys::nvrtcResult;
+    let (size_fn, get_fn, what): (SizeFn, GetFn, &str) = match output {
         Output::Ptx => (sys::nvrtcGetPTXSize, sys::nvrtcGetPTX, "nvrtcGetPTX"),
         Output::Cubin => (sys::nvrtcGetCUBINSize, sys::nvrtcGetCUBIN, "nvrtcGetCUBIN"),
     };
@@ -201,7 +233,12 @@ pub fn compile_with(source: &str, name: &str, arch: &str, output: Output, extra:
         return Err(nvrtc_err(what, r, &format!("{name} for {arch} (size)")));
     }
     if size == 0 {
-        return Err(TideError::Cuda { call: what.into(), detail: format!("{name} for {arch}: empty output (is {arch} a real sm_XY for a cubin?)") });
+        return Err(TideError::Cuda {
+            call: what.into(),
+            detail: format!(
+                "{name} for {arch}: empty output (is {arch} a real sm_XY for a cubin?)"
+            ),
+        });
     }
     let mut buf = vec![0u8; size];
     // SAFETY: buf holds `size` bytes as NVRTC asked.
@@ -226,5 +263,7 @@ fn program_log(prog: sys::nvrtcProgram) -> Result<String> {
     if r != sys::nvrtcResult::NVRTC_SUCCESS {
         return Err(nvrtc_err("nvrtcGetProgramLog", r, ""));
     }
-    Ok(String::from_utf8_lossy(&buf).trim_end_matches('\0').to_string())
+    Ok(String::from_utf8_lossy(&buf)
+        .trim_end_matches('\0')
+        .to_string())
 }

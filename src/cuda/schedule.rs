@@ -56,7 +56,11 @@ pub enum CopyVia {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Cmd {
     /// `stream` waits on `rank`'s published `event` (cuStreamWaitEvent).
-    WaitRank { stream: usize, rank: usize, event: RankEvent },
+    WaitRank {
+        stream: usize,
+        rank: usize,
+        event: RankEvent,
+    },
     /// `stream` waits on this rank's `done` event of its previous call (tide's stage slots and side
     /// streams are reused across calls, possibly under different XLA streams).
     WaitOwnPrevDone { stream: usize },
@@ -65,9 +69,27 @@ pub enum Cmd {
     /// `stream` waits on local event `event`, recorded earlier in this call.
     Wait { stream: usize, event: usize },
     /// Copy `bytes` bytes; `step` is the step's index in its phase (for error messages).
-    Copy { stream: usize, step: usize, src: Region, dst: Region, bytes: usize, via: CopyVia },
-    Zero { stream: usize, step: usize, dst: Region, bytes: usize },
-    Reduce { stream: usize, step: usize, dst: Region, srcs: Vec<Operand>, elems: usize },
+    Copy {
+        stream: usize,
+        step: usize,
+        src: Region,
+        dst: Region,
+        bytes: usize,
+        via: CopyVia,
+    },
+    Zero {
+        stream: usize,
+        step: usize,
+        dst: Region,
+        bytes: usize,
+    },
+    Reduce {
+        stream: usize,
+        step: usize,
+        dst: Region,
+        srcs: Vec<Operand>,
+        elems: usize,
+    },
 }
 
 impl Cmd {
@@ -113,7 +135,12 @@ pub struct SchedOptions {
 
 impl SchedOptions {
     pub fn new(copy_streams: usize, local_copy: LocalCopy) -> SchedOptions {
-        SchedOptions { copy_streams: copy_streams.max(1), local_copy, min_piece_bytes: 1 << 20, split_align: 4096 }
+        SchedOptions {
+            copy_streams: copy_streams.max(1),
+            local_copy,
+            min_piece_bytes: 1 << 20,
+            split_align: 4096,
+        }
     }
 }
 
@@ -129,16 +156,26 @@ pub struct Access {
 }
 
 fn access(r: &Region, len: usize, write: bool) -> Result<Access> {
-    let end = r.offset.checked_add(len).ok_or_else(|| {
-        TideError::Internal(format!("plan region {r:?} + {len} bytes overflows"))
-    })?;
-    Ok(Access { rank: r.rank, kind: r.kind, index: r.index, start: r.offset, end, write })
+    let end = r
+        .offset
+        .checked_add(len)
+        .ok_or_else(|| TideError::Internal(format!("plan region {r:?} + {len} bytes overflows")))?;
+    Ok(Access {
+        rank: r.rank,
+        kind: r.kind,
+        index: r.index,
+        start: r.offset,
+        end,
+        write,
+    })
 }
 
 /// The byte ranges an action reads and writes.
 pub fn accesses(action: &Action) -> Result<Vec<Access>> {
     Ok(match action {
-        Action::Copy { src, dst, bytes } => vec![access(src, *bytes, false)?, access(dst, *bytes, true)?],
+        Action::Copy { src, dst, bytes } => {
+            vec![access(src, *bytes, false)?, access(dst, *bytes, true)?]
+        }
         Action::Zero { dst, bytes } => vec![access(dst, *bytes, true)?],
         Action::Reduce { dst, srcs, elems } => {
             let mut v = Vec::with_capacity(srcs.len() + 1);
@@ -148,9 +185,9 @@ pub fn accesses(action: &Action) -> Result<Vec<Access>> {
                 })?;
                 v.push(access(&s.region, len, false)?);
             }
-            let len = elems
-                .checked_mul(4)
-                .ok_or_else(|| TideError::Internal(format!("reduce of {elems} elements overflows")))?;
+            let len = elems.checked_mul(4).ok_or_else(|| {
+                TideError::Internal(format!("reduce of {elems} elements overflows"))
+            })?;
             v.push(access(dst, len, true)?);
             v
         }
@@ -185,7 +222,10 @@ pub fn dependencies(steps: &[Vec<Access>]) -> Vec<Vec<usize>> {
         d.dedup();
         deps.push(d);
         for a in acc {
-            by_buf.entry((a.rank, a.kind, a.index)).or_default().push((*a, k));
+            by_buf
+                .entry((a.rank, a.kind, a.index))
+                .or_default()
+                .push((*a, k));
         }
     }
     deps
@@ -222,7 +262,11 @@ pub fn balance(sizes: &[usize], loads: &mut [usize], min_piece: usize, align: us
         while off < size {
             let remaining = size - off;
             let last = si + 1 >= n_eff;
-            let room = if last { remaining } else { target.saturating_sub(filled) };
+            let room = if last {
+                remaining
+            } else {
+                target.saturating_sub(filled)
+            };
             let mut take = remaining.min(room);
             if take < remaining {
                 take = take / align * align;
@@ -233,7 +277,12 @@ pub fn balance(sizes: &[usize], loads: &mut [usize], min_piece: usize, align: us
                 continue;
             }
             let s = order[si.min(n_eff - 1)];
-            out.push(Piece { item, stream: s + 1, offset: off, bytes: take });
+            out.push(Piece {
+                item,
+                stream: s + 1,
+                offset: off,
+                bytes: take,
+            });
             loads[s] += take;
             filled += take;
             off += take;
@@ -246,7 +295,6 @@ pub fn balance(sizes: &[usize], loads: &mut [usize], min_piece: usize, align: us
     out
 }
 
-
 struct Unit {
     /// Index of the step in its phase.
     step: usize,
@@ -258,7 +306,9 @@ struct Unit {
 pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> {
     let world = plan.topology.world();
     if rank >= world {
-        return Err(TideError::Internal(format!("rank {rank} outside world {world}")));
+        return Err(TideError::Internal(format!(
+            "rank {rank} outside world {world}"
+        )));
     }
     let nstreams = 1 + opts.copy_streams.max(1);
     // Bytes per side stream so far, separately for peer copies (NVLink-bound) and local copies
@@ -323,16 +373,29 @@ pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> 
                 for local in [false, true] {
                     let members: Vec<usize> = (i..j)
                         .filter(|&m| match mine[m].1 {
-                            Action::Copy { src, dst, .. } => (src.rank == rank && dst.rank == rank) == local,
+                            Action::Copy { src, dst, .. } => {
+                                (src.rank == rank && dst.rank == rank) == local
+                            }
                             _ => false,
                         })
                         .collect();
                     let sizes: Vec<usize> = members
                         .iter()
-                        .map(|&m| if let Action::Copy { bytes, .. } = mine[m].1 { *bytes } else { 0 })
+                        .map(|&m| {
+                            if let Action::Copy { bytes, .. } = mine[m].1 {
+                                *bytes
+                            } else {
+                                0
+                            }
+                        })
                         .collect();
-                    let loads = if local { &mut loads_local } else { &mut loads_peer };
-                    for mut piece in balance(&sizes, loads, opts.min_piece_bytes, opts.split_align) {
+                    let loads = if local {
+                        &mut loads_local
+                    } else {
+                        &mut loads_peer
+                    };
+                    for mut piece in balance(&sizes, loads, opts.min_piece_bytes, opts.split_align)
+                    {
                         piece.item = members[piece.item] - i;
                         pieces.push(piece);
                     }
@@ -364,25 +427,46 @@ pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> 
             } else {
                 let (k, a) = mine[i];
                 let cmd = match a {
-                    Action::Copy { src, dst, bytes } => {
-                        Cmd::Copy { stream: MAIN, step: k, src: *src, dst: *dst, bytes: *bytes, via: CopyVia::Sm }
-                    }
-                    Action::Zero { dst, bytes } => Cmd::Zero { stream: MAIN, step: k, dst: *dst, bytes: *bytes },
-                    Action::Reduce { dst, srcs, elems } => {
-                        Cmd::Reduce { stream: MAIN, step: k, dst: *dst, srcs: srcs.clone(), elems: *elems }
-                    }
+                    Action::Copy { src, dst, bytes } => Cmd::Copy {
+                        stream: MAIN,
+                        step: k,
+                        src: *src,
+                        dst: *dst,
+                        bytes: *bytes,
+                        via: CopyVia::Sm,
+                    },
+                    Action::Zero { dst, bytes } => Cmd::Zero {
+                        stream: MAIN,
+                        step: k,
+                        dst: *dst,
+                        bytes: *bytes,
+                    },
+                    Action::Reduce { dst, srcs, elems } => Cmd::Reduce {
+                        stream: MAIN,
+                        step: k,
+                        dst: *dst,
+                        srcs: srcs.clone(),
+                        elems: *elems,
+                    },
                 };
                 if matches!(cmd, Cmd::Reduce { .. } | Cmd::Copy { .. }) {
                     needs_kernels = true;
                 }
                 step_units[i].push(units.len());
-                units.push(Unit { step: k, stream: MAIN, cmd });
+                units.push(Unit {
+                    step: k,
+                    stream: MAIN,
+                    cmd,
+                });
                 i += 1;
             }
         }
 
         // Dependencies between this executor's steps.
-        let acc: Vec<Vec<Access>> = mine.iter().map(|(_, a)| accesses(a)).collect::<Result<_>>()?;
+        let acc: Vec<Vec<Access>> = mine
+            .iter()
+            .map(|(_, a)| accesses(a))
+            .collect::<Result<_>>()?;
         let deps = dependencies(&acc);
 
         // Ranks each stream touches; units that need an event recorded after them.
@@ -411,7 +495,10 @@ pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> 
         for (mi, d) in deps.iter().enumerate() {
             for &dep in d {
                 for &du in &step_units[dep] {
-                    if step_units[mi].iter().any(|&u| units[u].stream != units[du].stream) {
+                    if step_units[mi]
+                        .iter()
+                        .any(|&u| units[u].stream != units[du].stream)
+                    {
                         needs_record[du] = true;
                     }
                 }
@@ -435,13 +522,21 @@ pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> 
                         }
                         for &r in &touched[s] {
                             if s != MAIN || r != rank {
-                                cmds.push(Cmd::WaitRank { stream: s, rank: r, event: RankEvent::Ready });
+                                cmds.push(Cmd::WaitRank {
+                                    stream: s,
+                                    rank: r,
+                                    event: RankEvent::Ready,
+                                });
                             }
                         }
                     } else {
                         for r in 0..world {
                             if s != MAIN || r != rank {
-                                cmds.push(Cmd::WaitRank { stream: s, rank: r, event: RankEvent::Phase(p - 1) });
+                                cmds.push(Cmd::WaitRank {
+                                    stream: s,
+                                    rank: r,
+                                    event: RankEvent::Phase(p - 1),
+                                });
                             }
                         }
                     }
@@ -458,7 +553,10 @@ pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> 
                                 units[du].step, units[u].step
                             ))
                         })?;
-                        cmds.push(Cmd::Wait { stream: s, event: *ev });
+                        cmds.push(Cmd::Wait {
+                            stream: s,
+                            event: *ev,
+                        });
                         for x in 0..nstreams {
                             clock[s][x] = clock[s][x].max(evclock[x]);
                         }
@@ -470,7 +568,10 @@ pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> 
                 if needs_record[u] {
                     let ev = next_event;
                     next_event += 1;
-                    cmds.push(Cmd::Record { stream: s, event: ev });
+                    cmds.push(Cmd::Record {
+                        stream: s,
+                        event: ev,
+                    });
                     event_of.insert(u, (ev, clock[s].clone()));
                 }
             }
@@ -482,8 +583,14 @@ pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> 
                 if clock[MAIN][s] < clock[s][s] {
                     let ev = next_event;
                     next_event += 1;
-                    cmds.push(Cmd::Record { stream: s, event: ev });
-                    cmds.push(Cmd::Wait { stream: MAIN, event: ev });
+                    cmds.push(Cmd::Record {
+                        stream: s,
+                        event: ev,
+                    });
+                    cmds.push(Cmd::Wait {
+                        stream: MAIN,
+                        event: ev,
+                    });
                     let c = clock[s].clone();
                     for x in 0..nstreams {
                         clock[MAIN][x] = clock[MAIN][x].max(c[x]);
@@ -491,9 +598,19 @@ pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> 
                 }
             }
         }
-        phases.push(PhaseSchedule { name: phase.name.clone(), cmds });
+        phases.push(PhaseSchedule {
+            name: phase.name.clone(),
+            cmds,
+        });
     }
-    Ok(Schedule { rank, world, phases, side_streams: side_used_any, events: next_event, needs_kernels })
+    Ok(Schedule {
+        rank,
+        world,
+        phases,
+        side_streams: side_used_any,
+        events: next_event,
+        needs_kernels,
+    })
 }
 
 #[cfg(test)]
@@ -505,11 +622,20 @@ mod tests {
     use std::collections::HashMap as Map;
 
     fn region(rank: usize, kind: BufKind, index: usize, offset: usize) -> Region {
-        Region { rank, kind, index, offset }
+        Region {
+            rank,
+            kind,
+            index,
+            offset,
+        }
     }
 
     fn dummy_layout(world: usize) -> GroupLayout {
-        GroupLayout::new(&[ParamSpec::new("w", &[world.max(1) * 4], DType::BF16)], world).unwrap()
+        GroupLayout::new(
+            &[ParamSpec::new("w", &[world.max(1) * 4], DType::BF16)],
+            world,
+        )
+        .unwrap()
     }
 
     /// A direct all-gather over `world` ranks of params with the given shard bytes; each rank pulls
@@ -534,7 +660,10 @@ mod tests {
             op: Op::AllGather,
             topology: Topology::single_node(world),
             layout: dummy_layout(world),
-            phases: vec![Phase { name: "gather".into(), steps }],
+            phases: vec![Phase {
+                name: "gather".into(),
+                steps,
+            }],
             stage_slot_bytes: vec![],
         }
     }
@@ -544,7 +673,14 @@ mod tests {
     /// slot c % slots (peer q at piece index q - (q > r)), then reduced in rank order. `lookahead`
     /// lists chunk c+1's copies before chunk c's reduce when the slot is free. Zero steps write
     /// `pad` f32 padding elements after each owned range.
-    fn rs_plan(world: usize, owned: &[usize], chunk: usize, slots: usize, lookahead: bool, pad: usize) -> Plan {
+    fn rs_plan(
+        world: usize,
+        owned: &[usize],
+        chunk: usize,
+        slots: usize,
+        lookahead: bool,
+        pad: usize,
+    ) -> Plan {
         let slot_bytes = (world - 1).max(1) * chunk * 2;
         let mut steps = Vec::new();
         for r in 0..world {
@@ -583,12 +719,19 @@ mod tests {
                             let piece = q - usize::from(q > r);
                             region(r, BufKind::Stage, slot, piece * chunk * 2)
                         };
-                        Operand { region, dtype: DType::BF16 }
+                        Operand {
+                            region,
+                            dtype: DType::BF16,
+                        }
                     })
                     .collect();
                 steps.push(Step {
                     executor: r,
-                    action: Action::Reduce { dst: region(r, BufKind::Output, i, c0 * 4), srcs, elems: len },
+                    action: Action::Reduce {
+                        dst: region(r, BufKind::Output, i, c0 * 4),
+                        srcs,
+                        elems: len,
+                    },
                 });
             };
             if lookahead && slots >= 2 {
@@ -609,7 +752,13 @@ mod tests {
             }
             if pad > 0 {
                 for (i, &n) in owned.iter().enumerate() {
-                    steps.push(Step { executor: r, action: Action::Zero { dst: region(r, BufKind::Output, i, n * 4), bytes: pad * 4 } });
+                    steps.push(Step {
+                        executor: r,
+                        action: Action::Zero {
+                            dst: region(r, BufKind::Output, i, n * 4),
+                            bytes: pad * 4,
+                        },
+                    });
                 }
             }
         }
@@ -617,7 +766,10 @@ mod tests {
             op: Op::ReduceScatter,
             topology: Topology::single_node(world),
             layout: dummy_layout(world),
-            phases: vec![Phase { name: "reduce".into(), steps }],
+            phases: vec![Phase {
+                name: "reduce".into(),
+                steps,
+            }],
             stage_slot_bytes: vec![slot_bytes; slots],
         }
     }
@@ -631,12 +783,16 @@ mod tests {
     fn apply(mem: &mut Mem, action_src: &Action) {
         match action_src {
             Action::Copy { src, dst, bytes } => {
-                let data = mem[&(src.rank, src.kind, src.index)][src.offset..src.offset + bytes].to_vec();
-                mem.get_mut(&(dst.rank, dst.kind, dst.index)).unwrap()[dst.offset..dst.offset + bytes]
+                let data =
+                    mem[&(src.rank, src.kind, src.index)][src.offset..src.offset + bytes].to_vec();
+                mem.get_mut(&(dst.rank, dst.kind, dst.index)).unwrap()
+                    [dst.offset..dst.offset + bytes]
                     .copy_from_slice(&data);
             }
             Action::Zero { dst, bytes } => {
-                mem.get_mut(&(dst.rank, dst.kind, dst.index)).unwrap()[dst.offset..dst.offset + bytes].fill(0);
+                mem.get_mut(&(dst.rank, dst.kind, dst.index)).unwrap()
+                    [dst.offset..dst.offset + bytes]
+                    .fill(0);
             }
             Action::Reduce { dst, srcs, elems } => {
                 let mut out = Vec::with_capacity(elems * 4);
@@ -647,15 +803,21 @@ mod tests {
                         let at = s.region.offset + s.dtype.size_bytes() * e;
                         let x = match s.dtype {
                             DType::BF16 => bf16_f32(&b[at..]),
-                            DType::F16 => crate::engine::cpu::f16_to_f32(u16::from_le_bytes([b[at], b[at + 1]])),
-                            DType::F32 => f32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]),
+                            DType::F16 => crate::engine::cpu::f16_to_f32(u16::from_le_bytes([
+                                b[at],
+                                b[at + 1],
+                            ])),
+                            DType::F32 => {
+                                f32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+                            }
                             other => panic!("reduce of {other:?}"),
                         };
                         acc = if k == 0 { x } else { acc + x };
                     }
                     out.extend_from_slice(&acc.to_le_bytes());
                 }
-                mem.get_mut(&(dst.rank, dst.kind, dst.index)).unwrap()[dst.offset..dst.offset + out.len()]
+                mem.get_mut(&(dst.rank, dst.kind, dst.index)).unwrap()
+                    [dst.offset..dst.offset + out.len()]
                     .copy_from_slice(&out);
             }
         }
@@ -663,11 +825,24 @@ mod tests {
 
     fn cmd_action(c: &Cmd) -> Option<Action> {
         match c {
-            Cmd::Copy { src, dst, bytes, .. } => Some(Action::Copy { src: *src, dst: *dst, bytes: *bytes }),
-            Cmd::Zero { dst, bytes, .. } => Some(Action::Zero { dst: *dst, bytes: *bytes }),
-            Cmd::Reduce { dst, srcs, elems, .. } => {
-                Some(Action::Reduce { dst: *dst, srcs: srcs.clone(), elems: *elems })
-            }
+            Cmd::Copy {
+                src, dst, bytes, ..
+            } => Some(Action::Copy {
+                src: *src,
+                dst: *dst,
+                bytes: *bytes,
+            }),
+            Cmd::Zero { dst, bytes, .. } => Some(Action::Zero {
+                dst: *dst,
+                bytes: *bytes,
+            }),
+            Cmd::Reduce {
+                dst, srcs, elems, ..
+            } => Some(Action::Reduce {
+                dst: *dst,
+                srcs: srcs.clone(),
+                elems: *elems,
+            }),
             _ => None,
         }
     }
@@ -744,7 +919,10 @@ mod tests {
                 })
                 .collect();
             if runnable.is_empty() {
-                assert!(queues.iter().all(|q| q.2.is_empty()), "deadlock: streams blocked on waits");
+                assert!(
+                    queues.iter().all(|q| q.2.is_empty()),
+                    "deadlock: streams blocked on waits"
+                );
                 return;
             }
             x ^= x << 13;
@@ -789,7 +967,12 @@ mod tests {
     }
 
     fn opts(streams: usize, local: LocalCopy, min_piece: usize) -> SchedOptions {
-        SchedOptions { copy_streams: streams, local_copy: local, min_piece_bytes: min_piece, split_align: 16 }
+        SchedOptions {
+            copy_streams: streams,
+            local_copy: local,
+            min_piece_bytes: min_piece,
+            split_align: 16,
+        }
     }
 
     #[test]
@@ -816,7 +999,15 @@ mod tests {
     fn balance_uses_few_streams_for_small_segments_and_least_loaded_first() {
         let mut loads = vec![10, 0, 5];
         let pieces = balance(&[50], &mut loads, 1 << 20, 4096);
-        assert_eq!(pieces, vec![Piece { item: 0, stream: 2, offset: 0, bytes: 50 }]);
+        assert_eq!(
+            pieces,
+            vec![Piece {
+                item: 0,
+                stream: 2,
+                offset: 0,
+                bytes: 50
+            }]
+        );
         assert_eq!(loads, vec![10, 50, 5]);
         let pieces = balance(&[7], &mut loads, 1 << 20, 4096);
         assert_eq!(pieces[0].stream, 3);
@@ -826,12 +1017,43 @@ mod tests {
 
     #[test]
     fn dependencies_follow_overlapping_writes() {
-        let w = |start, end| Access { rank: 0, kind: BufKind::Stage, index: 0, start, end, write: true };
-        let r = |start, end| Access { rank: 0, kind: BufKind::Stage, index: 0, start, end, write: false };
-        let other = Access { rank: 0, kind: BufKind::Stage, index: 1, start: 0, end: 100, write: true };
-        let steps = vec![vec![w(0, 10)], vec![r(5, 6)], vec![r(0, 10)], vec![w(9, 20)], vec![other], vec![r(10, 20)]];
+        let w = |start, end| Access {
+            rank: 0,
+            kind: BufKind::Stage,
+            index: 0,
+            start,
+            end,
+            write: true,
+        };
+        let r = |start, end| Access {
+            rank: 0,
+            kind: BufKind::Stage,
+            index: 0,
+            start,
+            end,
+            write: false,
+        };
+        let other = Access {
+            rank: 0,
+            kind: BufKind::Stage,
+            index: 1,
+            start: 0,
+            end: 100,
+            write: true,
+        };
+        let steps = vec![
+            vec![w(0, 10)],
+            vec![r(5, 6)],
+            vec![r(0, 10)],
+            vec![w(9, 20)],
+            vec![other],
+            vec![r(10, 20)],
+        ];
         let d = dependencies(&steps);
-        assert_eq!(d, vec![vec![], vec![0], vec![0], vec![0, 2], vec![], vec![3]]);
+        assert_eq!(
+            d,
+            vec![vec![], vec![0], vec![0], vec![0, 2], vec![], vec![3]]
+        );
     }
 
     #[test]
@@ -848,28 +1070,59 @@ mod tests {
             assert_eq!(mine[0], &Cmd::WaitOwnPrevDone { stream: st });
             let mut want: Vec<usize> = mine
                 .iter()
-                .filter_map(|c| if let Cmd::Copy { src, .. } = c { Some(src.rank) } else { None })
+                .filter_map(|c| {
+                    if let Cmd::Copy { src, .. } = c {
+                        Some(src.rank)
+                    } else {
+                        None
+                    }
+                })
                 .chain([1])
                 .collect();
             want.sort_unstable();
             want.dedup();
             for (k, r) in want.iter().enumerate() {
-                assert_eq!(mine[1 + k], &Cmd::WaitRank { stream: st, rank: *r, event: RankEvent::Ready });
+                assert_eq!(
+                    mine[1 + k],
+                    &Cmd::WaitRank {
+                        stream: st,
+                        rank: *r,
+                        event: RankEvent::Ready
+                    }
+                );
             }
             assert!(matches!(mine[1 + want.len()], Cmd::Copy { .. }));
         }
         // No waits between copies (independent), one join per side stream at the end.
-        let waits = cmds.iter().filter(|c| matches!(c, Cmd::Wait { .. })).count();
+        let waits = cmds
+            .iter()
+            .filter(|c| matches!(c, Cmd::Wait { .. }))
+            .count();
         assert_eq!(waits, 4);
         assert_eq!(s.events, 4);
-        assert!(cmds.iter().rev().take(8).all(|c| matches!(c, Cmd::Record { .. } | Cmd::Wait { stream: MAIN, .. })));
+        assert!(cmds
+            .iter()
+            .rev()
+            .take(8)
+            .all(|c| matches!(c, Cmd::Record { .. } | Cmd::Wait { stream: MAIN, .. })));
         // Peer bytes and local bytes each balanced over the streams.
         let mut peer = [0usize; 5];
         let mut local = [0usize; 5];
         for c in cmds {
-            if let Cmd::Copy { stream, bytes, via, src, .. } = c {
+            if let Cmd::Copy {
+                stream,
+                bytes,
+                via,
+                src,
+                ..
+            } = c
+            {
                 assert_eq!(*via, CopyVia::CopyEngine);
-                if src.rank == 1 { local[*stream] += bytes } else { peer[*stream] += bytes }
+                if src.rank == 1 {
+                    local[*stream] += bytes
+                } else {
+                    peer[*stream] += bytes
+                }
             }
         }
         let total = (8 << 20) + (1 << 20) + 64;
@@ -888,7 +1141,10 @@ mod tests {
         let s = build(&plan, 2, &opts(2, LocalCopy::Sm, 64)).unwrap();
         assert!(s.needs_kernels);
         for c in &s.phases[0].cmds {
-            if let Cmd::Copy { stream, src, via, .. } = c {
+            if let Cmd::Copy {
+                stream, src, via, ..
+            } = c
+            {
                 assert_eq!(*via == CopyVia::Sm, src.rank == 2);
                 assert_eq!(*stream == MAIN, src.rank == 2);
             }
@@ -905,7 +1161,13 @@ mod tests {
     fn reduce_scatter_schedule_orders_slot_reuse() {
         // Many chunks through 2 slots: the copy into a slot must wait for the reduce that last read it,
         // and each reduce for its copies.
-        for &(world, slots, lookahead) in &[(2usize, 2usize, false), (2, 2, true), (3, 2, true), (4, 3, false), (5, 1, false)] {
+        for &(world, slots, lookahead) in &[
+            (2usize, 2usize, false),
+            (2, 2, true),
+            (3, 2, true),
+            (4, 3, false),
+            (5, 1, false),
+        ] {
             let plan = rs_plan(world, &[37, 100, 5], 16, slots, lookahead, 3);
             for streams in [1usize, 2, 3] {
                 check_plan(&plan, &opts(streams, LocalCopy::CopyEngine, 8), 40);
@@ -922,15 +1184,30 @@ mod tests {
         let s = build(&plan, 0, &opts(1, LocalCopy::CopyEngine, 1 << 20)).unwrap();
         assert!(s.needs_kernels);
         let cmds = &s.phases[0].cmds;
-        let waits_main = cmds.iter().filter(|c| matches!(c, Cmd::Wait { stream: MAIN, .. })).count();
-        let waits_side = cmds.iter().filter(|c| matches!(c, Cmd::Wait { stream: 1, .. })).count();
+        let waits_main = cmds
+            .iter()
+            .filter(|c| matches!(c, Cmd::Wait { stream: MAIN, .. }))
+            .count();
+        let waits_side = cmds
+            .iter()
+            .filter(|c| matches!(c, Cmd::Wait { stream: 1, .. }))
+            .count();
         assert_eq!(waits_main, 4, "{cmds:#?}");
         assert_eq!(waits_side, 2, "{cmds:#?}");
         // Join: the last copy was already waited on by the last reduce, so no extra join.
         assert!(matches!(cmds.last(), Some(Cmd::Reduce { .. })), "{cmds:#?}");
         // MAIN never waits on ready (it reads only its own input and stage); the side stream does.
-        assert!(cmds.iter().any(|c| matches!(c, Cmd::WaitRank { stream: 1, rank: 1, event: RankEvent::Ready })));
-        assert!(!cmds.iter().any(|c| matches!(c, Cmd::WaitRank { stream: MAIN, .. })));
+        assert!(cmds.iter().any(|c| matches!(
+            c,
+            Cmd::WaitRank {
+                stream: 1,
+                rank: 1,
+                event: RankEvent::Ready
+            }
+        )));
+        assert!(!cmds
+            .iter()
+            .any(|c| matches!(c, Cmd::WaitRank { stream: MAIN, .. })));
     }
 
     #[test]
@@ -962,15 +1239,33 @@ mod tests {
     fn multi_phase_waits_on_all_ranks_phase_events() {
         let mut plan = ag_plan(3, &[256]);
         let p2 = plan.phases[0].clone();
-        plan.phases.push(Phase { name: "again".into(), steps: p2.steps });
+        plan.phases.push(Phase {
+            name: "again".into(),
+            steps: p2.steps,
+        });
         let s = build(&plan, 0, &opts(1, LocalCopy::CopyEngine, 64)).unwrap();
         let c1 = &s.phases[1].cmds;
         for r in 0..3 {
-            assert!(c1.contains(&Cmd::WaitRank { stream: 1, rank: r, event: RankEvent::Phase(0) }));
+            assert!(c1.contains(&Cmd::WaitRank {
+                stream: 1,
+                rank: r,
+                event: RankEvent::Phase(0)
+            }));
         }
         assert!(!c1.iter().any(|c| matches!(c, Cmd::WaitOwnPrevDone { .. })));
         // Event ids are unique across phases.
-        let recs: Vec<usize> = s.phases.iter().flat_map(|p| &p.cmds).filter_map(|c| if let Cmd::Record { event, .. } = c { Some(*event) } else { None }).collect();
+        let recs: Vec<usize> = s
+            .phases
+            .iter()
+            .flat_map(|p| &p.cmds)
+            .filter_map(|c| {
+                if let Cmd::Record { event, .. } = c {
+                    Some(*event)
+                } else {
+                    None
+                }
+            })
+            .collect();
         let mut d = recs.clone();
         d.dedup();
         assert_eq!(recs.len(), d.len());
@@ -994,13 +1289,22 @@ mod tests {
             let layout = real_layout(world);
             let topo = Topology::single_node(world);
             let ag = crate::plan::all_gather(&layout, topo).unwrap();
-            for o in [opts(4, LocalCopy::CopyEngine, 256), opts(2, LocalCopy::Sm, 1 << 20)] {
+            for o in [
+                opts(4, LocalCopy::CopyEngine, 256),
+                opts(2, LocalCopy::Sm, 1 << 20),
+            ] {
                 check_plan(&ag, &o, 4);
             }
             for slot_bytes in [256usize, 4096, 1 << 20] {
-                let rs_opts = crate::plan::RsOptions { stage_slots: 2, slot_bytes };
+                let rs_opts = crate::plan::RsOptions {
+                    stage_slots: 2,
+                    slot_bytes,
+                };
                 let rs = crate::plan::reduce_scatter(&layout, topo, rs_opts).unwrap();
-                for o in [opts(1, LocalCopy::CopyEngine, 64), opts(2, LocalCopy::CopyEngine, 64)] {
+                for o in [
+                    opts(1, LocalCopy::CopyEngine, 64),
+                    opts(2, LocalCopy::CopyEngine, 64),
+                ] {
                     check_plan(&rs, &o, 4);
                 }
             }
@@ -1014,7 +1318,15 @@ mod tests {
         let layout = real_layout(4);
         let topo = Topology::new(2, 2).unwrap();
         let ag = crate::plan::all_gather(&layout, topo).unwrap();
-        let rs = crate::plan::reduce_scatter(&layout, topo, crate::plan::RsOptions { stage_slots: 2, slot_bytes: 512 }).unwrap();
+        let rs = crate::plan::reduce_scatter(
+            &layout,
+            topo,
+            crate::plan::RsOptions {
+                stage_slots: 2,
+                slot_bytes: 512,
+            },
+        )
+        .unwrap();
         for r in 0..4 {
             let s = build(&ag, r, &opts(2, LocalCopy::CopyEngine, 64)).unwrap();
             assert_eq!(s.phases.len(), ag.phases.len());
