@@ -180,11 +180,28 @@ fn execute_inner(call: &CallInfo) -> Result<()> {
         local.info.clone(),
         timeout(),
     )?;
+    let _unwind = FailOnUnwind { session: &session, rank: call.rank };
     let result = run(call, &mut st, &local, &session);
     if let Err(e) = &result {
         session.fail(call.rank, e);
     }
     result
+}
+
+/// Fails the session if the call unwinds (a panic caught by `execute`), so peers do not wait for
+/// this rank until the timeout.
+struct FailOnUnwind<'a> {
+    session: &'a Session<RankInfo>,
+    rank: usize,
+}
+
+impl Drop for FailOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let err = TideError::Internal("panic in the CUDA engine".into());
+            self.session.fail(self.rank, &err);
+        }
+    }
 }
 
 /// Checks the call, builds (or reuses) the plan and schedule, makes the device's resources exist,
