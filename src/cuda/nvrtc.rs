@@ -8,7 +8,9 @@
 //!    the loaded copy by its soname (the pip wheel `nvidia-cuda-nvrtc` ships
 //!    `nvidia/cu13/lib/libnvrtc.so.13` without an rpath to its builtins, hence the builtins first);
 //! 2. the dynamic loader's search path (LD_LIBRARY_PATH, ldconfig);
-//! 3. /usr/local/cuda/lib64, then /usr/local/cuda/lib (as in 1).
+//! 3. the folders of NVIDIA pip wheels this process already loaded libraries from (JAX's CUDA
+//!    plugin loads cuBLAS etc. from site-packages/nvidia/cu13/lib, where the nvidia-cuda-nvrtc wheel
+//!    puts libnvrtc.so.13 too), then /usr/local/cuda/lib64 and /usr/local/cuda/lib (as in 1).
 //!
 //! Nothing here runs at library load time; the first compile happens on the first CUDA call that
 //! needs a kernel.
@@ -112,8 +114,11 @@ pub fn ensure_loaded(dir: Option<&str>) -> Result<()> {
         if unsafe { sys::is_culib_present() } {
             return Ok(());
         }
-        for d in ["/usr/local/cuda/lib64", "/usr/local/cuda/lib"] {
-            if let Err(e) = preload_dir(std::path::Path::new(d)) {
+        let mut dirs: Vec<std::path::PathBuf> = loaded_nvidia_lib_dirs();
+        dirs.push("/usr/local/cuda/lib64".into());
+        dirs.push("/usr/local/cuda/lib".into());
+        for d in &dirs {
+            if let Err(e) = preload_dir(d) {
                 notes.push(e);
             }
             // SAFETY: as above.
@@ -133,6 +138,41 @@ pub fn ensure_loaded(dir: Option<&str>) -> Result<()> {
         call: "loading NVRTC".into(),
         detail,
     })
+}
+
+/// Folders where NVIDIA's pip wheels put libraries this process already loaded (JAX's CUDA plugin
+/// loads cuBLAS and friends from site-packages/nvidia/...): `nvidia/cu13/lib` (CUDA 13 wheels, NVRTC
+/// included) and, for CUDA 12 wheels, the sibling `nvidia/cuda_nvrtc/lib`. Read from
+/// /proc/self/maps; empty where that is unreadable.
+fn loaded_nvidia_lib_dirs() -> Vec<std::path::PathBuf> {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    nvidia_lib_dirs_from_maps(&maps)
+}
+
+/// The parsing half of `loaded_nvidia_lib_dirs`, for tests.
+pub fn nvidia_lib_dirs_from_maps(maps: &str) -> Vec<std::path::PathBuf> {
+    let mut out: Vec<std::path::PathBuf> = Vec::new();
+    for line in maps.lines() {
+        let Some(path) = line.split_whitespace().nth(5) else {
+            continue;
+        };
+        if !path.contains("/nvidia/") || !path.contains(".so") {
+            continue;
+        }
+        let Some(dir) = std::path::Path::new(path).parent() else {
+            continue;
+        };
+        let mut cands = vec![dir.to_path_buf()];
+        if let Some(pkg_root) = dir.parent().and_then(|p| p.parent()) {
+            cands.push(pkg_root.join("cuda_nvrtc").join("lib"));
+        }
+        for c in cands {
+            if !out.contains(&c) {
+                out.push(c);
+            }
+        }
+    }
+    out
 }
 
 /// NVRTC's version (major, minor).
@@ -266,4 +306,32 @@ fn program_log(prog: sys::nvrtcProgram) -> Result<String> {
     Ok(String::from_utf8_lossy(&buf)
         .trim_end_matches('\0')
         .to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_nvidia_wheel_dirs_in_maps() {
+        let maps = "\
+7f0000000000-7f0000001000 r-xp 00000000 08:01 123 /venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcublas.so.13
+7f0000001000-7f0000002000 r--p 00000000 08:01 124 /venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcublasLt.so.13
+7f0000002000-7f0000003000 r-xp 00000000 08:01 125 /usr/lib/x86_64-linux-gnu/libc.so.6
+7f0000003000-7f0000004000 rw-p 00000000 00:00 0
+7f0000004000-7f0000005000 r-xp 00000000 08:01 126 /sp/nvidia/cublas/lib/libcublas.so.12
+";
+        let d = nvidia_lib_dirs_from_maps(maps);
+        let s: Vec<String> = d.iter().map(|p| p.display().to_string()).collect();
+        assert_eq!(
+            s,
+            vec![
+                "/venv/lib/python3.12/site-packages/nvidia/cu13/lib",
+                "/venv/lib/python3.12/site-packages/nvidia/cuda_nvrtc/lib",
+                "/sp/nvidia/cublas/lib",
+                "/sp/nvidia/cuda_nvrtc/lib",
+            ]
+        );
+        assert!(nvidia_lib_dirs_from_maps("").is_empty());
+    }
 }
