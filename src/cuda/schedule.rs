@@ -1334,4 +1334,259 @@ mod tests {
             assert_eq!(s.phases.len(), rs.phases.len());
         }
     }
+
+    // ---- The cross-rank protocol of `cuda::run`, modelled over several back-to-back calls ----
+    //
+    // Per call k and rank r, in host order (as `cuda::prepare` / `cuda::run` issue them):
+    //   XLA's stream: write this call's inputs (XLA's producer), wait own previous `done`, record
+    //   `ready`; [rendezvous]; the schedule's commands; record `done`; [exit barrier]; MAIN waits on
+    //   every peer's `done`; XLA's stream: read the outputs (XLA's consumer).
+    // The host enqueues every call before the GPU runs anything (the host may run arbitrarily far
+    // ahead); each wait captures its event's record count at enqueue time (cuStreamWaitEvent
+    // semantics); then all streams of all ranks progress in a random legal order. Input and output
+    // buffers and stage slots are the same in every call (XLA reusing them at once is the worst
+    // case). Every call's outputs must equal the plan's meaning on that call's inputs.
+
+    #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+    enum Ev {
+        Ready(usize),
+        Done(usize),
+        Local(usize, usize),
+    }
+
+    #[derive(Clone, Debug)]
+    enum M {
+        Data(Action),
+        Wait(Ev, u64),
+        Record(Ev),
+        WriteInputs(usize, usize),
+        ReadOutputs(usize, usize),
+    }
+
+    fn fill_rank_inputs(mem: &mut Mem, rank: usize, call: usize) {
+        let mut keys: Vec<_> = mem
+            .keys()
+            .copied()
+            .filter(|k| k.0 == rank && k.1 == BufKind::Input)
+            .collect();
+        keys.sort();
+        for key in keys {
+            let mut x =
+                ((call as u64) << 40) ^ ((rank as u64) << 20) ^ (key.2 as u64 * 7919) ^ 0x5151;
+            for ch in mem.get_mut(&key).unwrap().chunks_mut(2) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let mut h = (x >> 20) as u16;
+                if h & 0x7f80 == 0x7f80 {
+                    h &= !0x4000;
+                }
+                ch.copy_from_slice(&h.to_le_bytes()[..ch.len()]);
+            }
+        }
+    }
+
+    fn rank_outputs(mem: &Mem, rank: usize) -> Vec<(usize, Vec<u8>)> {
+        let mut v: Vec<_> = mem
+            .iter()
+            .filter(|(k, _)| k.0 == rank && k.1 == BufKind::Output)
+            .map(|(k, b)| (k.2, b.clone()))
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Which protocol waits the model issues (all true = the engine's protocol).
+    #[derive(Clone, Copy)]
+    struct Rules {
+        main_waits_prev_done: bool,
+        main_waits_peer_done: bool,
+        side_waits_ready: bool,
+    }
+
+    fn protocol_run(
+        plan: &Plan,
+        scheds: &[Schedule],
+        calls: usize,
+        rules: Rules,
+        seed: u64,
+    ) -> bool {
+        let world = scheds.len();
+        let mut queues: Map<(usize, usize), std::collections::VecDeque<M>> = Map::new();
+        let mut records: Map<Ev, u64> = Map::new();
+        let enq = |queues: &mut Map<(usize, usize), std::collections::VecDeque<M>>,
+                   records: &mut Map<Ev, u64>,
+                   r: usize,
+                   s: usize,
+                   m: M| {
+            let m = match m {
+                M::Wait(ev, _) => M::Wait(ev, *records.get(&ev).unwrap_or(&0)),
+                M::Record(ev) => {
+                    *records.entry(ev).or_insert(0) += 1;
+                    M::Record(ev)
+                }
+                other => other,
+            };
+            queues.entry((r, s)).or_default().push_back(m);
+        };
+        for k in 0..calls {
+            for r in 0..world {
+                enq(&mut queues, &mut records, r, MAIN, M::WriteInputs(r, k));
+                if rules.main_waits_prev_done {
+                    enq(&mut queues, &mut records, r, MAIN, M::Wait(Ev::Done(r), 0));
+                }
+                enq(&mut queues, &mut records, r, MAIN, M::Record(Ev::Ready(r)));
+            }
+            // rendezvous
+            for (r, sch) in scheds.iter().enumerate() {
+                for c in &sch.phases[0].cmds {
+                    let s = c.stream();
+                    let m = match c {
+                        Cmd::WaitRank {
+                            rank,
+                            event: RankEvent::Ready,
+                            ..
+                        } => {
+                            if !rules.side_waits_ready {
+                                continue;
+                            }
+                            M::Wait(Ev::Ready(*rank), 0)
+                        }
+                        Cmd::WaitRank { .. } => panic!("single-phase plans only"),
+                        Cmd::WaitOwnPrevDone { .. } => M::Wait(Ev::Done(r), 0),
+                        Cmd::Record { event, .. } => M::Record(Ev::Local(r, *event)),
+                        Cmd::Wait { event, .. } => M::Wait(Ev::Local(r, *event), 0),
+                        other => M::Data(cmd_action(other).unwrap()),
+                    };
+                    enq(&mut queues, &mut records, r, s, m);
+                }
+                enq(&mut queues, &mut records, r, MAIN, M::Record(Ev::Done(r)));
+            }
+            // exit barrier
+            for r in 0..world {
+                if rules.main_waits_peer_done {
+                    for q in (0..world).filter(|&q| q != r) {
+                        enq(&mut queues, &mut records, r, MAIN, M::Wait(Ev::Done(q), 0));
+                    }
+                }
+                enq(&mut queues, &mut records, r, MAIN, M::ReadOutputs(r, k));
+            }
+        }
+        // The GPU.
+        let mut mem = init_mem(plan, 1);
+        let mut executed: Map<Ev, u64> = Map::new();
+        let mut seen: Map<(usize, usize), Vec<(usize, Vec<u8>)>> = Map::new();
+        let mut keys: Vec<(usize, usize)> = queues.keys().copied().collect();
+        keys.sort();
+        let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+        loop {
+            let runnable: Vec<(usize, usize)> = keys
+                .iter()
+                .copied()
+                .filter(|k| match queues[k].front() {
+                    None => false,
+                    Some(M::Wait(ev, target)) => executed.get(ev).copied().unwrap_or(0) >= *target,
+                    Some(_) => true,
+                })
+                .collect();
+            if runnable.is_empty() {
+                assert!(queues.values().all(|q| q.is_empty()), "deadlock");
+                break;
+            }
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let key = runnable[(x % runnable.len() as u64) as usize];
+            match queues.get_mut(&key).unwrap().pop_front().unwrap() {
+                M::Data(a) => apply(&mut mem, &a),
+                M::Wait(..) => {}
+                M::Record(ev) => *executed.entry(ev).or_insert(0) += 1,
+                M::WriteInputs(r, k) => fill_rank_inputs(&mut mem, r, k),
+                M::ReadOutputs(r, k) => {
+                    seen.insert((r, k), rank_outputs(&mem, r));
+                }
+            }
+        }
+        // The meaning of each call.
+        for k in 0..calls {
+            let mut want = init_mem(plan, 1);
+            for r in 0..world {
+                fill_rank_inputs(&mut want, r, k);
+            }
+            reference(plan, &mut want);
+            for r in 0..world {
+                if seen[&(r, k)] != rank_outputs(&want, r) {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    const ALL_RULES: Rules = Rules {
+        main_waits_prev_done: true,
+        main_waits_peer_done: true,
+        side_waits_ready: true,
+    };
+
+    fn protocol_plans() -> Vec<(Plan, SchedOptions)> {
+        let mut v = Vec::new();
+        for world in [2usize, 3] {
+            let layout = real_layout(world);
+            let topo = Topology::single_node(world);
+            v.push((
+                crate::plan::all_gather(&layout, topo).unwrap(),
+                opts(2, LocalCopy::CopyEngine, 256),
+            ));
+            v.push((
+                crate::plan::all_gather(&layout, topo).unwrap(),
+                opts(2, LocalCopy::Sm, 256),
+            ));
+            let rs = crate::plan::RsOptions {
+                stage_slots: 2,
+                slot_bytes: 1024,
+            };
+            v.push((
+                crate::plan::reduce_scatter(&layout, topo, rs).unwrap(),
+                opts(2, LocalCopy::CopyEngine, 256),
+            ));
+        }
+        v
+    }
+
+    #[test]
+    fn protocol_keeps_back_to_back_calls_race_free() {
+        for (plan, o) in protocol_plans() {
+            let world = plan.topology.world();
+            let scheds: Vec<Schedule> = (0..world).map(|r| build(&plan, r, &o).unwrap()).collect();
+            for seed in 0..6 {
+                assert!(
+                    protocol_run(&plan, &scheds, 3, ALL_RULES, seed),
+                    "{:?} world {world} seed {seed}",
+                    plan.op
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn protocol_model_catches_each_missing_rule() {
+        // Without the peer-done wait, XLA may overwrite an input a peer is still copying; without
+        // the ready waits, a peer may copy an input before XLA wrote it. The model must see both.
+        let (plan, o) = protocol_plans().swap_remove(0);
+        let scheds: Vec<Schedule> = (0..2).map(|r| build(&plan, r, &o).unwrap()).collect();
+        for rules in [
+            Rules {
+                main_waits_peer_done: false,
+                ..ALL_RULES
+            },
+            Rules {
+                side_waits_ready: false,
+                ..ALL_RULES
+            },
+        ] {
+            let caught = (0..40).any(|seed| !protocol_run(&plan, &scheds, 3, rules, seed));
+            assert!(caught);
+        }
+    }
 }
