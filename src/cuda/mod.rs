@@ -42,6 +42,12 @@
 //! and waited on by the one host thread that owns the device, in order, within one call.
 //! Stage slots and side streams are reused safely because of the wait on the previous `done`.
 //!
+//! Memory (device, per GPU, allocated once and kept): the all-gather needs none beyond XLA's
+//! buffers (every piece lands at its final address; the cast, if any, is XLA's, on the local shard).
+//! The reduce-scatter stages peers' slices in `TIDE_RS_STAGE_SLOTS x TIDE_RS_SLOT_BYTES` bytes
+//! (default 2 x 32 MiB = 64 MiB), independent of the group size and of the number of GPUs; chunks of
+//! at most `slot_bytes / (P - 1)` per peer cycle through the slots. Plus events and streams.
+//!
 //! Concurrency: each device's state is locked for the whole call. XLA issues a device's calls from
 //! that device's thread one at a time; if two tide calls of one device were ever issued
 //! concurrently in different orders on two devices, they would fail with a rendezvous timeout, not
