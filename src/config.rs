@@ -29,6 +29,10 @@ pub struct Config {
     /// TIDE_NVRTC_LIB_DIR (default unset): a folder holding libnvrtc.so.* (and libnvrtc-builtins),
     /// e.g. site-packages/nvidia/cu13/lib of the nvidia-cuda-nvrtc wheel; loaded before the system's.
     pub nvrtc_lib_dir: Option<String>,
+    /// TIDE_COPY_BATCH (default 0): when 1, the CUDA engine issues consecutive copy-engine copies of
+    /// one stream as one cuMemcpyBatchAsync (CUDA 13 drivers) instead of one cuMemcpyAsync each.
+    /// Off until measured faster.
+    pub copy_batch: bool,
 }
 
 /// How the CUDA engine performs a copy whose source and destination are on the same GPU.
@@ -73,6 +77,7 @@ impl Config {
             multicast: env_parse("TIDE_MULTICAST", 0u32) != 0,
             rs_copy_streams: env_parse("TIDE_RS_COPY_STREAMS", 2usize).clamp(1, 16),
             local_copy: env_parse("TIDE_LOCAL_COPY", LocalCopy::CopyEngine),
+            copy_batch: env_parse("TIDE_COPY_BATCH", 0u32) != 0,
             nvrtc_lib_dir: std::env::var("TIDE_NVRTC_LIB_DIR")
                 .ok()
                 .filter(|s| !s.trim().is_empty()),

@@ -186,7 +186,10 @@ fn execute_inner(call: &CallInfo) -> Result<()> {
         local.info.clone(),
         timeout(),
     )?;
-    let _unwind = FailOnUnwind { session: &session, rank: call.rank };
+    let _unwind = FailOnUnwind {
+        session: &session,
+        rank: call.rank,
+    };
     let result = run(call, &mut st, &local, &session);
     if let Err(e) = &result {
         session.fail(call.rank, e);
@@ -452,13 +455,44 @@ fn run(
     let sched = &prepared.schedule;
     let nphases = sched.phases.len();
     let mut issued_side = false;
+    // Optional batching of consecutive copy-engine copies per stream (TIDE_COPY_BATCH).
+    let batching = CONFIG.copy_batch && driver::init().map(|v| v >= 13000).unwrap_or(false);
+    let mut pending: Vec<Vec<BatchCopy>> = vec![Vec::new(); st.side.len() + 1];
     let res = (|| -> Result<()> {
         for (p, phase) in sched.phases.iter().enumerate() {
             for cmd in &phase.cmds {
-                if cmd.stream() != MAIN {
+                let s = cmd.stream();
+                if s != MAIN {
                     issued_side = true;
                 }
+                if batching {
+                    if let Cmd::Copy {
+                        src,
+                        dst,
+                        bytes,
+                        via: CopyVia::CopyEngine,
+                        ..
+                    } = cmd
+                    {
+                        let c = BatchCopy {
+                            dst: address(infos, dst, *bytes)?,
+                            src: address(infos, src, *bytes)?,
+                            bytes: *bytes,
+                            dst_dev: infos[dst.rank].device,
+                            src_dev: infos[src.rank].device,
+                        };
+                        pending
+                            .get_mut(s)
+                            .ok_or_else(|| TideError::Internal(format!("stream {s} out of range")))?
+                            .push(c);
+                        continue;
+                    }
+                    flush_batch(call, st, main, s, &mut pending)?;
+                }
                 issue(call, st, infos, prepared, main, p, cmd)?;
+            }
+            for s in 0..pending.len() {
+                flush_batch(call, st, main, s, &mut pending)?;
             }
             if p + 1 < nphases {
                 let ev = st.phase[p];
@@ -522,6 +556,87 @@ fn run(
         }
     }
     Ok(())
+}
+
+/// A copy-engine copy waiting to be issued in a batch.
+#[derive(Debug, Clone, Copy)]
+struct BatchCopy {
+    dst: u64,
+    src: u64,
+    bytes: usize,
+    dst_dev: i64,
+    src_dev: i64,
+}
+
+/// Issues the copies pending on stream `s`: one cuMemcpyAsync, or one cuMemcpyBatchAsync for
+/// several (source order: stream; hints: the devices holding source and destination).
+fn flush_batch(
+    call: &CallInfo,
+    st: &DeviceState,
+    main: CUstream,
+    s: usize,
+    pending: &mut [Vec<BatchCopy>],
+) -> Result<()> {
+    let Some(list) = pending.get_mut(s) else {
+        return Ok(());
+    };
+    if list.is_empty() {
+        return Ok(());
+    }
+    let copies = std::mem::take(list);
+    let stream = stream_of(st, main, s)?;
+    let what = || {
+        format!(
+            "rank {} device {}: {} copies on stream {s}, {} bytes",
+            call.rank,
+            call.device_ordinal,
+            copies.len(),
+            copies.iter().map(|c| c.bytes).sum::<usize>()
+        )
+    };
+    if copies.len() == 1 {
+        let c = copies[0];
+        // SAFETY: addresses bounds-checked by `address`; ordering per the module header.
+        return check(
+            unsafe { sys::cuMemcpyAsync(c.dst, c.src, c.bytes, stream) },
+            "cuMemcpyAsync",
+            what,
+        );
+    }
+    let loc = |dev: i64| sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: dev as i32,
+    };
+    let mut dsts: Vec<sys::CUdeviceptr> = copies.iter().map(|c| c.dst).collect();
+    let mut srcs: Vec<sys::CUdeviceptr> = copies.iter().map(|c| c.src).collect();
+    let mut sizes: Vec<usize> = copies.iter().map(|c| c.bytes).collect();
+    let mut attrs: Vec<sys::CUmemcpyAttributes> = copies
+        .iter()
+        .map(|c| sys::CUmemcpyAttributes {
+            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            srcLocHint: loc(c.src_dev),
+            dstLocHint: loc(c.dst_dev),
+            flags: sys::CUmemcpyFlags::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32,
+        })
+        .collect();
+    let mut idxs: Vec<usize> = (0..copies.len()).collect();
+    // SAFETY: five arrays of `copies.len()` entries, alive across the call; addresses checked.
+    check(
+        unsafe {
+            sys::cuMemcpyBatchAsync_v2(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                copies.len(),
+                attrs.as_mut_ptr(),
+                idxs.as_mut_ptr(),
+                copies.len(),
+                stream,
+            )
+        },
+        "cuMemcpyBatchAsync",
+        what,
+    )
 }
 
 /// Best effort on the error path: `to` waits on everything enqueued so far on `from`.
