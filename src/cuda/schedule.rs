@@ -1386,7 +1386,9 @@ mod tests {
         }
     }
 
-    fn rank_outputs(mem: &Mem, rank: usize) -> Vec<(usize, Vec<u8>)> {
+    type RankOutputs = Vec<(usize, Vec<u8>)>;
+
+    fn rank_outputs(mem: &Mem, rank: usize) -> RankOutputs {
         let mut v: Vec<_> = mem
             .iter()
             .filter(|(k, _)| k.0 == rank && k.1 == BufKind::Output)
@@ -1475,7 +1477,7 @@ mod tests {
         // The GPU.
         let mut mem = init_mem(plan, 1);
         let mut executed: Map<Ev, u64> = Map::new();
-        let mut seen: Map<(usize, usize), Vec<(usize, Vec<u8>)>> = Map::new();
+        let mut seen: Map<(usize, usize), RankOutputs> = Map::new();
         let mut keys: Vec<(usize, usize)> = queues.keys().copied().collect();
         keys.sort();
         let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
