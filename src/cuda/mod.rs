@@ -99,9 +99,18 @@ fn op_name(op: Op) -> &'static str {
 }
 
 /// Executes one collective call on XLA's stream `call.stream` of device `call.device_ordinal`.
-/// Enqueues work only; never synchronizes the host with the device in the hot path.
+/// Enqueues work only; never synchronizes the host with the device in the hot path. The rendezvous
+/// sequence number is this rank's count of calls of the site (`rendezvous::next_seq`).
 pub fn execute(call: &CallInfo) -> Result<()> {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| execute_inner(call))) {
+    let seq = rendezvous::next_seq(call.site, call.group, call.rank);
+    execute_with_seq(call, seq)
+}
+
+/// `execute` with the rendezvous sequence number chosen by the caller (e.g. the FFI edge's
+/// `rendezvous::run_seq` from XLA's RunId, so ranks re-synchronize every run). Take it before
+/// anything that can fail, on every rank.
+pub fn execute_with_seq(call: &CallInfo, seq: u64) -> Result<()> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| execute_inner(call, seq))) {
         Ok(r) => r,
         Err(p) => {
             let msg = p
@@ -130,7 +139,7 @@ struct Local {
     info: RankInfo,
 }
 
-fn execute_inner(call: &CallInfo) -> Result<()> {
+fn execute_inner(call: &CallInfo, seq: u64) -> Result<()> {
     let what = format!(
         "tide {} site {} group {}",
         op_name(call.op),
@@ -140,7 +149,7 @@ fn execute_inner(call: &CallInfo) -> Result<()> {
     let key = Key {
         site: call.site,
         group: call.group,
-        seq: rendezvous::next_seq(call.site, call.group, call.rank),
+        seq,
     };
     let fail_early = |err: TideError| -> Result<()> {
         // Join anyway, publishing the error, so peers fail at once instead of at the timeout.
