@@ -19,6 +19,38 @@ pub struct Config {
     /// TIDE_MULTICAST (default off): allow NVLink multicast paths when the hardware reports support.
     /// Never set on shared machines.
     pub multicast: bool,
+    /// TIDE_RS_COPY_STREAMS (default 2): copy streams the CUDA reduce-scatter spreads each chunk's
+    /// staging copies over (pieces of at least 1 MiB).
+    pub rs_copy_streams: usize,
+    /// TIDE_LOCAL_COPY (default `ce`): how the CUDA engine copies between two buffers of the same GPU
+    /// (the all-gather's own shard): `ce` = copy engine (cuMemcpyAsync on a copy stream, zero SMs),
+    /// `sm` = the `tide_copy` kernel on XLA's stream (at most TIDE_RS_MAX_CTAS CTAs).
+    pub local_copy: LocalCopy,
+    /// TIDE_NVRTC_LIB_DIR (default unset): a folder holding libnvrtc.so.* (and libnvrtc-builtins),
+    /// e.g. site-packages/nvidia/cu13/lib of the nvidia-cuda-nvrtc wheel; loaded before the system's.
+    pub nvrtc_lib_dir: Option<String>,
+    /// TIDE_COPY_BATCH (default 0): when 1, the CUDA engine issues consecutive copy-engine copies of
+    /// one stream as one cuMemcpyBatchAsync (CUDA 13 drivers) instead of one cuMemcpyAsync each.
+    /// Off until measured faster.
+    pub copy_batch: bool,
+}
+
+/// How the CUDA engine performs a copy whose source and destination are on the same GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LocalCopy {
+    CopyEngine,
+    Sm,
+}
+
+impl std::str::FromStr for LocalCopy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<LocalCopy, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "ce" | "copy_engine" => Ok(LocalCopy::CopyEngine),
+            "sm" | "kernel" => Ok(LocalCopy::Sm),
+            other => Err(format!("{other:?}: expected ce or sm")),
+        }
+    }
 }
 
 fn env_parse<T: std::str::FromStr>(name: &str, default: T) -> T {
@@ -41,8 +73,14 @@ impl Config {
             rs_max_ctas: env_parse("TIDE_RS_MAX_CTAS", 16u32).max(1),
             rs_stage_slots: env_parse("TIDE_RS_STAGE_SLOTS", 2usize).max(1),
             rs_slot_bytes: env_parse("TIDE_RS_SLOT_BYTES", 32usize << 20).max(4096),
-            ag_streams: env_parse("TIDE_AG_STREAMS", 4usize).max(1),
+            ag_streams: env_parse("TIDE_AG_STREAMS", 4usize).clamp(1, 16),
             multicast: env_parse("TIDE_MULTICAST", 0u32) != 0,
+            rs_copy_streams: env_parse("TIDE_RS_COPY_STREAMS", 2usize).clamp(1, 16),
+            local_copy: env_parse("TIDE_LOCAL_COPY", LocalCopy::CopyEngine),
+            copy_batch: env_parse("TIDE_COPY_BATCH", 0u32) != 0,
+            nvrtc_lib_dir: std::env::var("TIDE_NVRTC_LIB_DIR")
+                .ok()
+                .filter(|s| !s.trim().is_empty()),
         }
     }
 }

@@ -1,0 +1,249 @@
+// tide kernels: fp32 reduction of the reduce-scatter and an SM byte copy for local copies.
+//
+// Compiled at run time by NVRTC for the device's sm_XY (src/cuda/kernels.rs embeds this file), and
+// as plain C++ by the host-emulation test (tests/kernels_host.rs) with TIDE_HOST_EMULATION defined,
+// which supplies threadIdx/blockIdx/blockDim/gridDim and the vector types. No CUDA headers: bf16 ->
+// f32 is a bit shift, f16 -> f32 is the PTX instruction cvt.f32.f16.
+//
+// rs_sum_<src>_f32(dst, srcs, nsrc, n, accumulate, vectorized):
+//   dst[e] = ((f32(srcs[0][e]) + f32(srcs[1][e])) + ...) + f32(srcs[nsrc-1][e])   (accumulate == 0)
+//   dst[e] = ((dst[e] + f32(srcs[0][e])) + ...) + f32(srcs[nsrc-1][e])          (accumulate != 0)
+//   for e in [0, n), in exactly this order, fp32 adds (no fast math), so results are bitwise equal to
+//   tide's CPU engine. A sum over more than TIDE_MAX_SRCS sources is several launches, the later ones
+//   with accumulate = 1 (the same sequence of fp32 additions). vectorized != 0 promises that dst and
+//   every source are 16-byte aligned (the host checks); elements past the last whole 16-byte vector
+//   are done by a scalar tail. Grid-stride loops: any grid size is correct.
+//
+// tide_copy(dst, src, bytes, width): copies bytes; width (16, 8, 4, 2 or 1) divides both addresses.
+
+#define TIDE_THREADS 512
+#define TIDE_MAX_SRCS 8
+
+#ifndef TIDE_HOST_EMULATION
+#define TIDE_DEV __device__ __forceinline__
+#else
+#define TIDE_DEV inline
+#endif
+
+struct TideSrcs {
+    const void* p[TIDE_MAX_SRCS];
+};
+
+TIDE_DEV float tide_bits_f32(unsigned int bits) {
+#ifdef TIDE_HOST_EMULATION
+    return tide_host_bits_f32(bits);
+#else
+    return __uint_as_float(bits);
+#endif
+}
+
+TIDE_DEV float tide_f16_f32(unsigned short h) {
+#ifdef TIDE_HOST_EMULATION
+    return tide_host_f16_f32(h);
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#endif
+}
+
+// Element traits: how one source element and one 16-byte vector of them become fp32.
+struct TideBf16 {
+    enum { PER_VEC = 8 };
+    static TIDE_DEV float one(const void* p, unsigned long long i) {
+        return tide_bits_f32(((unsigned int)((const unsigned short*)p)[i]) << 16);
+    }
+    static TIDE_DEV void word(unsigned int w, float* out) {
+        out[0] = tide_bits_f32(w << 16);
+        out[1] = tide_bits_f32(w & 0xffff0000u);
+    }
+    static TIDE_DEV void unpack(const uint4& v, float* out) {
+        word(v.x, out + 0);
+        word(v.y, out + 2);
+        word(v.z, out + 4);
+        word(v.w, out + 6);
+    }
+};
+
+struct TideF16 {
+    enum { PER_VEC = 8 };
+    static TIDE_DEV float one(const void* p, unsigned long long i) {
+        return tide_f16_f32(((const unsigned short*)p)[i]);
+    }
+    static TIDE_DEV void word(unsigned int w, float* out) {
+        out[0] = tide_f16_f32((unsigned short)(w & 0xffffu));
+        out[1] = tide_f16_f32((unsigned short)(w >> 16));
+    }
+    static TIDE_DEV void unpack(const uint4& v, float* out) {
+        word(v.x, out + 0);
+        word(v.y, out + 2);
+        word(v.z, out + 4);
+        word(v.w, out + 6);
+    }
+};
+
+struct TideF32 {
+    enum { PER_VEC = 4 };
+    static TIDE_DEV float one(const void* p, unsigned long long i) { return ((const float*)p)[i]; }
+    static TIDE_DEV void unpack(const uint4& v, float* out) {
+        out[0] = tide_bits_f32(v.x);
+        out[1] = tide_bits_f32(v.y);
+        out[2] = tide_bits_f32(v.z);
+        out[3] = tide_bits_f32(v.w);
+    }
+};
+
+// Vector body: each thread handles U vectors per iteration (U * NSRC independent 16-byte loads in
+// flight before the first add), vectors v0, v0 + stride, ... so each warp's loads are coalesced.
+template <class E, int NSRC, int U>
+TIDE_DEV void tide_sum_vec(float* dst, const TideSrcs& srcs, unsigned long long nvec, int accumulate) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long v0 = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; v0 < nvec;
+         v0 += stride * U) {
+        uint4 raw[U][NSRC];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const unsigned long long v = v0 + (unsigned long long)u * stride;
+            if (v < nvec) {
+#pragma unroll
+                for (int s = 0; s < NSRC; ++s) raw[u][s] = ((const uint4*)srcs.p[s])[v];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const unsigned long long v = v0 + (unsigned long long)u * stride;
+            if (v < nvec) {
+                float acc[E::PER_VEC];
+                float x[E::PER_VEC];
+                float4* out = (float4*)dst + v * (E::PER_VEC / 4);
+                int first = 0;
+                if (accumulate) {
+#pragma unroll
+                    for (int q = 0; q < E::PER_VEC / 4; ++q) {
+                        const float4 d = out[q];
+                        acc[4 * q + 0] = d.x;
+                        acc[4 * q + 1] = d.y;
+                        acc[4 * q + 2] = d.z;
+                        acc[4 * q + 3] = d.w;
+                    }
+                } else {
+                    E::unpack(raw[u][0], acc);
+                    first = 1;
+                }
+#pragma unroll
+                for (int s = 0; s < NSRC; ++s) {
+                    if (s >= first) {
+                        E::unpack(raw[u][s], x);
+#pragma unroll
+                        for (int k = 0; k < E::PER_VEC; ++k) acc[k] = acc[k] + x[k];
+                    }
+                }
+#pragma unroll
+                for (int q = 0; q < E::PER_VEC / 4; ++q) {
+                    float4 d;
+                    d.x = acc[4 * q + 0];
+                    d.y = acc[4 * q + 1];
+                    d.z = acc[4 * q + 2];
+                    d.w = acc[4 * q + 3];
+                    out[q] = d;
+                }
+            }
+        }
+    }
+}
+
+// Scalar body for elements [begin, n): the tail after the vectors, or everything when unaligned.
+template <class E>
+TIDE_DEV void tide_sum_scalar(float* dst, const TideSrcs& srcs, int nsrc, unsigned long long begin,
+                              unsigned long long n, int accumulate) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = begin + (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += stride) {
+        float acc;
+        int s = 0;
+        if (accumulate) {
+            acc = dst[i];
+        } else {
+            acc = E::one(srcs.p[0], i);
+            s = 1;
+        }
+        // Unrolled with constant indices so srcs stays in the parameter space (no local copy).
+#pragma unroll
+        for (int k = 0; k < TIDE_MAX_SRCS; ++k) {
+            if (k >= s && k < nsrc) acc = acc + E::one(srcs.p[k], i);
+        }
+        dst[i] = acc;
+    }
+}
+
+template <class E>
+TIDE_DEV void tide_sum(float* dst, const TideSrcs& srcs, int nsrc, unsigned long long n, int accumulate,
+                       int vectorized) {
+    if (nsrc < 1 || nsrc > TIDE_MAX_SRCS) return;  // the host never launches this
+    const unsigned long long nvec = vectorized ? n / E::PER_VEC : 0;
+    if (nvec > 0) {
+        switch (nsrc) {
+            case 1: tide_sum_vec<E, 1, 8>(dst, srcs, nvec, accumulate); break;
+            case 2: tide_sum_vec<E, 2, 4>(dst, srcs, nvec, accumulate); break;
+            case 3: tide_sum_vec<E, 3, 2>(dst, srcs, nvec, accumulate); break;
+            case 4: tide_sum_vec<E, 4, 2>(dst, srcs, nvec, accumulate); break;
+            case 5: tide_sum_vec<E, 5, 1>(dst, srcs, nvec, accumulate); break;
+            case 6: tide_sum_vec<E, 6, 1>(dst, srcs, nvec, accumulate); break;
+            case 7: tide_sum_vec<E, 7, 1>(dst, srcs, nvec, accumulate); break;
+            default: tide_sum_vec<E, 8, 1>(dst, srcs, nvec, accumulate); break;
+        }
+    }
+    tide_sum_scalar<E>(dst, srcs, nsrc, nvec * E::PER_VEC, n, accumulate);
+}
+
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+rs_sum_bf16_f32(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized) {
+    tide_sum<TideBf16>(dst, srcs, nsrc, n, accumulate, vectorized);
+}
+
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+rs_sum_f16_f32(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized) {
+    tide_sum<TideF16>(dst, srcs, nsrc, n, accumulate, vectorized);
+}
+
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+rs_sum_f32_f32(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized) {
+    tide_sum<TideF32>(dst, srcs, nsrc, n, accumulate, vectorized);
+}
+
+// Byte copy in units of T (4 units in flight per thread), then the bytes past the last whole unit.
+template <class T>
+TIDE_DEV void tide_copy_units(void* dst, const void* src, unsigned long long bytes) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned long long tid = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned long long n = bytes / sizeof(T);
+    T* d = (T*)dst;
+    const T* s = (const T*)src;
+    for (unsigned long long i0 = tid; i0 < n; i0 += 4 * stride) {
+        T r[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const unsigned long long i = i0 + (unsigned long long)u * stride;
+            if (i < n) r[u] = s[i];
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const unsigned long long i = i0 + (unsigned long long)u * stride;
+            if (i < n) d[i] = r[u];
+        }
+    }
+    for (unsigned long long b = n * sizeof(T) + tid; b < bytes; b += stride) {
+        ((unsigned char*)dst)[b] = ((const unsigned char*)src)[b];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+tide_copy(void* dst, const void* src, unsigned long long bytes, int width) {
+    switch (width) {
+        case 16: tide_copy_units<uint4>(dst, src, bytes); break;
+        case 8: tide_copy_units<unsigned long long>(dst, src, bytes); break;
+        case 4: tide_copy_units<unsigned int>(dst, src, bytes); break;
+        case 2: tide_copy_units<unsigned short>(dst, src, bytes); break;
+        default: tide_copy_units<unsigned char>(dst, src, bytes); break;
+    }
+}

@@ -1,0 +1,230 @@
+//! The kernels of `kernels/rs_sum.cu` as the host sees them: embedded source, names, launch shapes
+//! and the host-side decisions (how a Reduce step becomes launches, when 16-byte vectors are
+//! allowed, the copy width). Pure; unit-tested here. Compilation is `cuda::nvrtc`, launching is
+//! `cuda::exec`.
+
+use crate::error::{Result, TideError};
+use crate::layout::DType;
+
+/// The kernel source, compiled by NVRTC at run time.
+pub const SOURCE: &str = include_str!("../../kernels/rs_sum.cu");
+/// The file name NVRTC reports in diagnostics.
+pub const SOURCE_NAME: &str = "tide/kernels/rs_sum.cu";
+/// Threads per CTA of every kernel (`TIDE_THREADS` in the source, its `__launch_bounds__`).
+pub const THREADS: u32 = 512;
+/// Sources one `rs_sum_*` launch sums (`TIDE_MAX_SRCS`, the size of `TideSrcs`).
+pub const MAX_SRCS: usize = 8;
+/// Every kernel the module must export.
+pub const KERNEL_NAMES: [&str; 4] = [
+    "rs_sum_bf16_f32",
+    "rs_sum_f16_f32",
+    "rs_sum_f32_f32",
+    "tide_copy",
+];
+
+/// The `rs_sum` kernel for sources of `dtype`.
+pub fn sum_kernel(dtype: DType) -> Result<&'static str> {
+    match dtype {
+        DType::BF16 => Ok("rs_sum_bf16_f32"),
+        DType::F16 => Ok("rs_sum_f16_f32"),
+        DType::F32 => Ok("rs_sum_f32_f32"),
+        other => Err(TideError::UnsupportedDtype {
+            dtype: other.name().to_string(),
+            op: "reduce_scatter on CUDA (bfloat16, float16 or float32 sources)",
+        }),
+    }
+}
+
+/// `TideSrcs` of the kernel: passed by value.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SrcPtrs {
+    pub p: [u64; MAX_SRCS],
+}
+
+/// One `rs_sum_*` launch: sources `first..first + count` of the Reduce step, all of `dtype`;
+/// `accumulate` adds onto dst (every launch after the first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SumLaunch {
+    pub dtype: DType,
+    pub first: usize,
+    pub count: usize,
+    pub accumulate: bool,
+}
+
+/// How a Reduce with sources of these dtypes (in order) becomes launches: runs of one dtype, at
+/// most `MAX_SRCS` each; the first writes dst, the others accumulate. Every launch adds its
+/// sources in order onto the running fp32 value, so the sequence of fp32 additions is exactly the
+/// plan's `((s0 + s1) + s2) + ...` whatever the split.
+pub fn sum_launches(dtypes: &[DType]) -> Result<Vec<SumLaunch>> {
+    if dtypes.is_empty() {
+        return Err(TideError::Internal("reduce step without sources".into()));
+    }
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < dtypes.len() {
+        sum_kernel(dtypes[i])?;
+        let mut j = i + 1;
+        while j < dtypes.len() && dtypes[j] == dtypes[i] && j - i < MAX_SRCS {
+            j += 1;
+        }
+        out.push(SumLaunch {
+            dtype: dtypes[i],
+            first: i,
+            count: j - i,
+            accumulate: i > 0,
+        });
+        i = j;
+    }
+    Ok(out)
+}
+
+/// Whether the 16-byte vector path may be used: dst and every source 16-byte aligned.
+pub fn sum_vectorized(dst: u64, srcs: &[u64]) -> bool {
+    dst.is_multiple_of(16) && srcs.iter().all(|s| s.is_multiple_of(16))
+}
+
+/// CTAs for a launch covering `units` per-thread work items, at most `max_ctas`, at least 1.
+pub fn grid(units: u64, max_ctas: u32) -> u32 {
+    let want = units.div_ceil(THREADS as u64).max(1);
+    want.min(max_ctas.max(1) as u64) as u32
+}
+
+/// Work items of an `rs_sum` launch over `elems` elements of `dtype` (vectors when vectorized).
+pub fn sum_units(elems: u64, dtype: DType, vectorized: bool) -> u64 {
+    if vectorized {
+        let per_vec = (16 / dtype.size_bytes()) as u64;
+        (elems / per_vec).max(elems % per_vec)
+    } else {
+        elems
+    }
+}
+
+/// The copy unit of `tide_copy`: the largest of 16, 8, 4, 2, 1 dividing both addresses.
+pub fn copy_width(dst: u64, src: u64) -> i32 {
+    let both = dst | src;
+    for w in [16u64, 8, 4, 2] {
+        if both.is_multiple_of(w) {
+            return w as i32;
+        }
+    }
+    1
+}
+
+/// The NVRTC architecture option value for compute capability `major.minor` ("sm_90").
+pub fn arch(major: i32, minor: i32) -> String {
+    format!("sm_{major}{minor}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn define(name: &str) -> String {
+        let line = SOURCE
+            .lines()
+            .find(|l| l.starts_with(&format!("#define {name} ")))
+            .unwrap_or_else(|| panic!("#define {name} missing from rs_sum.cu"));
+        line.split_whitespace().nth(2).unwrap().to_string()
+    }
+
+    #[test]
+    fn source_constants_match_the_host() {
+        assert_eq!(define("TIDE_THREADS"), THREADS.to_string());
+        assert_eq!(define("TIDE_MAX_SRCS"), MAX_SRCS.to_string());
+        for k in KERNEL_NAMES {
+            assert!(
+                SOURCE.contains(&format!("\n{k}(")),
+                "kernel {k} not in source"
+            );
+        }
+        assert_eq!(std::mem::size_of::<SrcPtrs>(), 8 * MAX_SRCS);
+        // No CUDA headers, no multicast.
+        assert!(!SOURCE.contains("#include"));
+        assert!(!SOURCE.contains("multimem"));
+    }
+
+    #[test]
+    fn launches_split_by_dtype_and_size() {
+        use DType::*;
+        assert_eq!(
+            sum_launches(&[BF16, BF16]).unwrap(),
+            vec![SumLaunch {
+                dtype: BF16,
+                first: 0,
+                count: 2,
+                accumulate: false
+            }]
+        );
+        let twenty = vec![BF16; 20];
+        assert_eq!(
+            sum_launches(&twenty).unwrap(),
+            vec![
+                SumLaunch {
+                    dtype: BF16,
+                    first: 0,
+                    count: 8,
+                    accumulate: false
+                },
+                SumLaunch {
+                    dtype: BF16,
+                    first: 8,
+                    count: 8,
+                    accumulate: true
+                },
+                SumLaunch {
+                    dtype: BF16,
+                    first: 16,
+                    count: 4,
+                    accumulate: true
+                },
+            ]
+        );
+        assert_eq!(
+            sum_launches(&[F32, BF16, BF16, F32]).unwrap(),
+            vec![
+                SumLaunch {
+                    dtype: F32,
+                    first: 0,
+                    count: 1,
+                    accumulate: false
+                },
+                SumLaunch {
+                    dtype: BF16,
+                    first: 1,
+                    count: 2,
+                    accumulate: true
+                },
+                SumLaunch {
+                    dtype: F32,
+                    first: 3,
+                    count: 1,
+                    accumulate: true
+                },
+            ]
+        );
+        assert!(sum_launches(&[]).is_err());
+        assert!(sum_launches(&[BF16, S32]).is_err());
+    }
+
+    #[test]
+    fn alignment_grid_and_width() {
+        assert!(sum_vectorized(0x1000, &[0x2000, 0x3010]));
+        assert!(!sum_vectorized(0x1004, &[0x2000]));
+        assert!(!sum_vectorized(0x1000, &[0x2000, 0x2002]));
+        assert_eq!(grid(0, 16), 1);
+        assert_eq!(grid(1, 16), 1);
+        assert_eq!(grid(512 * 3 + 1, 16), 4);
+        assert_eq!(grid(1 << 30, 16), 16);
+        assert_eq!(grid(1 << 30, 0), 1);
+        assert_eq!(sum_units(80, DType::BF16, true), 10);
+        assert_eq!(sum_units(83, DType::BF16, true), 10);
+        assert_eq!(sum_units(3, DType::F32, true), 3);
+        assert_eq!(sum_units(83, DType::BF16, false), 83);
+        assert_eq!(copy_width(0x1000, 0x2000), 16);
+        assert_eq!(copy_width(0x1008, 0x2000), 8);
+        assert_eq!(copy_width(0x1002, 0x2004), 2);
+        assert_eq!(copy_width(0x1001, 0x2000), 1);
+        assert_eq!(arch(9, 0), "sm_90");
+    }
+}

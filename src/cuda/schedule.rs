@@ -1,0 +1,1594 @@
+//! One rank's part of a plan, scheduled onto CUDA streams: pure data, no CUDA, unit-tested here.
+//!
+//! Input: a `Plan` and the executing rank. Output: per phase, the exact list of commands the CUDA
+//! engine issues, in host order: which stream each step (or piece of a step) goes on, and the event
+//! records and waits that order them. The engine translates each command into one driver call or
+//! kernel launch (`cuda::exec`), so everything about ordering is decided, and tested, here.
+//!
+//! Streams: index `MAIN` (0) is XLA's stream; `1..=copy_streams` are tide's side copy streams.
+//! - Copy-engine copies (every copy with a peer end, and local copies under `LocalCopy::CopyEngine`)
+//!   go on side streams. A maximal run of consecutive such copies of this executor (a *segment*: the
+//!   all-gather's whole phase; one chunk of the reduce-scatter) is split into contiguous pieces that
+//!   balance bytes over the side streams (least-loaded first; pieces of at least `min_piece_bytes`,
+//!   split at multiples of `split_align` from the copy's start).
+//! - Reduce, Zero and SM local copies go on MAIN (XLA's stream).
+//!
+//! Ordering inside the rank (plan semantics: one executor's steps act in listed order wherever the
+//! byte ranges they touch overlap with at least one write): step B depends on every earlier step A
+//! whose accesses conflict with B's. When B goes on a stream other than A's, the engine records a
+//! local event right after A's piece and B's stream waits on it. Vector clocks per stream skip waits
+//! already implied (FIFO order on a stream, or transitively through an earlier wait), so the
+//! reduce-scatter's slot reuse costs one record and one wait per slot hand-over.
+//!
+//! Across ranks (see `cuda` module header for why these are enough): at its first command of phase 0 a
+//! side stream waits on this rank's previous `done` event and on the `ready` event of every rank whose
+//! buffers it touches (its own included); MAIN waits on the `ready` of every peer it touches. At its
+//! first command of phase p > 0 every stream waits on the phase p-1 events of all ranks (MAIN: of the
+//! peers). Every phase ends with MAIN waiting on each side stream used in it (a *join*).
+
+use crate::config::LocalCopy;
+use crate::error::{Result, TideError};
+use crate::plan::{Action, BufKind, Operand, Plan, Region};
+use std::collections::HashMap;
+
+/// Stream index of XLA's stream; side copy streams are 1..=copy_streams.
+pub const MAIN: usize = 0;
+
+/// An event published by some rank at the rendezvous.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RankEvent {
+    /// Recorded on the rank's XLA stream before the call's rendezvous: its inputs are written and its
+    /// outputs are free to be written.
+    Ready,
+    /// Recorded on the rank's XLA stream at the end of phase p, after it joined its side streams.
+    Phase(usize),
+}
+
+/// How a copy is carried out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyVia {
+    /// cuMemcpyAsync on a side stream.
+    CopyEngine,
+    /// The `tide_copy` kernel on MAIN.
+    Sm,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cmd {
+    /// `stream` waits on `rank`'s published `event` (cuStreamWaitEvent).
+    WaitRank {
+        stream: usize,
+        rank: usize,
+        event: RankEvent,
+    },
+    /// `stream` waits on this rank's `done` event of its previous call (tide's stage slots and side
+    /// streams are reused across calls, possibly under different XLA streams).
+    WaitOwnPrevDone { stream: usize },
+    /// Record local event number `event` (unique within the call) on `stream`.
+    Record { stream: usize, event: usize },
+    /// `stream` waits on local event `event`, recorded earlier in this call.
+    Wait { stream: usize, event: usize },
+    /// Copy `bytes` bytes; `step` is the step's index in its phase (for error messages).
+    Copy {
+        stream: usize,
+        step: usize,
+        src: Region,
+        dst: Region,
+        bytes: usize,
+        via: CopyVia,
+    },
+    Zero {
+        stream: usize,
+        step: usize,
+        dst: Region,
+        bytes: usize,
+    },
+    Reduce {
+        stream: usize,
+        step: usize,
+        dst: Region,
+        srcs: Vec<Operand>,
+        elems: usize,
+    },
+}
+
+impl Cmd {
+    pub fn stream(&self) -> usize {
+        match self {
+            Cmd::WaitRank { stream, .. }
+            | Cmd::WaitOwnPrevDone { stream }
+            | Cmd::Record { stream, .. }
+            | Cmd::Wait { stream, .. }
+            | Cmd::Copy { stream, .. }
+            | Cmd::Zero { stream, .. }
+            | Cmd::Reduce { stream, .. } => *stream,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PhaseSchedule {
+    pub name: String,
+    pub cmds: Vec<Cmd>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Schedule {
+    pub rank: usize,
+    pub world: usize,
+    pub phases: Vec<PhaseSchedule>,
+    /// Side streams used (indices 1..=side_streams).
+    pub side_streams: usize,
+    /// Local events needed (ids 0..events).
+    pub events: usize,
+    /// Whether any command needs the NVRTC module (Reduce, SM copy).
+    pub needs_kernels: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedOptions {
+    pub copy_streams: usize,
+    pub local_copy: LocalCopy,
+    pub min_piece_bytes: usize,
+    pub split_align: usize,
+}
+
+impl SchedOptions {
+    pub fn new(copy_streams: usize, local_copy: LocalCopy) -> SchedOptions {
+        SchedOptions {
+            copy_streams: copy_streams.max(1),
+            local_copy,
+            min_piece_bytes: 1 << 20,
+            split_align: 4096,
+        }
+    }
+}
+
+/// One byte range a step touches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Access {
+    pub rank: usize,
+    pub kind: BufKind,
+    pub index: usize,
+    pub start: usize,
+    pub end: usize,
+    pub write: bool,
+}
+
+fn access(r: &Region, len: usize, write: bool) -> Result<Access> {
+    let end = r
+        .offset
+        .checked_add(len)
+        .ok_or_else(|| TideError::Internal(format!("plan region {r:?} + {len} bytes overflows")))?;
+    Ok(Access {
+        rank: r.rank,
+        kind: r.kind,
+        index: r.index,
+        start: r.offset,
+        end,
+        write,
+    })
+}
+
+/// The byte ranges an action reads and writes.
+pub fn accesses(action: &Action) -> Result<Vec<Access>> {
+    Ok(match action {
+        Action::Copy { src, dst, bytes } => {
+            vec![access(src, *bytes, false)?, access(dst, *bytes, true)?]
+        }
+        Action::Zero { dst, bytes } => vec![access(dst, *bytes, true)?],
+        Action::Reduce { dst, srcs, elems } => {
+            let mut v = Vec::with_capacity(srcs.len() + 1);
+            for s in srcs {
+                let len = elems.checked_mul(s.dtype.size_bytes()).ok_or_else(|| {
+                    TideError::Internal(format!("reduce of {elems} elements overflows"))
+                })?;
+                v.push(access(&s.region, len, false)?);
+            }
+            let len = elems.checked_mul(4).ok_or_else(|| {
+                TideError::Internal(format!("reduce of {elems} elements overflows"))
+            })?;
+            v.push(access(dst, len, true)?);
+            v
+        }
+    })
+}
+
+fn conflict(a: &Access, b: &Access) -> bool {
+    (a.write || b.write)
+        && a.rank == b.rank
+        && a.kind == b.kind
+        && a.index == b.index
+        && a.start < b.end
+        && b.start < a.end
+}
+
+/// For each step (in order), the earlier steps it must wait for: those with a conflicting access.
+pub fn dependencies(steps: &[Vec<Access>]) -> Vec<Vec<usize>> {
+    let mut by_buf: HashMap<(usize, BufKind, usize), Vec<(Access, usize)>> = HashMap::new();
+    let mut deps = Vec::with_capacity(steps.len());
+    for (k, acc) in steps.iter().enumerate() {
+        let mut d: Vec<usize> = Vec::new();
+        for a in acc {
+            if let Some(prev) = by_buf.get(&(a.rank, a.kind, a.index)) {
+                for (b, j) in prev {
+                    if conflict(a, b) {
+                        d.push(*j);
+                    }
+                }
+            }
+        }
+        d.sort_unstable();
+        d.dedup();
+        deps.push(d);
+        for a in acc {
+            by_buf
+                .entry((a.rank, a.kind, a.index))
+                .or_default()
+                .push((*a, k));
+        }
+    }
+    deps
+}
+
+/// A contiguous piece of item `item` (bytes `offset..offset+bytes`) assigned to side stream `stream`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Piece {
+    pub item: usize,
+    pub stream: usize,
+    pub offset: usize,
+    pub bytes: usize,
+}
+
+/// Splits a segment of copies (`sizes`, in order) into contiguous pieces balanced by bytes over the
+/// side streams `1..=loads.len()`, least-loaded streams first; `loads` (bytes per side stream so far)
+/// is updated. Uses `min(streams, total / min_piece)` streams (at least one); split points are
+/// multiples of `align` from each copy's start.
+pub fn balance(sizes: &[usize], loads: &mut [usize], min_piece: usize, align: usize) -> Vec<Piece> {
+    let total: usize = sizes.iter().sum();
+    let mut out = Vec::new();
+    if total == 0 || loads.is_empty() {
+        return out;
+    }
+    let align = align.max(1);
+    let n_eff = (total / min_piece.max(1)).clamp(1, loads.len());
+    let mut order: Vec<usize> = (0..loads.len()).collect();
+    order.sort_by_key(|&s| (loads[s], s));
+    order.truncate(n_eff);
+    let target = total.div_ceil(n_eff);
+    let (mut si, mut filled) = (0usize, 0usize);
+    for (item, &size) in sizes.iter().enumerate() {
+        let mut off = 0;
+        while off < size {
+            let remaining = size - off;
+            let last = si + 1 >= n_eff;
+            let room = if last {
+                remaining
+            } else {
+                target.saturating_sub(filled)
+            };
+            let mut take = remaining.min(room);
+            if take < remaining {
+                take = take / align * align;
+            }
+            if take == 0 {
+                si += 1;
+                filled = 0;
+                continue;
+            }
+            let s = order[si.min(n_eff - 1)];
+            out.push(Piece {
+                item,
+                stream: s + 1,
+                offset: off,
+                bytes: take,
+            });
+            loads[s] += take;
+            filled += take;
+            off += take;
+            if !last && filled >= target {
+                si += 1;
+                filled = 0;
+            }
+        }
+    }
+    out
+}
+
+struct Unit {
+    /// Index of the step in its phase.
+    step: usize,
+    stream: usize,
+    cmd: Cmd,
+}
+
+/// Builds rank `rank`'s schedule of `plan`.
+pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> {
+    let world = plan.topology.world();
+    if rank >= world {
+        return Err(TideError::Internal(format!(
+            "rank {rank} outside world {world}"
+        )));
+    }
+    let nstreams = 1 + opts.copy_streams.max(1);
+    // Bytes per side stream so far, separately for peer copies (NVLink-bound) and local copies
+    // (HBM-bound, much faster): balancing each on its own gives every stream the same time.
+    let mut loads_peer = vec![0usize; nstreams - 1];
+    let mut loads_local = vec![0usize; nstreams - 1];
+    let mut phases = Vec::with_capacity(plan.phases.len());
+    let mut next_event = 0usize;
+    let mut side_used_any = 0usize;
+    let mut needs_kernels = false;
+
+    for (p, phase) in plan.phases.iter().enumerate() {
+        // This executor's non-empty steps, validated.
+        let mut mine: Vec<(usize, &Action)> = Vec::new();
+        for (k, step) in phase.steps.iter().enumerate() {
+            if step.executor != rank {
+                continue;
+            }
+            let empty = match &step.action {
+                Action::Copy { bytes, .. } | Action::Zero { bytes, .. } => *bytes == 0,
+                Action::Reduce { elems, srcs, .. } => {
+                    if srcs.is_empty() && *elems > 0 {
+                        return Err(TideError::Internal(format!(
+                            "rank {rank}: phase {p} step {k}: reduce without sources"
+                        )));
+                    }
+                    *elems == 0
+                }
+            };
+            if empty {
+                continue;
+            }
+            for a in accesses(&step.action)? {
+                if a.rank >= world {
+                    return Err(TideError::Internal(format!(
+                        "phase {p} step {k} names rank {} outside world {world}",
+                        a.rank
+                    )));
+                }
+            }
+            mine.push((k, &step.action));
+        }
+
+        // Stream assignment: units (whole steps or copy pieces), grouped per step.
+        let mut units: Vec<Unit> = Vec::new();
+        let mut step_units: Vec<Vec<usize>> = vec![Vec::new(); mine.len()];
+        let mut i = 0;
+        while i < mine.len() {
+            let is_ce_copy = |a: &Action| match a {
+                Action::Copy { src, dst, .. } => {
+                    src.rank != rank || dst.rank != rank || opts.local_copy == LocalCopy::CopyEngine
+                }
+                _ => false,
+            };
+            if is_ce_copy(mine[i].1) {
+                let mut j = i;
+                while j < mine.len() && is_ce_copy(mine[j].1) {
+                    j += 1;
+                }
+                // Peer copies and local copies of the segment, balanced separately.
+                let mut pieces = Vec::new();
+                for local in [false, true] {
+                    let members: Vec<usize> = (i..j)
+                        .filter(|&m| match mine[m].1 {
+                            Action::Copy { src, dst, .. } => {
+                                (src.rank == rank && dst.rank == rank) == local
+                            }
+                            _ => false,
+                        })
+                        .collect();
+                    let sizes: Vec<usize> = members
+                        .iter()
+                        .map(|&m| {
+                            if let Action::Copy { bytes, .. } = mine[m].1 {
+                                *bytes
+                            } else {
+                                0
+                            }
+                        })
+                        .collect();
+                    let loads = if local {
+                        &mut loads_local
+                    } else {
+                        &mut loads_peer
+                    };
+                    for mut piece in balance(&sizes, loads, opts.min_piece_bytes, opts.split_align)
+                    {
+                        piece.item = members[piece.item] - i;
+                        pieces.push(piece);
+                    }
+                }
+                for piece in pieces {
+                    let mi = i + piece.item;
+                    let (k, a) = mine[mi];
+                    if let Action::Copy { src, dst, .. } = a {
+                        let mut s = *src;
+                        let mut d = *dst;
+                        s.offset += piece.offset;
+                        d.offset += piece.offset;
+                        step_units[mi].push(units.len());
+                        units.push(Unit {
+                            step: k,
+                            stream: piece.stream,
+                            cmd: Cmd::Copy {
+                                stream: piece.stream,
+                                step: k,
+                                src: s,
+                                dst: d,
+                                bytes: piece.bytes,
+                                via: CopyVia::CopyEngine,
+                            },
+                        });
+                    }
+                }
+                i = j;
+            } else {
+                let (k, a) = mine[i];
+                let cmd = match a {
+                    Action::Copy { src, dst, bytes } => Cmd::Copy {
+                        stream: MAIN,
+                        step: k,
+                        src: *src,
+                        dst: *dst,
+                        bytes: *bytes,
+                        via: CopyVia::Sm,
+                    },
+                    Action::Zero { dst, bytes } => Cmd::Zero {
+                        stream: MAIN,
+                        step: k,
+                        dst: *dst,
+                        bytes: *bytes,
+                    },
+                    Action::Reduce { dst, srcs, elems } => Cmd::Reduce {
+                        stream: MAIN,
+                        step: k,
+                        dst: *dst,
+                        srcs: srcs.clone(),
+                        elems: *elems,
+                    },
+                };
+                if matches!(cmd, Cmd::Reduce { .. } | Cmd::Copy { .. }) {
+                    needs_kernels = true;
+                }
+                step_units[i].push(units.len());
+                units.push(Unit {
+                    step: k,
+                    stream: MAIN,
+                    cmd,
+                });
+                i += 1;
+            }
+        }
+
+        // Dependencies between this executor's steps.
+        let acc: Vec<Vec<Access>> = mine
+            .iter()
+            .map(|(_, a)| accesses(a))
+            .collect::<Result<_>>()?;
+        let deps = dependencies(&acc);
+
+        // Ranks each stream touches; units that need an event recorded after them.
+        let mut touched: Vec<Vec<usize>> = vec![Vec::new(); nstreams];
+        for u in &units {
+            let ranks: Vec<usize> = match &u.cmd {
+                Cmd::Copy { src, dst, .. } => vec![src.rank, dst.rank],
+                Cmd::Zero { dst, .. } => vec![dst.rank],
+                Cmd::Reduce { dst, srcs, .. } => {
+                    let mut v: Vec<usize> = srcs.iter().map(|s| s.region.rank).collect();
+                    v.push(dst.rank);
+                    v
+                }
+                _ => vec![],
+            };
+            for r in ranks {
+                if !touched[u.stream].contains(&r) {
+                    touched[u.stream].push(r);
+                }
+            }
+        }
+        for t in &mut touched {
+            t.sort_unstable();
+        }
+        let mut needs_record = vec![false; units.len()];
+        for (mi, d) in deps.iter().enumerate() {
+            for &dep in d {
+                for &du in &step_units[dep] {
+                    if step_units[mi]
+                        .iter()
+                        .any(|&u| units[u].stream != units[du].stream)
+                    {
+                        needs_record[du] = true;
+                    }
+                }
+            }
+        }
+
+        // Emission in host order with vector clocks.
+        let mut cmds: Vec<Cmd> = Vec::new();
+        let mut clock: Vec<Vec<usize>> = vec![vec![0; nstreams]; nstreams];
+        let mut used = vec![false; nstreams];
+        let mut pos: Vec<usize> = vec![0; units.len()];
+        let mut event_of: HashMap<usize, (usize, Vec<usize>)> = HashMap::new();
+        for (mi, unit_ids) in step_units.iter().enumerate() {
+            for &u in unit_ids {
+                let s = units[u].stream;
+                if !used[s] {
+                    used[s] = true;
+                    if p == 0 {
+                        if s != MAIN {
+                            cmds.push(Cmd::WaitOwnPrevDone { stream: s });
+                        }
+                        for &r in &touched[s] {
+                            if s != MAIN || r != rank {
+                                cmds.push(Cmd::WaitRank {
+                                    stream: s,
+                                    rank: r,
+                                    event: RankEvent::Ready,
+                                });
+                            }
+                        }
+                    } else {
+                        for r in 0..world {
+                            if s != MAIN || r != rank {
+                                cmds.push(Cmd::WaitRank {
+                                    stream: s,
+                                    rank: r,
+                                    event: RankEvent::Phase(p - 1),
+                                });
+                            }
+                        }
+                    }
+                }
+                for &dep in &deps[mi] {
+                    for &du in &step_units[dep] {
+                        let ds = units[du].stream;
+                        if ds == s || clock[s][ds] >= pos[du] {
+                            continue;
+                        }
+                        let (ev, evclock) = event_of.get(&du).ok_or_else(|| {
+                            TideError::Internal(format!(
+                                "schedule: no event after unit {du} (phase {p} step {}) needed by step {}",
+                                units[du].step, units[u].step
+                            ))
+                        })?;
+                        cmds.push(Cmd::Wait {
+                            stream: s,
+                            event: *ev,
+                        });
+                        for x in 0..nstreams {
+                            clock[s][x] = clock[s][x].max(evclock[x]);
+                        }
+                    }
+                }
+                cmds.push(units[u].cmd.clone());
+                clock[s][s] += 1;
+                pos[u] = clock[s][s];
+                if needs_record[u] {
+                    let ev = next_event;
+                    next_event += 1;
+                    cmds.push(Cmd::Record {
+                        stream: s,
+                        event: ev,
+                    });
+                    event_of.insert(u, (ev, clock[s].clone()));
+                }
+            }
+        }
+        // Join: MAIN waits on every side stream used in this phase.
+        for s in 1..nstreams {
+            if used[s] {
+                side_used_any = side_used_any.max(s);
+                if clock[MAIN][s] < clock[s][s] {
+                    let ev = next_event;
+                    next_event += 1;
+                    cmds.push(Cmd::Record {
+                        stream: s,
+                        event: ev,
+                    });
+                    cmds.push(Cmd::Wait {
+                        stream: MAIN,
+                        event: ev,
+                    });
+                    let c = clock[s].clone();
+                    for x in 0..nstreams {
+                        clock[MAIN][x] = clock[MAIN][x].max(c[x]);
+                    }
+                }
+            }
+        }
+        phases.push(PhaseSchedule {
+            name: phase.name.clone(),
+            cmds,
+        });
+    }
+    Ok(Schedule {
+        rank,
+        world,
+        phases,
+        side_streams: side_used_any,
+        events: next_event,
+        needs_kernels,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{DType, GroupLayout, ParamSpec};
+    use crate::plan::{Op, Phase, Step};
+    use crate::topology::Topology;
+    use std::collections::HashMap as Map;
+
+    fn region(rank: usize, kind: BufKind, index: usize, offset: usize) -> Region {
+        Region {
+            rank,
+            kind,
+            index,
+            offset,
+        }
+    }
+
+    fn dummy_layout(world: usize) -> GroupLayout {
+        GroupLayout::new(
+            &[ParamSpec::new("w", &[world.max(1) * 4], DType::BF16)],
+            world,
+        )
+        .unwrap()
+    }
+
+    /// A direct all-gather over `world` ranks of params with the given shard bytes; each rank pulls
+    /// every rank's shard (its own included) into its output at `q * shard`.
+    fn ag_plan(world: usize, shards: &[usize]) -> Plan {
+        let mut steps = Vec::new();
+        for r in 0..world {
+            for (i, &sb) in shards.iter().enumerate() {
+                for q in 0..world {
+                    steps.push(Step {
+                        executor: r,
+                        action: Action::Copy {
+                            src: region(q, BufKind::Input, i, 0),
+                            dst: region(r, BufKind::Output, i, q * sb),
+                            bytes: sb,
+                        },
+                    });
+                }
+            }
+        }
+        Plan {
+            op: Op::AllGather,
+            topology: Topology::single_node(world),
+            layout: dummy_layout(world),
+            phases: vec![Phase {
+                name: "gather".into(),
+                steps,
+            }],
+            stage_slot_bytes: vec![],
+        }
+    }
+
+    /// A chunked bf16 -> f32 reduce-scatter: param i has `world * owned[i]` elements; rank r owns
+    /// elements [r*owned, (r+1)*owned). Chunks of `chunk` elements; peers' slices are staged into
+    /// slot c % slots (peer q at piece index q - (q > r)), then reduced in rank order. `lookahead`
+    /// lists chunk c+1's copies before chunk c's reduce when the slot is free. Zero steps write
+    /// `pad` f32 padding elements after each owned range.
+    fn rs_plan(
+        world: usize,
+        owned: &[usize],
+        chunk: usize,
+        slots: usize,
+        lookahead: bool,
+        pad: usize,
+    ) -> Plan {
+        let slot_bytes = (world - 1).max(1) * chunk * 2;
+        let mut steps = Vec::new();
+        for r in 0..world {
+            // All (param, chunk) units of this rank in order.
+            let mut units = Vec::new();
+            for (i, &n) in owned.iter().enumerate() {
+                let mut c0 = 0;
+                while c0 < n {
+                    units.push((i, c0, chunk.min(n - c0)));
+                    c0 += chunk;
+                }
+            }
+            let copies = |u: usize, steps: &mut Vec<Step>| {
+                let (i, c0, len) = units[u];
+                let slot = u % slots;
+                for q in (0..world).filter(|&q| q != r) {
+                    let piece = q - usize::from(q > r);
+                    steps.push(Step {
+                        executor: r,
+                        action: Action::Copy {
+                            src: region(q, BufKind::Input, i, (r * owned[i] + c0) * 2),
+                            dst: region(r, BufKind::Stage, slot, piece * chunk * 2),
+                            bytes: len * 2,
+                        },
+                    });
+                }
+            };
+            let reduce = |u: usize, steps: &mut Vec<Step>| {
+                let (i, c0, len) = units[u];
+                let slot = u % slots;
+                let srcs = (0..world)
+                    .map(|q| {
+                        let region = if q == r {
+                            region(r, BufKind::Input, i, (r * owned[i] + c0) * 2)
+                        } else {
+                            let piece = q - usize::from(q > r);
+                            region(r, BufKind::Stage, slot, piece * chunk * 2)
+                        };
+                        Operand {
+                            region,
+                            dtype: DType::BF16,
+                        }
+                    })
+                    .collect();
+                steps.push(Step {
+                    executor: r,
+                    action: Action::Reduce {
+                        dst: region(r, BufKind::Output, i, c0 * 4),
+                        srcs,
+                        elems: len,
+                    },
+                });
+            };
+            if lookahead && slots >= 2 {
+                if !units.is_empty() {
+                    copies(0, &mut steps);
+                }
+                for u in 0..units.len() {
+                    if u + 1 < units.len() {
+                        copies(u + 1, &mut steps);
+                    }
+                    reduce(u, &mut steps);
+                }
+            } else {
+                for u in 0..units.len() {
+                    copies(u, &mut steps);
+                    reduce(u, &mut steps);
+                }
+            }
+            if pad > 0 {
+                for (i, &n) in owned.iter().enumerate() {
+                    steps.push(Step {
+                        executor: r,
+                        action: Action::Zero {
+                            dst: region(r, BufKind::Output, i, n * 4),
+                            bytes: pad * 4,
+                        },
+                    });
+                }
+            }
+        }
+        Plan {
+            op: Op::ReduceScatter,
+            topology: Topology::single_node(world),
+            layout: dummy_layout(world),
+            phases: vec![Phase {
+                name: "reduce".into(),
+                steps,
+            }],
+            stage_slot_bytes: vec![slot_bytes; slots],
+        }
+    }
+
+    type Mem = Map<(usize, BufKind, usize), Vec<u8>>;
+
+    fn bf16_f32(b: &[u8]) -> f32 {
+        f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)
+    }
+
+    fn apply(mem: &mut Mem, action_src: &Action) {
+        match action_src {
+            Action::Copy { src, dst, bytes } => {
+                let data =
+                    mem[&(src.rank, src.kind, src.index)][src.offset..src.offset + bytes].to_vec();
+                mem.get_mut(&(dst.rank, dst.kind, dst.index)).unwrap()
+                    [dst.offset..dst.offset + bytes]
+                    .copy_from_slice(&data);
+            }
+            Action::Zero { dst, bytes } => {
+                mem.get_mut(&(dst.rank, dst.kind, dst.index)).unwrap()
+                    [dst.offset..dst.offset + bytes]
+                    .fill(0);
+            }
+            Action::Reduce { dst, srcs, elems } => {
+                let mut out = Vec::with_capacity(elems * 4);
+                for e in 0..*elems {
+                    let mut acc = 0f32;
+                    for (k, s) in srcs.iter().enumerate() {
+                        let b = &mem[&(s.region.rank, s.region.kind, s.region.index)];
+                        let at = s.region.offset + s.dtype.size_bytes() * e;
+                        let x = match s.dtype {
+                            DType::BF16 => bf16_f32(&b[at..]),
+                            DType::F16 => crate::engine::cpu::f16_to_f32(u16::from_le_bytes([
+                                b[at],
+                                b[at + 1],
+                            ])),
+                            DType::F32 => {
+                                f32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+                            }
+                            other => panic!("reduce of {other:?}"),
+                        };
+                        acc = if k == 0 { x } else { acc + x };
+                    }
+                    out.extend_from_slice(&acc.to_le_bytes());
+                }
+                mem.get_mut(&(dst.rank, dst.kind, dst.index)).unwrap()
+                    [dst.offset..dst.offset + out.len()]
+                    .copy_from_slice(&out);
+            }
+        }
+    }
+
+    fn cmd_action(c: &Cmd) -> Option<Action> {
+        match c {
+            Cmd::Copy {
+                src, dst, bytes, ..
+            } => Some(Action::Copy {
+                src: *src,
+                dst: *dst,
+                bytes: *bytes,
+            }),
+            Cmd::Zero { dst, bytes, .. } => Some(Action::Zero {
+                dst: *dst,
+                bytes: *bytes,
+            }),
+            Cmd::Reduce {
+                dst, srcs, elems, ..
+            } => Some(Action::Reduce {
+                dst: *dst,
+                srcs: srcs.clone(),
+                elems: *elems,
+            }),
+            _ => None,
+        }
+    }
+
+    /// Buffers big enough for every region the plan touches, inputs filled with finite bf16 noise,
+    /// everything else with 0xAB.
+    fn init_mem(plan: &Plan, seed: u64) -> Mem {
+        let mut mem: Mem = Map::new();
+        for ph in &plan.phases {
+            for st in &ph.steps {
+                for a in accesses(&st.action).unwrap() {
+                    let e = mem.entry((a.rank, a.kind, a.index)).or_default();
+                    if e.len() < a.end {
+                        e.resize(a.end, 0);
+                    }
+                }
+            }
+        }
+        let mut x = seed | 1;
+        let mut keys: Vec<_> = mem.keys().copied().collect();
+        keys.sort();
+        for key in keys {
+            let buf = mem.get_mut(&key).unwrap();
+            if key.1 == BufKind::Input {
+                for ch in buf.chunks_mut(2) {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let mut h = (x >> 20) as u16;
+                    if h & 0x7f80 == 0x7f80 {
+                        h &= !0x4000;
+                    }
+                    ch.copy_from_slice(&h.to_le_bytes()[..ch.len()]);
+                }
+            } else {
+                buf.fill(0xAB);
+            }
+        }
+        mem
+    }
+
+    /// The plan's meaning: every step in listed order (executors never conflict within a phase).
+    fn reference(plan: &Plan, mem: &mut Mem) {
+        for ph in &plan.phases {
+            for st in &ph.steps {
+                apply(mem, &st.action);
+            }
+        }
+    }
+
+    /// Runs every rank's schedule of a one-phase plan as independent streams in a random legal
+    /// order: a stream's head command runs when it is a data command or a satisfied wait; local
+    /// events are per rank. Cross-rank events (ready, previous done) are complete from the start.
+    fn simulate(scheds: &[Schedule], mem: &mut Mem, seed: u64) {
+        let mut queues: Vec<(usize, usize, std::collections::VecDeque<Cmd>)> = Vec::new();
+        for s in scheds {
+            assert_eq!(s.phases.len(), 1);
+            let mut per: Map<usize, std::collections::VecDeque<Cmd>> = Map::new();
+            for c in &s.phases[0].cmds {
+                per.entry(c.stream()).or_default().push_back(c.clone());
+            }
+            for (st, q) in per {
+                queues.push((s.rank, st, q));
+            }
+        }
+        let mut recorded: std::collections::HashSet<(usize, usize)> = Default::default();
+        let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+        loop {
+            let runnable: Vec<usize> = (0..queues.len())
+                .filter(|&i| match queues[i].2.front() {
+                    None => false,
+                    Some(Cmd::Wait { event, .. }) => recorded.contains(&(queues[i].0, *event)),
+                    Some(_) => true,
+                })
+                .collect();
+            if runnable.is_empty() {
+                assert!(
+                    queues.iter().all(|q| q.2.is_empty()),
+                    "deadlock: streams blocked on waits"
+                );
+                return;
+            }
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let i = runnable[(x % runnable.len() as u64) as usize];
+            let rank = queues[i].0;
+            let c = queues[i].2.pop_front().unwrap();
+            match &c {
+                Cmd::Record { event, .. } => {
+                    recorded.insert((rank, *event));
+                }
+                other => {
+                    if let Some(a) = cmd_action(other) {
+                        apply(mem, &a);
+                    }
+                }
+            }
+        }
+    }
+
+    fn outputs(mem: &Mem) -> Vec<((usize, usize), Vec<u8>)> {
+        let mut v: Vec<_> = mem
+            .iter()
+            .filter(|(k, _)| k.1 == BufKind::Output)
+            .map(|(k, b)| ((k.0, k.2), b.clone()))
+            .collect();
+        v.sort();
+        v
+    }
+
+    fn check_plan(plan: &Plan, opts: &SchedOptions, seeds: u64) {
+        let world = plan.topology.world();
+        let scheds: Vec<Schedule> = (0..world).map(|r| build(plan, r, opts).unwrap()).collect();
+        let mut want = init_mem(plan, 7);
+        reference(plan, &mut want);
+        for seed in 0..seeds {
+            let mut mem = init_mem(plan, 7);
+            simulate(&scheds, &mut mem, seed);
+            assert_eq!(outputs(&mem), outputs(&want), "seed {seed}, opts {opts:?}");
+        }
+    }
+
+    fn opts(streams: usize, local: LocalCopy, min_piece: usize) -> SchedOptions {
+        SchedOptions {
+            copy_streams: streams,
+            local_copy: local,
+            min_piece_bytes: min_piece,
+            split_align: 16,
+        }
+    }
+
+    #[test]
+    fn balance_splits_contiguously_and_evenly() {
+        let mut loads = vec![0; 4];
+        let pieces = balance(&[100, 300, 0, 4000], &mut loads, 64, 16);
+        // Every item covered exactly once, in order, contiguous.
+        for (item, size) in [(0usize, 100usize), (1, 300), (3, 4000)] {
+            let mut off = 0;
+            for p in pieces.iter().filter(|p| p.item == item) {
+                assert_eq!(p.offset, off);
+                assert!(p.offset % 16 == 0);
+                off += p.bytes;
+            }
+            assert_eq!(off, size);
+        }
+        assert_eq!(loads.iter().sum::<usize>(), 4400);
+        let (mn, mx) = (*loads.iter().min().unwrap(), *loads.iter().max().unwrap());
+        assert!(mx - mn <= 4 * 16, "unbalanced {loads:?}");
+        assert!(pieces.iter().all(|p| (1..=4).contains(&p.stream)));
+    }
+
+    #[test]
+    fn balance_uses_few_streams_for_small_segments_and_least_loaded_first() {
+        let mut loads = vec![10, 0, 5];
+        let pieces = balance(&[50], &mut loads, 1 << 20, 4096);
+        assert_eq!(
+            pieces,
+            vec![Piece {
+                item: 0,
+                stream: 2,
+                offset: 0,
+                bytes: 50
+            }]
+        );
+        assert_eq!(loads, vec![10, 50, 5]);
+        let pieces = balance(&[7], &mut loads, 1 << 20, 4096);
+        assert_eq!(pieces[0].stream, 3);
+        assert!(balance(&[], &mut loads, 1, 1).is_empty());
+        assert!(balance(&[0, 0], &mut loads, 1, 1).is_empty());
+    }
+
+    #[test]
+    fn dependencies_follow_overlapping_writes() {
+        let w = |start, end| Access {
+            rank: 0,
+            kind: BufKind::Stage,
+            index: 0,
+            start,
+            end,
+            write: true,
+        };
+        let r = |start, end| Access {
+            rank: 0,
+            kind: BufKind::Stage,
+            index: 0,
+            start,
+            end,
+            write: false,
+        };
+        let other = Access {
+            rank: 0,
+            kind: BufKind::Stage,
+            index: 1,
+            start: 0,
+            end: 100,
+            write: true,
+        };
+        let steps = vec![
+            vec![w(0, 10)],
+            vec![r(5, 6)],
+            vec![r(0, 10)],
+            vec![w(9, 20)],
+            vec![other],
+            vec![r(10, 20)],
+        ];
+        let d = dependencies(&steps);
+        assert_eq!(
+            d,
+            vec![vec![], vec![0], vec![0], vec![0, 2], vec![], vec![3]]
+        );
+    }
+
+    #[test]
+    fn all_gather_schedule_spreads_copies_and_waits_on_ready() {
+        let plan = ag_plan(2, &[8 << 20, 1 << 20, 64]);
+        let s = build(&plan, 1, &SchedOptions::new(4, LocalCopy::CopyEngine)).unwrap();
+        assert!(!s.needs_kernels);
+        assert_eq!(s.side_streams, 4);
+        let cmds = &s.phases[0].cmds;
+        // Every side stream starts with the previous-done wait, then the ready of each rank it reads
+        // or writes (rank 1 always: it writes rank 1's outputs).
+        for st in 1..=4 {
+            let mine: Vec<&Cmd> = cmds.iter().filter(|c| c.stream() == st).collect();
+            assert_eq!(mine[0], &Cmd::WaitOwnPrevDone { stream: st });
+            let mut want: Vec<usize> = mine
+                .iter()
+                .filter_map(|c| {
+                    if let Cmd::Copy { src, .. } = c {
+                        Some(src.rank)
+                    } else {
+                        None
+                    }
+                })
+                .chain([1])
+                .collect();
+            want.sort_unstable();
+            want.dedup();
+            for (k, r) in want.iter().enumerate() {
+                assert_eq!(
+                    mine[1 + k],
+                    &Cmd::WaitRank {
+                        stream: st,
+                        rank: *r,
+                        event: RankEvent::Ready
+                    }
+                );
+            }
+            assert!(matches!(mine[1 + want.len()], Cmd::Copy { .. }));
+        }
+        // No waits between copies (independent), one join per side stream at the end.
+        let waits = cmds
+            .iter()
+            .filter(|c| matches!(c, Cmd::Wait { .. }))
+            .count();
+        assert_eq!(waits, 4);
+        assert_eq!(s.events, 4);
+        assert!(cmds
+            .iter()
+            .rev()
+            .take(8)
+            .all(|c| matches!(c, Cmd::Record { .. } | Cmd::Wait { stream: MAIN, .. })));
+        // Peer bytes and local bytes each balanced over the streams.
+        let mut peer = [0usize; 5];
+        let mut local = [0usize; 5];
+        for c in cmds {
+            if let Cmd::Copy {
+                stream,
+                bytes,
+                via,
+                src,
+                ..
+            } = c
+            {
+                assert_eq!(*via, CopyVia::CopyEngine);
+                if src.rank == 1 {
+                    local[*stream] += bytes
+                } else {
+                    peer[*stream] += bytes
+                }
+            }
+        }
+        let total = (8 << 20) + (1 << 20) + 64;
+        assert_eq!(peer.iter().sum::<usize>(), total);
+        assert_eq!(local.iter().sum::<usize>(), total);
+        for st in 1..=4 {
+            assert!(peer[st].abs_diff(total / 4) <= 4096, "{peer:?}");
+            assert!(local[st].abs_diff(total / 4) <= 4096, "{local:?}");
+        }
+        check_plan(&plan, &opts(4, LocalCopy::CopyEngine, 1 << 20), 3);
+    }
+
+    #[test]
+    fn all_gather_sm_local_copy_goes_on_main() {
+        let plan = ag_plan(3, &[1000, 24]);
+        let s = build(&plan, 2, &opts(2, LocalCopy::Sm, 64)).unwrap();
+        assert!(s.needs_kernels);
+        for c in &s.phases[0].cmds {
+            if let Cmd::Copy {
+                stream, src, via, ..
+            } = c
+            {
+                assert_eq!(*via == CopyVia::Sm, src.rank == 2);
+                assert_eq!(*stream == MAIN, src.rank == 2);
+            }
+            // MAIN touches only its own rank: no ready wait on MAIN.
+            if let Cmd::WaitRank { stream, .. } = c {
+                assert_ne!(*stream, MAIN);
+            }
+        }
+        check_plan(&plan, &opts(2, LocalCopy::Sm, 64), 20);
+        check_plan(&plan, &opts(3, LocalCopy::CopyEngine, 64), 20);
+    }
+
+    #[test]
+    fn reduce_scatter_schedule_orders_slot_reuse() {
+        // Many chunks through 2 slots: the copy into a slot must wait for the reduce that last read it,
+        // and each reduce for its copies.
+        for &(world, slots, lookahead) in &[
+            (2usize, 2usize, false),
+            (2, 2, true),
+            (3, 2, true),
+            (4, 3, false),
+            (5, 1, false),
+        ] {
+            let plan = rs_plan(world, &[37, 100, 5], 16, slots, lookahead, 3);
+            for streams in [1usize, 2, 3] {
+                check_plan(&plan, &opts(streams, LocalCopy::CopyEngine, 8), 40);
+            }
+        }
+    }
+
+    #[test]
+    fn reduce_scatter_waits_are_minimal() {
+        // 2 ranks, one side stream, 4 chunks, 2 slots: per chunk one record after its copy and one
+        // wait by the reduce; from chunk 2 on one record after the reduce that frees the slot and one
+        // wait by the copy; then the join.
+        let plan = rs_plan(2, &[64], 16, 2, false, 0);
+        let s = build(&plan, 0, &opts(1, LocalCopy::CopyEngine, 1 << 20)).unwrap();
+        assert!(s.needs_kernels);
+        let cmds = &s.phases[0].cmds;
+        let waits_main = cmds
+            .iter()
+            .filter(|c| matches!(c, Cmd::Wait { stream: MAIN, .. }))
+            .count();
+        let waits_side = cmds
+            .iter()
+            .filter(|c| matches!(c, Cmd::Wait { stream: 1, .. }))
+            .count();
+        assert_eq!(waits_main, 4, "{cmds:#?}");
+        assert_eq!(waits_side, 2, "{cmds:#?}");
+        // Join: the last copy was already waited on by the last reduce, so no extra join.
+        assert!(matches!(cmds.last(), Some(Cmd::Reduce { .. })), "{cmds:#?}");
+        // MAIN never waits on ready (it reads only its own input and stage); the side stream does.
+        assert!(cmds.iter().any(|c| matches!(
+            c,
+            Cmd::WaitRank {
+                stream: 1,
+                rank: 1,
+                event: RankEvent::Ready
+            }
+        )));
+        assert!(!cmds
+            .iter()
+            .any(|c| matches!(c, Cmd::WaitRank { stream: MAIN, .. })));
+    }
+
+    #[test]
+    fn dropping_waits_is_caught_by_the_simulator() {
+        // The simulator has teeth: without the cross-stream waits some interleaving goes wrong.
+        let plan = rs_plan(2, &[64], 16, 2, true, 0);
+        let o = opts(2, LocalCopy::CopyEngine, 8);
+        let scheds: Vec<Schedule> = (0..2)
+            .map(|r| {
+                let mut s = build(&plan, r, &o).unwrap();
+                s.phases[0].cmds.retain(|c| !matches!(c, Cmd::Wait { .. }));
+                s
+            })
+            .collect();
+        let mut want = init_mem(&plan, 7);
+        reference(&plan, &mut want);
+        let mut bad = 0;
+        for seed in 0..40 {
+            let mut mem = init_mem(&plan, 7);
+            simulate(&scheds, &mut mem, seed);
+            if outputs(&mem) != outputs(&want) {
+                bad += 1;
+            }
+        }
+        assert!(bad > 0);
+    }
+
+    #[test]
+    fn multi_phase_waits_on_all_ranks_phase_events() {
+        let mut plan = ag_plan(3, &[256]);
+        let p2 = plan.phases[0].clone();
+        plan.phases.push(Phase {
+            name: "again".into(),
+            steps: p2.steps,
+        });
+        let s = build(&plan, 0, &opts(1, LocalCopy::CopyEngine, 64)).unwrap();
+        let c1 = &s.phases[1].cmds;
+        for r in 0..3 {
+            assert!(c1.contains(&Cmd::WaitRank {
+                stream: 1,
+                rank: r,
+                event: RankEvent::Phase(0)
+            }));
+        }
+        assert!(!c1.iter().any(|c| matches!(c, Cmd::WaitOwnPrevDone { .. })));
+        // Event ids are unique across phases.
+        let recs: Vec<usize> = s
+            .phases
+            .iter()
+            .flat_map(|p| &p.cmds)
+            .filter_map(|c| {
+                if let Cmd::Record { event, .. } = c {
+                    Some(*event)
+                } else {
+                    None
+                }
+            })
+            .collect();
+        let mut d = recs.clone();
+        d.dedup();
+        assert_eq!(recs.len(), d.len());
+        assert_eq!(s.events, recs.len());
+    }
+
+    fn real_layout(world: usize) -> GroupLayout {
+        let specs = [
+            ParamSpec::new("wq", &[37, 24], DType::BF16),
+            ParamSpec::new("norm", &[5], DType::BF16),
+            ParamSpec::new("scalar", &[], DType::F32),
+            ParamSpec::new("w_up", &[301, 3], DType::F16),
+            ParamSpec::new("big", &[4096], DType::BF16),
+        ];
+        GroupLayout::new(&specs, world).unwrap()
+    }
+
+    #[test]
+    fn core_direct_plans_run_correctly_under_random_stream_orders() {
+        for world in [1usize, 2, 3, 5, 8] {
+            let layout = real_layout(world);
+            let topo = Topology::single_node(world);
+            let ag = crate::plan::all_gather(&layout, topo).unwrap();
+            for o in [
+                opts(4, LocalCopy::CopyEngine, 256),
+                opts(2, LocalCopy::Sm, 1 << 20),
+            ] {
+                check_plan(&ag, &o, 4);
+            }
+            for slot_bytes in [256usize, 4096, 1 << 20] {
+                let rs_opts = crate::plan::RsOptions {
+                    stage_slots: 2,
+                    slot_bytes,
+                };
+                let rs = crate::plan::reduce_scatter(&layout, topo, rs_opts).unwrap();
+                for o in [
+                    opts(1, LocalCopy::CopyEngine, 64),
+                    opts(2, LocalCopy::CopyEngine, 64),
+                ] {
+                    check_plan(&rs, &o, 4);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn core_hierarchical_plans_schedule() {
+        // Multi-node plans are refused by the engine for now, but their schedules must still build
+        // (peer stage reads, several phases) so the later work only adds the rail.
+        let layout = real_layout(4);
+        let topo = Topology::new(2, 2).unwrap();
+        let ag = crate::plan::all_gather(&layout, topo).unwrap();
+        let rs = crate::plan::reduce_scatter(
+            &layout,
+            topo,
+            crate::plan::RsOptions {
+                stage_slots: 2,
+                slot_bytes: 512,
+            },
+        )
+        .unwrap();
+        for r in 0..4 {
+            let s = build(&ag, r, &opts(2, LocalCopy::CopyEngine, 64)).unwrap();
+            assert_eq!(s.phases.len(), ag.phases.len());
+            let s = build(&rs, r, &opts(2, LocalCopy::CopyEngine, 64)).unwrap();
+            assert_eq!(s.phases.len(), rs.phases.len());
+        }
+    }
+
+    // ---- The cross-rank protocol of `cuda::run`, modelled over several back-to-back calls ----
+    //
+    // Per call k and rank r, in host order (as `cuda::prepare` / `cuda::run` issue them):
+    //   XLA's stream: write this call's inputs (XLA's producer), wait own previous `done`, record
+    //   `ready`; [rendezvous]; the schedule's commands; record `done`; [exit barrier]; MAIN waits on
+    //   every peer's `done`; XLA's stream: read the outputs (XLA's consumer).
+    // The host enqueues every call before the GPU runs anything (the host may run arbitrarily far
+    // ahead); each wait captures its event's record count at enqueue time (cuStreamWaitEvent
+    // semantics); then all streams of all ranks progress in a random legal order. Input and output
+    // buffers and stage slots are the same in every call (XLA reusing them at once is the worst
+    // case). Every call's outputs must equal the plan's meaning on that call's inputs.
+
+    #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+    enum Ev {
+        Ready(usize),
+        Done(usize),
+        Local(usize, usize),
+    }
+
+    #[derive(Clone, Debug)]
+    enum M {
+        Data(Action),
+        Wait(Ev, u64),
+        Record(Ev),
+        WriteInputs(usize, usize),
+        ReadOutputs(usize, usize),
+    }
+
+    fn fill_rank_inputs(mem: &mut Mem, rank: usize, call: usize) {
+        let mut keys: Vec<_> = mem
+            .keys()
+            .copied()
+            .filter(|k| k.0 == rank && k.1 == BufKind::Input)
+            .collect();
+        keys.sort();
+        for key in keys {
+            let mut x =
+                ((call as u64) << 40) ^ ((rank as u64) << 20) ^ (key.2 as u64 * 7919) ^ 0x5151;
+            for ch in mem.get_mut(&key).unwrap().chunks_mut(2) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let mut h = (x >> 20) as u16;
+                if h & 0x7f80 == 0x7f80 {
+                    h &= !0x4000;
+                }
+                ch.copy_from_slice(&h.to_le_bytes()[..ch.len()]);
+            }
+        }
+    }
+
+    type RankOutputs = Vec<(usize, Vec<u8>)>;
+
+    fn rank_outputs(mem: &Mem, rank: usize) -> RankOutputs {
+        let mut v: Vec<_> = mem
+            .iter()
+            .filter(|(k, _)| k.0 == rank && k.1 == BufKind::Output)
+            .map(|(k, b)| (k.2, b.clone()))
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Which protocol waits the model issues (all true = the engine's protocol).
+    #[derive(Clone, Copy)]
+    struct Rules {
+        main_waits_prev_done: bool,
+        main_waits_peer_done: bool,
+        side_waits_ready: bool,
+    }
+
+    fn protocol_run(
+        plan: &Plan,
+        scheds: &[Schedule],
+        calls: usize,
+        rules: Rules,
+        seed: u64,
+    ) -> bool {
+        let world = scheds.len();
+        let mut queues: Map<(usize, usize), std::collections::VecDeque<M>> = Map::new();
+        let mut records: Map<Ev, u64> = Map::new();
+        let enq = |queues: &mut Map<(usize, usize), std::collections::VecDeque<M>>,
+                   records: &mut Map<Ev, u64>,
+                   r: usize,
+                   s: usize,
+                   m: M| {
+            let m = match m {
+                M::Wait(ev, _) => M::Wait(ev, *records.get(&ev).unwrap_or(&0)),
+                M::Record(ev) => {
+                    *records.entry(ev).or_insert(0) += 1;
+                    M::Record(ev)
+                }
+                other => other,
+            };
+            queues.entry((r, s)).or_default().push_back(m);
+        };
+        for k in 0..calls {
+            for r in 0..world {
+                enq(&mut queues, &mut records, r, MAIN, M::WriteInputs(r, k));
+                if rules.main_waits_prev_done {
+                    enq(&mut queues, &mut records, r, MAIN, M::Wait(Ev::Done(r), 0));
+                }
+                enq(&mut queues, &mut records, r, MAIN, M::Record(Ev::Ready(r)));
+            }
+            // rendezvous
+            for (r, sch) in scheds.iter().enumerate() {
+                for c in &sch.phases[0].cmds {
+                    let s = c.stream();
+                    let m = match c {
+                        Cmd::WaitRank {
+                            rank,
+                            event: RankEvent::Ready,
+                            ..
+                        } => {
+                            if !rules.side_waits_ready {
+                                continue;
+                            }
+                            M::Wait(Ev::Ready(*rank), 0)
+                        }
+                        Cmd::WaitRank { .. } => panic!("single-phase plans only"),
+                        Cmd::WaitOwnPrevDone { .. } => M::Wait(Ev::Done(r), 0),
+                        Cmd::Record { event, .. } => M::Record(Ev::Local(r, *event)),
+                        Cmd::Wait { event, .. } => M::Wait(Ev::Local(r, *event), 0),
+                        other => M::Data(cmd_action(other).unwrap()),
+                    };
+                    enq(&mut queues, &mut records, r, s, m);
+                }
+                enq(&mut queues, &mut records, r, MAIN, M::Record(Ev::Done(r)));
+            }
+            // exit barrier
+            for r in 0..world {
+                if rules.main_waits_peer_done {
+                    for q in (0..world).filter(|&q| q != r) {
+                        enq(&mut queues, &mut records, r, MAIN, M::Wait(Ev::Done(q), 0));
+                    }
+                }
+                enq(&mut queues, &mut records, r, MAIN, M::ReadOutputs(r, k));
+            }
+        }
+        // The GPU.
+        let mut mem = init_mem(plan, 1);
+        let mut executed: Map<Ev, u64> = Map::new();
+        let mut seen: Map<(usize, usize), RankOutputs> = Map::new();
+        let mut keys: Vec<(usize, usize)> = queues.keys().copied().collect();
+        keys.sort();
+        let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+        loop {
+            let runnable: Vec<(usize, usize)> = keys
+                .iter()
+                .copied()
+                .filter(|k| match queues[k].front() {
+                    None => false,
+                    Some(M::Wait(ev, target)) => executed.get(ev).copied().unwrap_or(0) >= *target,
+                    Some(_) => true,
+                })
+                .collect();
+            if runnable.is_empty() {
+                assert!(queues.values().all(|q| q.is_empty()), "deadlock");
+                break;
+            }
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let key = runnable[(x % runnable.len() as u64) as usize];
+            match queues.get_mut(&key).unwrap().pop_front().unwrap() {
+                M::Data(a) => apply(&mut mem, &a),
+                M::Wait(..) => {}
+                M::Record(ev) => *executed.entry(ev).or_insert(0) += 1,
+                M::WriteInputs(r, k) => fill_rank_inputs(&mut mem, r, k),
+                M::ReadOutputs(r, k) => {
+                    seen.insert((r, k), rank_outputs(&mem, r));
+                }
+            }
+        }
+        // The meaning of each call.
+        for k in 0..calls {
+            let mut want = init_mem(plan, 1);
+            for r in 0..world {
+                fill_rank_inputs(&mut want, r, k);
+            }
+            reference(plan, &mut want);
+            for r in 0..world {
+                if seen[&(r, k)] != rank_outputs(&want, r) {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    const ALL_RULES: Rules = Rules {
+        main_waits_prev_done: true,
+        main_waits_peer_done: true,
+        side_waits_ready: true,
+    };
+
+    fn protocol_plans() -> Vec<(Plan, SchedOptions)> {
+        let mut v = Vec::new();
+        for world in [2usize, 3] {
+            let layout = real_layout(world);
+            let topo = Topology::single_node(world);
+            v.push((
+                crate::plan::all_gather(&layout, topo).unwrap(),
+                opts(2, LocalCopy::CopyEngine, 256),
+            ));
+            v.push((
+                crate::plan::all_gather(&layout, topo).unwrap(),
+                opts(2, LocalCopy::Sm, 256),
+            ));
+            let rs = crate::plan::RsOptions {
+                stage_slots: 2,
+                slot_bytes: 1024,
+            };
+            v.push((
+                crate::plan::reduce_scatter(&layout, topo, rs).unwrap(),
+                opts(2, LocalCopy::CopyEngine, 256),
+            ));
+        }
+        v
+    }
+
+    #[test]
+    fn protocol_keeps_back_to_back_calls_race_free() {
+        for (plan, o) in protocol_plans() {
+            let world = plan.topology.world();
+            let scheds: Vec<Schedule> = (0..world).map(|r| build(&plan, r, &o).unwrap()).collect();
+            for seed in 0..6 {
+                assert!(
+                    protocol_run(&plan, &scheds, 3, ALL_RULES, seed),
+                    "{:?} world {world} seed {seed}",
+                    plan.op
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn protocol_model_catches_each_missing_rule() {
+        // Without the peer-done wait, XLA may overwrite an input a peer is still copying; without
+        // the ready waits, a peer may copy an input before XLA wrote it. The model must see both.
+        let (plan, o) = protocol_plans().swap_remove(0);
+        let scheds: Vec<Schedule> = (0..2).map(|r| build(&plan, r, &o).unwrap()).collect();
+        for rules in [
+            Rules {
+                main_waits_peer_done: false,
+                ..ALL_RULES
+            },
+            Rules {
+                side_waits_ready: false,
+                ..ALL_RULES
+            },
+        ] {
+            let caught = (0..40).any(|seed| !protocol_run(&plan, &scheds, 3, rules, seed));
+            assert!(caught);
+        }
+    }
+}

@@ -1,0 +1,322 @@
+//! The CUDA engine on real GPUs, without JAX: one host thread per device calls `tide::cuda::execute`
+//! on its own stream (as XLA does), and the outputs are compared bitwise with the CPU engine running
+//! the same plan (`engine::cpu::run_threads`): the all-gather byte for byte, the reduce-scatter
+//! bitwise too (the same fp32 summation order). Odd shapes and all three gradient dtypes; small
+//! stage slots (TIDE_RS_SLOT_BYTES=65536) so the reduce-scatter runs many chunks through 2 slots;
+//! back-to-back calls with no host synchronization in between (event and stage reuse).
+//!
+//! Runs on every visible GPU (world = device count, and world = 1). Prints SKIPPED where there is
+//! no CUDA driver or no GPU. Build here, run on the GPU machine (it has no Rust toolchain):
+//!   cargo test --release --test cuda_engine --no-run   # prints the test binary's path
+//!   <that binary> --nocapture                          # on the GPU machine, from the repo root
+//! Rerun with TIDE_LOCAL_COPY=sm to cover the SM local copy.
+
+use cudarc::driver::sys;
+use std::io::Write;
+use tide::call::{BufferView, CallInfo};
+use tide::cuda::driver::check;
+use tide::engine::cpu::run_threads;
+use tide::layout::{DType, GroupLayout, ParamSpec};
+use tide::plan::{self, Op, Plan};
+use tide::topology::Topology;
+
+fn say(msg: &str) {
+    let _ = writeln!(std::io::stderr(), "{msg}");
+}
+
+fn specs() -> Vec<ParamSpec> {
+    vec![
+        ParamSpec::new("attn.wq", &[37, 24], DType::BF16),
+        ParamSpec::new("scalar", &[], DType::F32),
+        ParamSpec::new("mlp.w_up", &[301, 3], DType::F16),
+        ParamSpec::new("mlp.big", &[1024, 96], DType::BF16),
+        ParamSpec::new("norm", &[5], DType::BF16),
+        ParamSpec::new("f32.mat", &[33, 40], DType::F32),
+    ]
+}
+
+/// Finite values of the dtype (no inf/NaN), deterministic per (seed, rank, param).
+fn fill(bytes: &mut [u8], dtype: DType, mut x: u64) {
+    x |= 1;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    match dtype {
+        DType::F32 => {
+            for c in bytes.chunks_mut(4) {
+                let v = ((next() % 2_000_001) as f32 - 1_000_000.0) * 1e-3;
+                c.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        DType::BF16 | DType::F16 => {
+            for c in bytes.chunks_mut(2) {
+                let mut h = (next() >> 17) as u16;
+                let exp_mask = if dtype == DType::BF16 { 0x7f80 } else { 0x7c00 };
+                if h & exp_mask == exp_mask {
+                    h &= !(exp_mask & (exp_mask >> 1));
+                }
+                c.copy_from_slice(&h.to_le_bytes());
+            }
+        }
+        _ => bytes.iter_mut().for_each(|b| *b = next() as u8),
+    }
+}
+
+struct Dev {
+    ordinal: i64,
+    ctx: sys::CUcontext,
+    stream: sys::CUstream,
+}
+// SAFETY: raw CUDA handles, usable from any thread.
+unsafe impl Send for Dev {}
+unsafe impl Sync for Dev {}
+
+fn set_ctx(d: &Dev) {
+    // SAFETY: retained primary context.
+    check(
+        unsafe { sys::cuCtxSetCurrent(d.ctx) },
+        "cuCtxSetCurrent",
+        || format!("device {}", d.ordinal),
+    )
+    .unwrap();
+}
+
+fn alloc_upload(d: &Dev, data: &[u8]) -> u64 {
+    set_ctx(d);
+    let mut p: sys::CUdeviceptr = 0;
+    // SAFETY: valid out-pointer; at least 1 byte.
+    check(
+        unsafe { sys::cuMemAlloc_v2(&mut p, data.len().max(1)) },
+        "cuMemAlloc",
+        String::new,
+    )
+    .unwrap();
+    if !data.is_empty() {
+        // SAFETY: p holds data.len() bytes.
+        check(
+            unsafe { sys::cuMemcpyHtoD_v2(p, data.as_ptr() as *const _, data.len()) },
+            "cuMemcpyHtoD",
+            String::new,
+        )
+        .unwrap();
+    }
+    p
+}
+
+fn download(d: &Dev, p: u64, len: usize) -> Vec<u8> {
+    set_ctx(d);
+    let mut v = vec![0u8; len];
+    if len > 0 {
+        // SAFETY: p holds len bytes.
+        check(
+            unsafe { sys::cuMemcpyDtoH_v2(v.as_mut_ptr() as *mut _, p, len) },
+            "cuMemcpyDtoH",
+            String::new,
+        )
+        .unwrap();
+    }
+    v
+}
+
+fn gpus() -> Option<Vec<Dev>> {
+    if let Err(e) = tide::cuda::driver::init() {
+        say(&format!("SKIPPED cuda_engine: {e}"));
+        return None;
+    }
+    let mut count = 0;
+    // SAFETY: valid out-pointer, driver initialized.
+    check(
+        unsafe { sys::cuDeviceGetCount(&mut count) },
+        "cuDeviceGetCount",
+        String::new,
+    )
+    .unwrap();
+    if count == 0 {
+        say("SKIPPED cuda_engine: no CUDA device");
+        return None;
+    }
+    let mut devs = Vec::new();
+    for ord in 0..count.min(8) {
+        let mut dev = 0;
+        let mut ctx = std::ptr::null_mut();
+        let mut stream = std::ptr::null_mut();
+        // SAFETY: valid ordinal and out-pointers.
+        unsafe {
+            check(sys::cuDeviceGet(&mut dev, ord), "cuDeviceGet", String::new).unwrap();
+            check(
+                sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+                "cuDevicePrimaryCtxRetain",
+                String::new,
+            )
+            .unwrap();
+            check(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent", String::new).unwrap();
+            check(
+                sys::cuStreamCreate(&mut stream, 0),
+                "cuStreamCreate",
+                String::new,
+            )
+            .unwrap();
+        }
+        devs.push(Dev {
+            ordinal: ord as i64,
+            ctx,
+            stream,
+        });
+    }
+    Some(devs)
+}
+
+/// Runs `plan` on devs[0..world] `reps` times back to back (one host thread per device, no host
+/// synchronization between calls), then checks every rank's outputs against the CPU engine.
+#[allow(clippy::needless_range_loop)] // ranks and params index several tables at once
+fn run_and_check(devs: &[Dev], op: Op, site: i64, world: usize, seed: u64, reps: usize) {
+    let layout = GroupLayout::new(&specs(), world).unwrap();
+    let topo = Topology::single_node(world);
+    let plan: Plan = match op {
+        Op::AllGather => plan::all_gather(&layout, topo).unwrap(),
+        Op::ReduceScatter => {
+            plan::reduce_scatter(&layout, topo, plan::RsOptions::from_config()).unwrap()
+        }
+    };
+    let n = layout.len();
+    let inputs: Vec<Vec<Vec<u8>>> = (0..world)
+        .map(|r| {
+            (0..n)
+                .map(|i| {
+                    let mut b = vec![0u8; plan.input_bytes(i)];
+                    fill(
+                        &mut b,
+                        layout.params[i].dtype,
+                        seed ^ ((r as u64) << 32) ^ (i as u64 * 7919),
+                    );
+                    b
+                })
+                .collect()
+        })
+        .collect();
+    let want = run_threads(&plan, &inputs).unwrap();
+    let dims_full = |i: usize| layout.params[i].shape.clone();
+    let dims_shard = |i: usize| {
+        let p = &layout.params[i];
+        let mut d = vec![p.shard_rows];
+        d.extend(p.shape.iter().skip(1));
+        d
+    };
+    let mut calls = Vec::new();
+    let mut out_ptrs = Vec::new();
+    for r in 0..world {
+        let d = &devs[r];
+        let mut ins = Vec::new();
+        let mut outs = Vec::new();
+        let mut optrs = Vec::new();
+        for i in 0..n {
+            let p = &layout.params[i];
+            let ip = alloc_upload(d, &inputs[r][i]);
+            let op_ = alloc_upload(d, &vec![0xa5u8; plan.output_bytes(i)]);
+            optrs.push(op_);
+            let (idims, odims, odt) = match op {
+                Op::AllGather => (dims_shard(i), dims_full(i), p.dtype),
+                Op::ReduceScatter => (dims_full(i), dims_shard(i), DType::F32),
+            };
+            ins.push(BufferView {
+                ptr: ip as usize,
+                dtype: p.dtype,
+                dims: idims,
+            });
+            outs.push(BufferView {
+                ptr: op_ as usize,
+                dtype: odt,
+                dims: odims,
+            });
+        }
+        out_ptrs.push(optrs);
+        calls.push(CallInfo {
+            op,
+            site,
+            device_ordinal: d.ordinal,
+            rank: r,
+            group: 0,
+            world,
+            topology: topo,
+            names: specs().iter().map(|s| s.name.clone()).collect(),
+            inputs: ins,
+            outputs: outs,
+            stream: d.stream as usize,
+        });
+    }
+    std::thread::scope(|s| {
+        for r in 0..world {
+            let call = &calls[r];
+            let d = &devs[r];
+            s.spawn(move || {
+                for rep in 0..reps {
+                    if let Err(e) = tide::cuda::execute(call) {
+                        panic!("{op:?} world {world} rank {r} rep {rep}: {e}");
+                    }
+                }
+                set_ctx(d);
+                // SAFETY: our stream.
+                check(
+                    unsafe { sys::cuStreamSynchronize(d.stream) },
+                    "cuStreamSynchronize",
+                    || format!("device {} after {op:?}", d.ordinal),
+                )
+                .unwrap();
+            });
+        }
+    });
+    for r in 0..world {
+        for i in 0..n {
+            let got = download(&devs[r], out_ptrs[r][i], plan.output_bytes(i));
+            if got != want[r][i] {
+                let first = got
+                    .iter()
+                    .zip(&want[r][i])
+                    .position(|(a, b)| a != b)
+                    .unwrap_or(0);
+                panic!(
+                    "{op:?} world {world} rank {r}: {} differs from the CPU engine at byte {first} of {}",
+                    layout.params[i].describe(),
+                    got.len()
+                );
+            }
+        }
+    }
+    say(&format!(
+        "cuda_engine: {op:?} world {world} x{reps}: bitwise equal to the CPU engine"
+    ));
+}
+
+#[test]
+fn cuda_engine_matches_cpu_engine() {
+    // Before anything reads the configuration: small slots, so the reduce-scatter pipelines many
+    // chunks through its 2 slots; a short timeout so a hang shows as an error.
+    std::env::set_var("TIDE_RS_SLOT_BYTES", "65536");
+    std::env::set_var("TIDE_TIMEOUT_S", "60");
+    let Some(devs) = gpus() else { return };
+    let all = devs.len();
+    say(&format!("cuda_engine: {all} device(s)"));
+    let mut site = 1000;
+    for world in [1, all]
+        .into_iter()
+        .collect::<std::collections::BTreeSet<_>>()
+    {
+        for (k, op) in [
+            Op::AllGather,
+            Op::ReduceScatter,
+            Op::AllGather,
+            Op::ReduceScatter,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            site += 1;
+            run_and_check(&devs, op, site, world, 17 + k as u64, 1);
+            site += 1;
+            run_and_check(&devs, op, site, world, 99 + k as u64, 50);
+        }
+    }
+}

@@ -1,0 +1,196 @@
+// Host emulation of kernels/rs_sum.cu: the kernels compiled as plain C++, every CTA and thread run in
+// turn (the kernels share nothing between threads, so any order is a legal schedule), checked bitwise
+// against a straightforward sequential reference. Driven by tests/kernels_host.rs.
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#define TIDE_HOST_EMULATION 1
+#define __global__
+#define __launch_bounds__(x)
+struct uint4 { unsigned int x, y, z, w; };
+struct float4 { float x, y, z, w; };
+struct TideDim { unsigned int x; };
+static TideDim threadIdx, blockIdx, blockDim, gridDim;
+
+static inline float tide_host_bits_f32(unsigned int b) {
+    float f;
+    std::memcpy(&f, &b, 4);
+    return f;
+}
+static inline float tide_host_f16_f32(unsigned short h) {
+    const unsigned int sign = (unsigned int)(h & 0x8000u) << 16;
+    const unsigned int exp = (h >> 10) & 0x1fu;
+    const unsigned int mant = h & 0x3ffu;
+    unsigned int bits;
+    if (exp == 0) {
+        if (mant == 0) return tide_host_bits_f32(sign);
+        float f = (float)mant * (1.0f / 16777216.0f);  // mant * 2^-24, exact
+        return sign ? -f : f;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    }
+    return tide_host_bits_f32(bits);
+}
+
+#include "rs_sum.cu"
+
+typedef void (*SumKernel)(float*, TideSrcs, int, unsigned long long, int, int);
+
+template <class F>
+static void launch(unsigned grid, unsigned block, F f) {
+    gridDim.x = grid;
+    blockDim.x = block;
+    for (unsigned b = 0; b < grid; ++b) {
+        blockIdx.x = b;
+        for (unsigned t = 0; t < block; ++t) {
+            threadIdx.x = t;
+            f();
+        }
+    }
+}
+
+static float ref_one(int dtype, const unsigned char* p, size_t i) {
+    if (dtype == 0) {  // bf16
+        unsigned short h;
+        std::memcpy(&h, p + 2 * i, 2);
+        return tide_host_bits_f32((unsigned int)h << 16);
+    } else if (dtype == 1) {  // f16
+        unsigned short h;
+        std::memcpy(&h, p + 2 * i, 2);
+        return tide_host_f16_f32(h);
+    }
+    float f;
+    std::memcpy(&f, p + 4 * i, 4);
+    return f;
+}
+
+static unsigned int f32_bits(float f) {
+    unsigned int b;
+    std::memcpy(&b, &f, 4);
+    return b;
+}
+
+// A finite value of the dtype with a mix of signs, magnitudes, zeros, -0 and subnormals.
+static void random_elem(int dtype, std::mt19937_64& rng, unsigned char* out) {
+    const int kind = (int)(rng() % 16);
+    if (dtype == 2) {
+        float f;
+        if (kind == 0) f = 0.0f;
+        else if (kind == 1) f = -0.0f;
+        else if (kind == 2) f = tide_host_bits_f32((unsigned int)(rng() % 0x7fffffu));  // subnormal
+        else f = (float)((double)(int64_t)(rng() % 2000001) - 1000000.0) * 1e-3f;
+        std::memcpy(out, &f, 4);
+        return;
+    }
+    unsigned short h;
+    if (kind == 0) h = 0;
+    else if (kind == 1) h = 0x8000;
+    else {
+        // Avoid the all-ones exponent (inf / NaN) of either format.
+        do { h = (unsigned short)rng(); } while (dtype == 0 ? ((h & 0x7f80) == 0x7f80) : ((h & 0x7c00) == 0x7c00));
+    }
+    std::memcpy(out, &h, 2);
+}
+
+static int failures = 0;
+static long checks = 0;
+
+static void check_sum(int dtype, int nsrc, size_t n, int accumulate, size_t misalign, unsigned grid,
+                      unsigned block, std::mt19937_64& rng) {
+    static const SumKernel kernels[3] = {rs_sum_bf16_f32, rs_sum_f16_f32, rs_sum_f32_f32};
+    const size_t esize = dtype == 2 ? 4 : 2;
+    // Buffers over-allocated so a 16-byte-aligned base plus `misalign` elements stays in bounds.
+    std::vector<std::vector<unsigned char>> store(nsrc, std::vector<unsigned char>((n + 64) * esize + 64));
+    TideSrcs srcs;
+    std::memset(&srcs, 0, sizeof(srcs));
+    std::vector<const unsigned char*> sp(nsrc);
+    for (int s = 0; s < nsrc; ++s) {
+        uintptr_t base = ((uintptr_t)store[s].data() + 15) & ~(uintptr_t)15;
+        unsigned char* p = (unsigned char*)base + misalign * esize;
+        for (size_t i = 0; i < n; ++i) random_elem(dtype, rng, p + i * esize);
+        sp[s] = p;
+        srcs.p[s] = p;
+    }
+    std::vector<unsigned char> dstore((n + 8) * 4 + 64);
+    float* dst = (float*)((((uintptr_t)dstore.data() + 15) & ~(uintptr_t)15));
+    std::vector<float> expect(n);
+    for (size_t i = 0; i < n; ++i) {
+        unsigned char tmp[4];
+        random_elem(2, rng, tmp);
+        float init;
+        std::memcpy(&init, tmp, 4);
+        dst[i] = init;
+        float acc;
+        int s = 0;
+        if (accumulate) acc = init;
+        else { acc = ref_one(dtype, sp[0], i); s = 1; }
+        for (; s < nsrc; ++s) acc = acc + ref_one(dtype, sp[s], i);
+        expect[i] = acc;
+    }
+    const int vectorized = misalign == 0 ? 1 : 0;
+    SumKernel k = kernels[dtype];
+    launch(grid, block, [&] { k(dst, srcs, nsrc, (unsigned long long)n, accumulate, vectorized); });
+    for (size_t i = 0; i < n; ++i) {
+        ++checks;
+        if (f32_bits(dst[i]) != f32_bits(expect[i])) {
+            if (failures < 20)
+                std::printf("MISMATCH sum dtype=%d nsrc=%d n=%zu acc=%d misalign=%zu grid=%u block=%u at %zu: got %a want %a\n",
+                            dtype, nsrc, n, accumulate, misalign, grid, block, i, dst[i], expect[i]);
+            ++failures;
+            return;
+        }
+    }
+}
+
+static void check_copy(size_t bytes, size_t dst_off, size_t src_off, unsigned grid, unsigned block,
+                       std::mt19937_64& rng) {
+    std::vector<unsigned char> a(bytes + 64), b(bytes + 64, 0xee);
+    for (auto& x : a) x = (unsigned char)rng();
+    unsigned char* src = (unsigned char*)((((uintptr_t)a.data() + 15) & ~(uintptr_t)15)) + src_off;
+    unsigned char* dst = (unsigned char*)((((uintptr_t)b.data() + 15) & ~(uintptr_t)15)) + dst_off;
+    const uintptr_t both = (uintptr_t)src | (uintptr_t)dst;
+    int width = 1;
+    for (int w = 16; w > 1; w /= 2) {
+        if (both % (uintptr_t)w == 0) { width = w; break; }
+    }
+    std::vector<unsigned char> before(b);
+    launch(grid, block, [&] { tide_copy(dst, src, (unsigned long long)bytes, width); });
+    ++checks;
+    if (std::memcmp(dst, src, bytes) != 0) {
+        std::printf("MISMATCH copy bytes=%zu width=%d\n", bytes, width);
+        ++failures;
+    }
+    // Nothing outside [dst, dst + bytes) may change.
+    for (size_t i = 0; i < b.size(); ++i) {
+        unsigned char* p = b.data() + i;
+        if ((p < dst || p >= dst + bytes) && b[i] != before[i]) {
+            std::printf("OUT OF BOUNDS copy bytes=%zu width=%d at %zd\n", bytes, width, (ssize_t)(p - dst));
+            ++failures;
+            break;
+        }
+    }
+}
+
+int main() {
+    std::mt19937_64 rng(12345);
+    const size_t sizes[] = {0, 1, 3, 7, 8, 9, 15, 16, 17, 63, 64, 65, 255, 1000, 4099};
+    const unsigned grids[][2] = {{1, 1}, {1, 32}, {3, 32}, {2, 512}, {16, 64}};
+    for (int dtype = 0; dtype < 3; ++dtype)
+        for (int nsrc = 1; nsrc <= TIDE_MAX_SRCS; ++nsrc)
+            for (size_t n : sizes)
+                for (int acc = 0; acc < 2; ++acc)
+                    for (size_t mis : {(size_t)0, (size_t)1, (size_t)3})
+                        for (auto& g : grids) check_sum(dtype, nsrc, n, acc, mis, g[0], g[1], rng);
+    for (size_t bytes : {0, 1, 2, 15, 16, 17, 100, 4096, 5003})
+        for (size_t doff : {0, 1, 2, 4, 8})
+            for (size_t soff : {0, 2, 8})
+                for (auto& g : grids) check_copy(bytes, doff, soff, g[0], g[1], rng);
+    std::printf("%ld checks, %d failures\n", checks, failures);
+    if (failures == 0) std::printf("ALL OK\n");
+    return failures == 0 ? 0 : 1;
+}

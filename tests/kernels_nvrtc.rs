@@ -1,0 +1,105 @@
+//! Compiles every kernel of kernels/rs_sum.cu with NVRTC for sm_90 (the H200), to PTX and to a cubin,
+//! so a broken kernel fails CI rather than the GPU run. Needs no GPU, only libnvrtc: found through
+//! TIDE_NVRTC_LIB_DIR (e.g. site-packages/nvidia/cu13/lib of `pip install nvidia-cuda-nvrtc==13.0.*`),
+//! the loader path, or /usr/local/cuda. Without it the test prints SKIPPED on the terminal and passes,
+//! unless TIDE_REQUIRE_NVRTC=1, where a missing NVRTC fails it.
+
+use std::io::Write;
+use tide::cuda::kernels::{KERNEL_NAMES, SOURCE, SOURCE_NAME};
+use tide::cuda::nvrtc::{compile, compile_with, ensure_loaded, version, Output};
+
+/// Prints past libtest's capture (it captures print!/eprint!, not direct writes to stderr).
+fn say(msg: &str) {
+    let _ = writeln!(std::io::stderr(), "{msg}");
+}
+
+fn nvrtc_or_skip(test: &str) -> bool {
+    let dir = std::env::var("TIDE_NVRTC_LIB_DIR").ok();
+    match ensure_loaded(dir.as_deref()) {
+        Ok(()) => true,
+        Err(e) => {
+            if std::env::var("TIDE_REQUIRE_NVRTC")
+                .map(|v| v == "1")
+                .unwrap_or(false)
+            {
+                panic!("{test}: TIDE_REQUIRE_NVRTC=1 but NVRTC is unavailable: {e}");
+            }
+            say(&format!("SKIPPED {test}: NVRTC not available ({e})"));
+            false
+        }
+    }
+}
+
+#[test]
+fn every_kernel_compiles_for_sm90() {
+    if !nvrtc_or_skip("every_kernel_compiles_for_sm90") {
+        return;
+    }
+    let (major, minor) = version().unwrap();
+    say(&format!("kernels_nvrtc: NVRTC {major}.{minor}"));
+    let ptx = compile(SOURCE, SOURCE_NAME, "compute_90", Output::Ptx).unwrap();
+    let ptx = String::from_utf8_lossy(&ptx);
+    for k in KERNEL_NAMES {
+        assert!(
+            ptx.contains(&format!(".entry {k}(")),
+            "kernel {k} missing from the PTX"
+        );
+    }
+    // No local memory (register arrays indexed at run time, spills of the source pointers).
+    assert!(
+        !ptx.contains("ld.local") && !ptx.contains("st.local"),
+        "local memory in the PTX"
+    );
+    // The f16 path uses the PTX conversion, the vector path 16-byte loads.
+    assert!(ptx.contains("cvt.f32.f16"));
+    assert!(
+        ptx.contains("ld.global.v4.u32")
+            || ptx.contains("ld.global.v4.b32")
+            || ptx.contains("ld.global.nc.v4")
+    );
+    let (cubin, log) = compile_with(
+        SOURCE,
+        SOURCE_NAME,
+        "sm_90",
+        Output::Cubin,
+        &["--ptxas-options=-v"],
+    )
+    .unwrap();
+    say(&format!("kernels_nvrtc: ptxas for sm_90:\n{}", log.trim()));
+    // __launch_bounds__(512) caps registers at 128; nothing may spill to local memory.
+    for line in log.lines().filter(|l| l.contains("spill")) {
+        assert!(
+            line.contains("0 bytes spill stores") && line.contains("0 bytes spill loads"),
+            "spills: {line}"
+        );
+    }
+    assert!(log.contains("Used"), "no ptxas report in the log: {log}");
+    assert_eq!(&cubin[..4], b"\x7fELF", "a cubin is an ELF image");
+    for k in KERNEL_NAMES {
+        assert!(
+            cubin.windows(k.len()).any(|w| w == k.as_bytes()),
+            "kernel {k} missing from the cubin"
+        );
+    }
+}
+
+#[test]
+fn a_broken_kernel_reports_the_nvrtc_log() {
+    if !nvrtc_or_skip("a_broken_kernel_reports_the_nvrtc_log") {
+        return;
+    }
+    let e = compile(
+        "extern \"C\" __global__ void k() { undefined_thing(); }",
+        "broken.cu",
+        "sm_90",
+        Output::Cubin,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("nvrtcCompileProgram")
+            && e.contains("undefined_thing")
+            && e.contains("broken.cu"),
+        "{e}"
+    );
+}
