@@ -236,6 +236,7 @@ fn run_and_check(devs: &[Dev], op: Op, site: i64, world: usize, seed: u64, reps:
         calls.push(CallInfo {
             op,
             site,
+            run_id: 0,
             device_ordinal: d.ordinal,
             rank: r,
             group: 0,

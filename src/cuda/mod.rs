@@ -100,9 +100,10 @@ fn op_name(op: Op) -> &'static str {
 
 /// Executes one collective call on XLA's stream `call.stream` of device `call.device_ordinal`.
 /// Enqueues work only; never synchronizes the host with the device in the hot path. The rendezvous
-/// sequence number is this rank's count of calls of the site (`rendezvous::next_seq`).
+/// sequence number counts this rank's calls of the site within XLA's run `call.run_id`
+/// (`rendezvous::run_seq`), so one rank's failure cannot leave later runs out of step.
 pub fn execute(call: &CallInfo) -> Result<()> {
-    let seq = rendezvous::next_seq(call.site, call.group, call.rank);
+    let seq = rendezvous::run_seq(call.site, call.group, call.rank, call.run_id);
     execute_with_seq(call, seq)
 }
 
