@@ -55,6 +55,8 @@ def rng(request):
 def tide():
     lib = os.environ.get("TIDE_LIBRARY")
     if not _gpus():
+        if os.environ.get("TIDE_REQUIRE_GPU") == "1":  # set by scripts/gpu-check: skipping would hide it
+            pytest.fail("TIDE_REQUIRE_GPU=1 but JAX has no GPU backend")
         pytest.skip("no GPU backend in JAX")
     assert lib and os.path.exists(lib), f"TIDE_LIBRARY must name libtide.so (got {lib!r})"
     import tide_jax
