@@ -319,6 +319,8 @@ def import_tide():
     if not os.path.exists(lib):
         raise RuntimeError(f"TIDE_LIBRARY={lib} does not exist")
     import tide_jax
+    if hasattr(tide_jax, "set_backend"):
+        tide_jax.set_backend("tide")  # the native library, whatever TIDE_BACKEND says
     return tide_jax
 
 
@@ -600,14 +602,22 @@ def worker_interference(res, cfg, args):
                 def one():
                     box = {}
 
+                    dispatched = threading.Event()
+
                     def runner():
                         box["t0"] = time.perf_counter()
                         out = st["fn"](st["arg"])
+                        box["t_dispatch"] = time.perf_counter()
+                        dispatched.set()
                         jax.block_until_ready(out)
                         box["t1"] = time.perf_counter()
                     th = threading.Thread(target=runner)
                     th.start()
-                    time.sleep(1e-3 + 0.2 * st["step_alone_ms"] / 1e3)
+                    # JAX dispatch is asynchronous: once the step is enqueued, give it a short lead so the
+                    # collective is under way, then launch the GEMM burst. (Were dispatch synchronous, the
+                    # wait times out mid-step and the overlap check below says how much really overlapped.)
+                    dispatched.wait(timeout=0.3 * st["step_alone_ms"] / 1e3)
+                    time.sleep(0.5e-3 + 0.25 * st["step_alone_ms"] / 1e3)
                     gemm_ms, t_end = burst()
                     th.join()
                     g_lo, g_hi = t_end - gemm_ms / 1e3, t_end
@@ -615,7 +625,10 @@ def worker_interference(res, cfg, args):
                     c_hi = box["t1"]
                     overlap = max(0.0, min(g_hi, c_hi) - max(g_lo, c_lo)) / (gemm_ms / 1e3)
                     return dict(gemm_ms=gemm_ms, overlap=min(overlap, 1.0),
-                                coll_ms=(box["t1"] - box["t0"]) * 1e3)
+                                coll_ms=(box["t1"] - box["t0"]) * 1e3,
+                                dispatch_ms=(box["t_dispatch"] - box["t0"]) * 1e3,
+                                gemm_start_after_dispatch_ms=(g_lo - box["t0"]) * 1e3,
+                                gemm_end_before_coll_end_ms=(c_hi - g_hi) * 1e3)
                 s = guarded(res, f"{g}.{name}.sample{rep}")(one)
                 if s is not None:
                     samples[name].append(s)

@@ -60,6 +60,8 @@ def tide():
         pytest.skip("no GPU backend in JAX")
     assert lib and os.path.exists(lib), f"TIDE_LIBRARY must name libtide.so (got {lib!r})"
     import tide_jax
+    if hasattr(tide_jax, "set_backend"):
+        tide_jax.set_backend("tide")  # the native library, whatever TIDE_BACKEND says
     return tide_jax
 
 
