@@ -76,7 +76,7 @@ def group_bytes(shapes, itemsize=2):
 def run_config(args):
     """Sizes and repetition counts for the chosen mode."""
     if args.cpu_smoke:
-        return dict(groups=[64, 128], samples=5, warm=1, target_step_ms=5.0, max_R=8, min_R=2,
+        return dict(groups=[int(g) for g in args.groups.split(",")] if args.groups else [64, 128], samples=5, warm=1, target_step_ms=5.0, max_R=8, min_R=2,
                     dispatch_n=5, dispatch_rounds=3)
     groups = [int(g) for g in args.groups.split(",")] if args.groups else ([1664] if args.quick else [1664, 3328])
     if args.quick:
@@ -148,6 +148,9 @@ def jax_setup():
     import jax
     from jax.sharding import Mesh
     devs = jax.devices()
+    if os.environ.get("TIDE_BENCH_EXPECT_GPU") == "1" and jax.default_backend() != "gpu":
+        raise RuntimeError(f"expected JAX's GPU backend, got {jax.default_backend()!r} with devices {devs}: "
+                           "no numbers from a CPU fallback")
     mesh = Mesh(np.array(devs), (AXIS,))
     return jax, mesh, devs
 
@@ -780,6 +783,9 @@ def section_env(section, args):
     env["TIDE_MULTICAST"] = "0"
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.4")
+    if not args.cpu_smoke:
+        env.setdefault("JAX_PLATFORMS", "cuda")  # fail loudly rather than fall back to the CPU
+        env["TIDE_BENCH_EXPECT_GPU"] = "1"
     if args.cpu_smoke:
         env["JAX_PLATFORMS"] = "cpu"
         flags = [f for f in env.get("XLA_FLAGS", "").split() if "force_host_platform_device_count" not in f]
