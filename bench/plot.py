@@ -7,7 +7,7 @@ import os
 import sys
 
 ORDER = ["floor_ce_k1", "floor_ce_k4", "floor_ce_k4_pieces", "jax_ag_per_param", "jax_ag_flat_copyout",
-         "tide_ag", "jax_rs_bf16", "jax_rs_upcast_fp32", "jax_rs_flat_fp32_pack", "tide_rs"]
+         "tide_ag", "jax_rs_bf16", "jax_rs_upcast_fp32", "jax_rs_flat_fp32_pack", "jax_rs_fp32_prepacked", "tide_rs"]
 
 
 def rows(report, group):
