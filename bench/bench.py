@@ -779,6 +779,9 @@ WORKERS = {"floor": worker_floor, "jax": worker_jax, "jaxflags": worker_jax, "ti
 
 
 def worker_main(args):
+    import faulthandler
+    if args.limit:  # a hang: every thread's stack lands in the log before the orchestrator kills us
+        faulthandler.dump_traceback_later(max(5.0, args.limit - 8.0), exit=False)
     cfg = run_config(args)
     res = Results(args.part, args.worker)
     res.data["config"] = cfg
@@ -833,6 +836,7 @@ def run_section(section, args, out_dir, deadline):
     limit = min(SECTION_LIMIT_S[section], deadline - time.time() - 5)
     if limit < 15:
         return {"section": section, "errors": {"section": {"error": "skipped: out of time budget"}}, "records": {}}
+    cmd += ["--limit", f"{limit:.0f}"]
     attempts = 2 if section == "jaxflags" else 1
     rc, tail = None, ""
     t0 = time.time()
@@ -909,6 +913,7 @@ def main():
     ap.add_argument("--budget", type=float, default=480.0, help="wall-clock seconds for all sections")
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--part", help=argparse.SUPPRESS)
+    ap.add_argument("--limit", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker_main(args)

@@ -51,8 +51,8 @@ def plot(report, path):
         ax.invert_yaxis()
         ax.set_xlabel("ms per call (median, p10-p90)")
         ax.set_title(f"{g}: {report.get('mode', '')} run, {report.get('date', '')}", fontsize=9)
-        for yi, m in zip(y, med):
-            ax.text(m, yi, f" {m:.3f}", va="center", fontsize=7)
+        for yi, r in zip(y, rs):
+            ax.text(r[4], yi, f"  {r[2]:.3f}", va="center", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
