@@ -969,7 +969,7 @@ def main():
     n_err = sum(len(v.get("errors", {})) for v in report["sections"].values())
     print(f"bench: wrote {json_path}, RESULTS.md, latency.png in {out_dir}; {n_err} recorded errors; "
           f"{time.time() - t_start:.0f} s", flush=True)
-    return 0
+    return 1 if n_err else 0  # results are written either way; the exit code says whether all ran
 
 
 # --------------------------------------------------------------------------------------------------
