@@ -598,7 +598,10 @@ def worker_interference(res, cfg, args):
             except Exception as exc:
                 res.error(f"{g}.tide_layout", exc)
         bodies = op_bodies(jax, mesh, shapes, tide if lay is not None else None, lay)
-        steps = {}
+        out = {}
+        # One op at a time, JAX's first and tide's last, each recorded as soon as it is measured: a
+        # crash in one op (say a tide bug taking the process down) keeps every row measured before it.
+        # GEMM-alone samples are interleaved with each op's samples, so drift cannot pose as slowdown.
         for name in ops:
             if name not in bodies:
                 continue
@@ -615,66 +618,68 @@ def worker_interference(res, cfg, args):
                 alone = time_step(jax, fn, arg, samples=5, warm=2)
                 return dict(fn=fn, arg=arg, R=R, per_call_ms=per, step_alone_ms=statistics.median(alone))
             st = guarded(res, f"{g}.{name}.prep")(prep)
-            if st is not None:
-                steps[name] = st
-                print(f"[interference] {g} {name}: R={st['R']} step {st['step_alone_ms']:.2f} ms", flush=True)
+            if st is None:
+                continue
+            print(f"[interference] {g} {name}: R={st['R']} step {st['step_alone_ms']:.2f} ms", flush=True)
 
-        samples = {name: [] for name in steps}
-        alone_s = []
-        for rep in range(reps):
+            def one():
+                box = {}
+                dispatched = threading.Event()
+
+                def runner():
+                    box["t0"] = time.perf_counter()
+                    out_ = st["fn"](st["arg"])
+                    box["t_dispatch"] = time.perf_counter()
+                    dispatched.set()
+                    jax.block_until_ready(out_)
+                    box["t1"] = time.perf_counter()
+                th = threading.Thread(target=runner)
+                th.start()
+                # JAX dispatch is asynchronous: once the step is enqueued, give it a lead so the
+                # collective is under way, then launch the GEMM burst. (Were dispatch synchronous, the
+                # wait times out mid-step and the overlap check below says how much really overlapped.)
+                dispatched.wait(timeout=0.3 * st["step_alone_ms"] / 1e3)
+                time.sleep(0.5e-3 + 0.25 * st["step_alone_ms"] / 1e3)
+                gemm_ms, t_end = burst()
+                th.join()
+                if "t1" not in box:
+                    raise RuntimeError("the collective step did not complete (see the log)")
+                g_lo, g_hi = t_end - gemm_ms / 1e3, t_end
+                c_lo = max(box["t0"], box["t1"] - st["step_alone_ms"] / 1e3)
+                c_hi = box["t1"]
+                overlap = max(0.0, min(g_hi, c_hi) - max(g_lo, c_lo)) / (gemm_ms / 1e3)
+                return dict(gemm_ms=gemm_ms, overlap=min(overlap, 1.0),
+                            coll_ms=(box["t1"] - box["t0"]) * 1e3,
+                            dispatch_ms=(box["t_dispatch"] - box["t0"]) * 1e3,
+                            gemm_start_after_dispatch_ms=(g_lo - box["t0"]) * 1e3,
+                            gemm_end_before_coll_end_ms=(c_hi - g_hi) * 1e3)
+
+            alone_s, ss = [], []
+            for rep in range(reps):
+                alone_s.append(burst()[0])
+                s_ = guarded(res, f"{g}.{name}.sample{rep}")(one)
+                if s_ is not None:
+                    ss.append(s_)
             alone_s.append(burst()[0])
-            for name, st in steps.items():
-                def one():
-                    box = {}
-
-                    dispatched = threading.Event()
-
-                    def runner():
-                        box["t0"] = time.perf_counter()
-                        out = st["fn"](st["arg"])
-                        box["t_dispatch"] = time.perf_counter()
-                        dispatched.set()
-                        jax.block_until_ready(out)
-                        box["t1"] = time.perf_counter()
-                    th = threading.Thread(target=runner)
-                    th.start()
-                    # JAX dispatch is asynchronous: once the step is enqueued, give it a short lead so the
-                    # collective is under way, then launch the GEMM burst. (Were dispatch synchronous, the
-                    # wait times out mid-step and the overlap check below says how much really overlapped.)
-                    dispatched.wait(timeout=0.3 * st["step_alone_ms"] / 1e3)
-                    time.sleep(0.5e-3 + 0.25 * st["step_alone_ms"] / 1e3)
-                    gemm_ms, t_end = burst()
-                    th.join()
-                    g_lo, g_hi = t_end - gemm_ms / 1e3, t_end
-                    c_lo = max(box["t0"], box["t1"] - st["step_alone_ms"] / 1e3)
-                    c_hi = box["t1"]
-                    overlap = max(0.0, min(g_hi, c_hi) - max(g_lo, c_lo)) / (gemm_ms / 1e3)
-                    return dict(gemm_ms=gemm_ms, overlap=min(overlap, 1.0),
-                                coll_ms=(box["t1"] - box["t0"]) * 1e3,
-                                dispatch_ms=(box["t_dispatch"] - box["t0"]) * 1e3,
-                                gemm_start_after_dispatch_ms=(g_lo - box["t0"]) * 1e3,
-                                gemm_end_before_coll_end_ms=(c_hi - g_hi) * 1e3)
-                s = guarded(res, f"{g}.{name}.sample{rep}")(one)
-                if s is not None:
-                    samples[name].append(s)
-        alone_med = statistics.median(alone_s)
-        out = {"gemm_alone_ms": stats_ms(alone_s)}
-        for name, ss in samples.items():
-            valid = [s for s in ss if s["overlap"] >= 0.9]
-            rec = dict(R=steps[name]["R"], step_alone_ms=steps[name]["step_alone_ms"], samples=ss,
-                       n_valid=len(valid), n=len(ss))
+            alone_med = statistics.median(alone_s)
+            valid = [x for x in ss if x["overlap"] >= 0.9]
+            rec = dict(R=st["R"], step_alone_ms=st["step_alone_ms"], samples=ss, n_valid=len(valid), n=len(ss),
+                       gemm_alone_ms=stats_ms(alone_s))
             if valid:
-                gm = statistics.median([s["gemm_ms"] for s in valid])
-                rec.update(gemm_during_ms=stats_ms([s["gemm_ms"] for s in valid]),
+                gm = statistics.median([x["gemm_ms"] for x in valid])
+                rec.update(gemm_during_ms=stats_ms([x["gemm_ms"] for x in valid]),
                            slowdown_pct=100.0 * (gm / alone_med - 1.0),
-                           overlap_min=min(s["overlap"] for s in ss))
+                           overlap_min=min(x["overlap"] for x in ss))
                 print(f"[interference] {g} {name}: GEMM {gm:.3f} ms vs alone {alone_med:.3f} "
                       f"-> {rec['slowdown_pct']:+.1f}% ({len(valid)}/{len(ss)} samples overlapped)", flush=True)
             else:
                 print(f"[interference] {g} {name}: no sample overlapped the collective", flush=True)
             out[name] = rec
-        res.put(f"{g}.interference", out)
-        del params, grads, grads32, shards, steps
+            out["gemm_alone_ms"] = stats_ms([x for r in out.values() if isinstance(r, dict) and "n_valid" in r
+                                             for x in [r["gemm_alone_ms"]["median"]]])
+            res.put(f"{g}.interference", out)
+            del st
+        del params, grads, grads32, shards
 
 
 def worker_memory(res, cfg, args):
@@ -742,7 +747,8 @@ def worker_memory(res, cfg, args):
             r = guarded(res, f"{g}.{name}.compile")(comp)
             if r is not None:
                 compiled[name] = r
-        order = sorted(compiled, key=lambda n: compiled[n]["ma"].get("temp_size_in_bytes", 0))
+        # JAX's ops first (a tide crash then loses only tide's rows), each kind by ascending temp bytes
+        order = sorted(compiled, key=lambda n: (n.startswith("tide"), compiled[n]["ma"].get("temp_size_in_bytes", 0)))
         out = {}
         for name in order:
             c = compiled[name]
@@ -1025,8 +1031,8 @@ def summarize(report):
                 if sd.get(a) is None or sd.get(b) is None:
                     return None
                 return sd[a] <= max(sd[b], 0.0) / 3.0
-            for a, b, label in (("tide_ag", "jax_ag_per_param", "GEMM slowdown tide AG <= 1/3 of NCCL AG"),
-                                ("tide_rs", "jax_rs_fp32_prepacked", "GEMM slowdown tide RS <= 1/3 of NCCL fp32 RS")):
+            for a, b, label in (("tide_ag", "jax_ag_per_param", "GEMM slowdown tide AG <= 1/3 of NCCL AG (tide %, NCCL %)"),
+                                ("tide_rs", "jax_rs_fp32_prepacked", "GEMM slowdown tide RS <= 1/3 of NCCL fp32 RS (tide %, NCCL %)")):
                 v = third(a, b)
                 targets[label] = dict(value=(sd.get(a), sd.get(b)), met=v)
         s["targets"] = targets
@@ -1114,17 +1120,18 @@ def render_markdown(report):
         if inter:
             L.append("")
             ga = inter.get("gemm_alone_ms", {})
-            L.append(f"Interference: 10 x bf16 GEMM 2048x2048x16384 on GPU 0, alone {_fmt(ga.get('median'))} ms "
-                     f"(p10 {_fmt(ga.get('p10'))}, p90 {_fmt(ga.get('p90'))})")
+            L.append(f"Interference: 10 x bf16 GEMM 2048x2048x16384 on GPU 0 on its own stream; alone "
+                     f"{_fmt(ga.get('median'))} ms (median of the per-op medians); slowdown is against the "
+                     f"alone samples interleaved with that op's")
             L.append("")
-            L.append("| concurrent op | GEMM ms (median) | slowdown | overlapped samples | collective step ms |")
-            L.append("| --- | --- | --- | --- | --- |")
+            L.append("| concurrent op | GEMM ms alone (interleaved) | GEMM ms during | slowdown | overlapped samples | collective step ms |")
+            L.append("| --- | --- | --- | --- | --- | --- |")
             for name, r in inter.items():
                 if not isinstance(r, dict) or "n_valid" not in r:
                     continue
                 gd = r.get("gemm_during_ms", {}).get("median")
                 sd = r.get("slowdown_pct")
-                L.append(f"| {OP_LABELS.get(name, name)} | {_fmt(gd)} | "
+                L.append(f"| {OP_LABELS.get(name, name)} | {_fmt(r.get('gemm_alone_ms', {}).get('median'))} | {_fmt(gd)} | "
                          f"{'-' if sd is None else f'{sd:+.1f} %'} | {r['n_valid']}/{r['n']} | "
                          f"{_fmt(r.get('step_alone_ms'), 2)} (R={r.get('R')}) |")
         mem = report["sections"].get("memory", {}).get("records", {}).get(f"{g}.memory")
