@@ -1,0 +1,377 @@
+"""GPU tests of tide's CUDA engine (issue #3), on 1 and 2 GPUs of one process.
+
+Marked `gpu`; skipped where JAX has no GPU backend or fewer GPUs than a test needs. Run on the GPU
+machine by scripts/gpu-check:  python3 -m pytest tests/python/test_gpu.py -m gpu
+Every test draws fresh random data (its seed is printed, so a failure can be replayed with
+TIDE_TEST_SEED=<seed>).
+
+What is checked, against an oracle independent of tide where possible:
+  - all_gather: byte-exact vs jax.lax.all_gather of the same padded shards, and vs the host parameters,
+    on every device's copy;
+  - reduce_scatter: within fp32 rounding of an fp64 numpy sum (elementwise bound), and far below the
+    error of JAX's bf16 psum_scatter on the same data;
+  - odd shapes: 7 rows, 1-D, 0-d, 3-D, rows < P;
+  - 200 iterations of all_gather + reduce_scatter inside one jitted lax.scan, run twice: bitwise equal
+    (a race shows up as a difference), and close to the pure-JAX twin;
+  - gather_params gradients equal tide_jax.reference's and the fp64 expectation.
+"""
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+AXIS = "fsdp"
+
+
+def _gpus():
+    """JAX's GPU devices. TIDE_GPU_TESTS_ON_CPU=1 runs these tests on CPU devices instead: only for
+    checking the tests' own logic on a machine without a GPU (tide's CPU engine does the work then)."""
+    try:
+        import jax
+        if os.environ.get("TIDE_GPU_TESTS_ON_CPU") == "1":
+            return jax.devices("cpu")
+        return jax.devices("gpu")
+    except Exception:
+        return []
+
+
+def _need(n):
+    devs = _gpus()
+    if len(devs) < n:
+        pytest.skip(f"needs {n} GPU(s) through JAX, found {len(devs)}")
+    return devs[:n]
+
+
+@pytest.fixture
+def rng(request):
+    seed = int(os.environ.get("TIDE_TEST_SEED", "0")) or int.from_bytes(os.urandom(4), "little")
+    print(f"{request.node.name}: seed {seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="module")
+def tide():
+    lib = os.environ.get("TIDE_LIBRARY")
+    if not _gpus():
+        if os.environ.get("TIDE_REQUIRE_GPU") == "1":  # set by scripts/gpu-check: skipping would hide it
+            pytest.fail("TIDE_REQUIRE_GPU=1 but JAX has no GPU backend")
+        pytest.skip("no GPU backend in JAX")
+    assert lib and os.path.exists(lib), f"TIDE_LIBRARY must name libtide.so (got {lib!r})"
+    import tide_jax
+    if hasattr(tide_jax, "set_backend"):
+        tide_jax.set_backend("tide")  # the native library, whatever TIDE_BACKEND says
+    return tide_jax
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+def _mesh(devs):
+    from jax.sharding import Mesh
+    return Mesh(np.array(devs), (AXIS,))
+
+
+def _smap(mesh, f, in_specs, out_specs):
+    import jax
+    try:
+        from jax import shard_map
+    except ImportError:
+        from jax.experimental.shard_map import shard_map
+    try:
+        return jax.jit(shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
+    except TypeError:
+        return jax.jit(shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False))
+
+
+def _rows(shape):
+    return 1 if len(shape) == 0 else shape[0]
+
+
+def _shard_rows(shape, world):
+    return -(-_rows(shape) // world)
+
+
+def _pad(x, world):
+    """FSDP2 dim-0 layout of the whole parameter: 0-d as one row, rows zero-padded to world*shard_rows."""
+    x = np.asarray(x)
+    x2 = x.reshape((1,)) if x.ndim == 0 else x
+    sr = _shard_rows(x.shape, world)
+    out = np.zeros((world * sr,) + x2.shape[1:], x2.dtype)
+    out[:x2.shape[0]] = x2
+    return out
+
+
+def _bits(x):
+    """Raw bytes of an array (bf16 included) as an unsigned-integer view, for byte-exact comparison."""
+    x = np.ascontiguousarray(np.asarray(x))
+    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize])
+
+
+def _random(rng, shape, dtype):
+    import jax.numpy as jnp
+    return np.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(jnp.dtype(dtype))
+
+
+def _params(rng, shapes, dtype):
+    return {k: _random(rng, s, dtype) for k, s in shapes.items()}
+
+
+def _stacked(rng, shapes, world, dtype, mesh):
+    """Per-device full gradients: host (world, *shape) arrays and the device arrays sharded on dim 0."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    host = {k: _random(rng, (world,) + tuple(s), dtype) for k, s in shapes.items()}
+    dev = {k: jax.device_put(v, NamedSharding(mesh, P(AXIS))) for k, v in host.items()}
+    return host, dev
+
+
+ODD_SHAPES = {"rows7": (7, 33), "vec": (13,), "scalar": (), "cube": (5, 3, 4), "one_row": (1, 16),
+              "tall": (1031, 3)}
+LLAMA_1664 = {"q": (1664, 1664), "k": (208, 1664), "v": (208, 1664), "o": (1664, 1664),
+              "gate": (5824, 1664), "up": (5824, 1664), "down": (1664, 5824), "norm1": (1664,), "norm2": (1664,)}
+GROUPS = {"odd": ODD_SHAPES, "llama_h1664": LLAMA_1664}
+
+
+def _all_gather_both(tide, mesh, params, world):
+    """tide's and jax.lax.all_gather's full parameters, every device's copy: {name: (world, *shape)}."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+    lay = tide.layout(params, mesh, AXIS)
+    shards = lay.shard(params)
+    stack_spec = {k: P(AXIS) for k in params}
+
+    def f_tide(s):
+        full = tide.all_gather(s, lay)
+        return {k: v[None] for k, v in full.items()}
+
+    def f_jax(s):
+        out = {}
+        for k, v in s.items():
+            g = jax.lax.all_gather(v, AXIS, axis=0, tiled=True)
+            shape = params[k].shape
+            out[k] = g[:_rows(shape)].reshape(shape)[None]
+        return out
+
+    got = _smap(mesh, f_tide, (lay.spec,), stack_spec)(shards)
+    ref = _smap(mesh, f_jax, (lay.spec,), stack_spec)(shards)
+    return lay, shards, jax.device_get(got), jax.device_get(ref)
+
+
+# ----------------------------------------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("group", sorted(GROUPS))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_all_gather_byte_exact(tide, rng, n, group, dtype):
+    import jax
+    devs = _need(n)
+    mesh = _mesh(devs)
+    params = _params(rng, GROUPS[group], dtype)
+    lay, shards, got, ref = _all_gather_both(tide, mesh, params, n)
+    host_shards = jax.device_get(shards)
+    for k, p in params.items():
+        assert np.array_equal(_bits(host_shards[k]), _bits(_pad(p, n))), \
+            f"{k}: lay.shard does not hold the zero-padded dim-0 layout (shape {p.shape}, P={n})"
+        assert got[k].shape == (n,) + p.shape, f"{k}: tide all_gather shape {got[k].shape[1:]} != {p.shape}"
+        assert got[k].dtype == p.dtype, f"{k}: dtype {got[k].dtype} != {p.dtype}"
+        for d in range(n):
+            assert np.array_equal(_bits(got[k][d]), _bits(ref[k][d])), \
+                f"{k} {p.shape} on device {d}: tide all_gather differs from jax.lax.all_gather"
+            assert np.array_equal(_bits(got[k][d]), _bits(p)), f"{k} on device {d}: differs from the parameter"
+
+
+def _reduce_scatter_both(tide, mesh, grads_dev, shapes, world, lay):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    gspec = {k: P(AXIS) for k in shapes}
+
+    def f_tide(g):
+        return tide.reduce_scatter({k: v[0] for k, v in g.items()}, lay)
+
+    def f_bf16(g):
+        out = {}
+        for k, v in g.items():
+            x = v[0].reshape((1,)) if v[0].ndim == 0 else v[0]
+            sr = _shard_rows(shapes[k], world)
+            x = jnp.concatenate([x, jnp.zeros((world * sr - x.shape[0],) + x.shape[1:], x.dtype)])
+            out[k] = jax.lax.psum_scatter(x, AXIS, scatter_dimension=0, tiled=True)
+        return out
+
+    got = _smap(mesh, f_tide, (gspec,), lay.spec)(grads_dev)
+    bf16 = _smap(mesh, f_bf16, (gspec,), gspec)(grads_dev)
+    return jax.device_get(got), jax.device_get(bf16)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_reduce_scatter_fp32_accuracy(tide, rng, n, group):
+    devs = _need(n)
+    mesh = _mesh(devs)
+    shapes = GROUPS[group]
+    params = _params(rng, shapes, "bfloat16")
+    lay = tide.layout(params, mesh, AXIS)
+    host, dev = _stacked(rng, shapes, n, "bfloat16", mesh)
+    got, bf16 = _reduce_scatter_both(tide, mesh, dev, shapes, n, lay)
+    worst_tide, worst_bf16 = 0.0, 0.0
+    for k, s in shapes.items():
+        g64 = host[k].astype(np.float64)
+        exact = _pad(g64.sum(0), n)
+        absum = _pad(np.abs(g64).sum(0), n)
+        out = np.asarray(got[k])
+        assert out.dtype == np.float32, f"{k}: reduce_scatter must return fp32 shards, got {out.dtype}"
+        assert out.shape == exact.shape, f"{k} {s}: global result {out.shape}, expected {exact.shape}"
+        assert np.all(np.isfinite(out)), f"{k}: non-finite values (unwritten or garbage output?)"
+        # fp32 summation of n terms: |error| <= n * 2^-24 * sum|g| elementwise (padding rows exactly 0)
+        bound = n * 2.0 ** -24 * absum
+        err = np.abs(out.astype(np.float64) - exact)
+        bad = err > bound
+        assert not bad.any(), (f"{k} {s}: {int(bad.sum())} elements beyond fp32 rounding, worst "
+                               f"{float(err.max()):.3e} at {np.unravel_index(int(err.argmax()), err.shape)}")
+        den = np.linalg.norm(exact) or 1.0
+        worst_tide = max(worst_tide, float(np.linalg.norm(out - exact)) / den)
+        worst_bf16 = max(worst_bf16, float(np.linalg.norm(np.asarray(bf16[k], np.float64) - exact)) / den)
+    print(f"relative error: tide {worst_tide:.3e}, JAX bf16 psum_scatter {worst_bf16:.3e} (P={n})")
+    assert worst_tide < 1e-6
+    if n > 1:
+        assert worst_bf16 > 1e-4, "expected JAX's bf16 reduction to be lossy on random data"
+        assert worst_tide < worst_bf16 / 100, f"tide {worst_tide:.3e} not far below bf16 {worst_bf16:.3e}"
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_odd_shapes_rows_below_world(tide, rng, n):
+    """Parameters with at most 2 rows: on 2 GPUs some ranks hold only padding."""
+    devs = _need(n)
+    mesh = _mesh(devs)
+    shapes = {"one": (1, 5), "scalar": (), "vec1": (1,), "two": (2, 3)}
+    params = _params(rng, shapes, "bfloat16")
+    lay, _, got, ref = _all_gather_both(tide, mesh, params, n)
+    for k, p in params.items():
+        for d in range(n):
+            assert np.array_equal(_bits(got[k][d]), _bits(p)), f"{k} on device {d}"
+    host, dev = _stacked(rng, shapes, n, "bfloat16", mesh)
+    rs, _ = _reduce_scatter_both(tide, mesh, dev, shapes, n, lay)
+    for k, s in shapes.items():
+        exact = _pad(host[k].astype(np.float64).sum(0), n)
+        np.testing.assert_allclose(np.asarray(rs[k], np.float64), exact, rtol=1e-6, atol=0, err_msg=k)
+
+
+SCAN_SHAPES = {"w": (1024, 1000), "rows7": (7, 33), "scalar": (), "cube": (5, 3, 4), "vec": (999,)}
+
+
+def _scan_program(mod, mesh, lay, shapes, world, steps):
+    """`steps` iterations of all_gather -> per-device gradient -> reduce_scatter -> new shards, in one
+    jitted lax.scan. The map is contractive (errors do not grow) yet changes the values every step, so
+    a read of a stale or half-written buffer changes the result."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    scale = float(sum(range(1, world + 1)))
+
+    def local(shards, base):
+        rank = jax.lax.axis_index(AXIS).astype(jnp.float32)
+
+        def body(carry, t):
+            s, acc = carry
+            full = mod.all_gather(s, lay)
+            tf = t.astype(jnp.float32)
+            grads = {k: (v.astype(jnp.float32) * (1.0 + rank) + 0.01 * tf).astype(jnp.bfloat16)
+                     for k, v in full.items()}
+            red = mod.reduce_scatter(grads, lay)
+            new = {k: (0.5 * red[k] / scale + 0.5 * base[k] * jnp.cos(0.1 * tf + 1.0)).astype(jnp.bfloat16)
+                   for k in red}
+            acc = acc + sum(jnp.sum(v.astype(jnp.float32)) for v in full.values())
+            return (new, acc), None
+
+        (s, acc), _ = jax.lax.scan(body, (shards, jnp.zeros((), jnp.float32)), jnp.arange(steps))
+        return s, acc[None]
+
+    return _smap(mesh, local, (lay.spec, lay.spec), (lay.spec, P(AXIS)))
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_scan_200_iterations_bitwise_stable(tide, rng, n):
+    import jax
+    devs = _need(n)
+    mesh = _mesh(devs)
+    params = _params(rng, SCAN_SHAPES, "bfloat16")
+    lay = tide.layout(params, mesh, AXIS)
+    shards = lay.shard(params)
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    base = {k: jax.device_put(_pad(_random(rng, s, "float32"), n), NamedSharding(mesh, P(AXIS)))
+            for k, s in SCAN_SHAPES.items()}
+    prog = _scan_program(tide, mesh, lay, SCAN_SHAPES, n, steps=200)
+    a = jax.device_get(prog(shards, base))
+    b = jax.device_get(prog(shards, base))
+    for k in SCAN_SHAPES:
+        assert np.array_equal(_bits(a[0][k]), _bits(b[0][k])), f"{k}: two runs of the same scan differ (race?)"
+    assert np.array_equal(_bits(a[1]), _bits(b[1])), "checksums of the gathered parameters differ between runs"
+    ref = jax.device_get(_scan_program(tide.reference, mesh, lay, SCAN_SHAPES, n, steps=200)(shards, base))
+    for k in SCAN_SHAPES:
+        x, y = np.asarray(a[0][k], np.float64), np.asarray(ref[0][k], np.float64)
+        diff = np.abs(x - y)
+        # bf16 results of a contractive map: allow one bf16 ulp where fp32 rounding differs
+        assert np.all(diff <= 2.0 ** -7 * np.abs(y) + 1e-6), \
+            f"{k}: scan result differs from the pure-JAX twin by up to {float(diff.max()):.3e}"
+    np.testing.assert_allclose(np.asarray(a[1], np.float64), np.asarray(ref[1], np.float64), rtol=1e-3)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_gather_params_gradients_match_reference(tide, rng, n):
+    import jax
+    import jax.numpy as jnp
+    devs = _need(n)
+    mesh = _mesh(devs)
+    shapes = {**ODD_SHAPES, "w": (256, 96)}
+    master = _params(rng, shapes, "float32")
+    lay = tide.layout(master, mesh, AXIS)
+    shards = lay.shard(master)
+    xs_host, xs = _stacked(rng, shapes, n, "float32", mesh)
+    from jax.sharding import PartitionSpec as P
+    xspec = {k: P(AXIS) for k in shapes}
+
+    def grads_with(mod):
+        def local(s, x):
+            def loss(s_):
+                full = mod.gather_params(s_, lay, dtype=jnp.bfloat16)
+                return sum(jnp.sum(full[k].astype(jnp.float32) * x[k][0]) for k in full)
+            return jax.grad(loss)(s)
+        return jax.device_get(_smap(mesh, local, (lay.spec, xspec), lay.spec)(shards, xs))
+
+    got = grads_with(tide)
+    ref = grads_with(tide.reference)
+    for k, s in shapes.items():
+        g, r = np.asarray(got[k]), np.asarray(ref[k])
+        assert g.shape == r.shape and g.dtype == r.dtype, f"{k}: {g.shape}/{g.dtype} vs reference {r.shape}/{r.dtype}"
+        np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-7, err_msg=f"{k}: tide vs reference gradient")
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_gather_params_gradients_accumulate_in_fp32(tide, rng, n):
+    """The backward of gather_params is tide's bf16 -> fp32 reduce-scatter: fp64-exact up to fp32 rounding."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    devs = _need(n)
+    mesh = _mesh(devs)
+    shapes = {**ODD_SHAPES, "w": (256, 96)}
+    lay = tide.layout(_params(rng, shapes, "float32"), mesh, AXIS)
+    shards = lay.shard(_params(rng, shapes, "float32"))
+    xs_host, xs = _stacked(rng, shapes, n, "float32", mesh)
+    xspec = {k: P(AXIS) for k in shapes}
+
+    def local(s, x):
+        def loss(s_):
+            full = tide.gather_params(s_, lay, dtype=jnp.bfloat16)
+            return sum(jnp.sum(full[k].astype(jnp.float32) * x[k][0]) for k in full)
+        return jax.grad(loss)(s)
+
+    got = jax.device_get(_smap(mesh, local, (lay.spec, xspec), lay.spec)(shards, xs))
+    for k in shapes:
+        g = np.asarray(got[k])
+        # the cotangent of each device's bf16 parameter is its x cast to bf16; summed over devices in fp32
+        cot = xs_host[k].astype(jnp.bfloat16).astype(np.float64).sum(0)
+        exact = _pad(cot, n)
+        err = np.linalg.norm(g.astype(np.float64) - exact) / (np.linalg.norm(exact) or 1.0)
+        assert err < 1e-5, f"{k}: gradient relative error {err:.3e} vs the fp64 expectation"
