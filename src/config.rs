@@ -1,8 +1,10 @@
 //! Tunables, in one place, read once from the environment. Each has a default; docs/design.md lists them.
 
 use once_cell::sync::Lazy;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     /// TIDE_TIMEOUT_S (default 120): how long a rank waits at a rendezvous or barrier for its peers
     /// before the call fails with an error naming the missing ranks. Never hang.
@@ -87,3 +89,32 @@ impl Config {
 
 /// The process-wide configuration, read on first use.
 pub static CONFIG: Lazy<Config> = Lazy::new(Config::from_env);
+
+static BASE: Lazy<Arc<Config>> = Lazy::new(|| Arc::new(CONFIG.clone()));
+static OVERRIDDEN: AtomicBool = AtomicBool::new(false);
+static OVERRIDE: Lazy<RwLock<Option<Arc<Config>>>> = Lazy::new(|| RwLock::new(None));
+
+/// The configuration a call runs under: `CONFIG` (from the environment), unless a test or benchmark
+/// replaced it with `set_override`. Engines take it once per call and pass it down, so one call
+/// never mixes two configurations. Production code never sets an override, and then this is one
+/// relaxed atomic load and a reference-count increment.
+pub fn current() -> Arc<Config> {
+    if OVERRIDDEN.load(Ordering::Acquire) {
+        if let Ok(g) = OVERRIDE.read() {
+            if let Some(c) = g.as_ref() {
+                return c.clone();
+            }
+        }
+    }
+    BASE.clone()
+}
+
+/// Test and benchmark hook: every call that starts after this returns runs under `config`
+/// (`None`: back to the environment's). Process-wide, so every device thread of one collective sees
+/// the same settings; change it only between calls (no call in flight), or ranks may disagree.
+/// Prepared schedules are keyed by the settings they depend on, so a change takes effect at once.
+pub fn set_override(config: Option<Config>) {
+    let mut g = OVERRIDE.write().unwrap_or_else(|e| e.into_inner());
+    OVERRIDDEN.store(config.is_some(), Ordering::Release);
+    *g = config.map(Arc::new);
+}

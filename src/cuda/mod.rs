@@ -64,7 +64,7 @@ pub mod nvrtc;
 pub mod schedule;
 
 use crate::call::CallInfo;
-use crate::config::CONFIG;
+use crate::config::Config;
 use crate::error::{Result, TideError};
 use crate::plan::{BufKind, Op, Region};
 use crate::rendezvous::{self, Key, Session};
@@ -130,8 +130,8 @@ pub fn execute_with_seq(call: &CallInfo, seq: u64) -> Result<()> {
     }
 }
 
-fn timeout() -> Duration {
-    Duration::from_secs_f64(CONFIG.timeout_s.clamp(0.001, 1e9))
+fn timeout(cfg: &Config) -> Duration {
+    Duration::from_secs_f64(cfg.timeout_s.clamp(0.001, 1e9))
 }
 
 /// Everything of the local preparation that must stay alive through the call.
@@ -141,6 +141,8 @@ struct Local {
 }
 
 fn execute_inner(call: &CallInfo, seq: u64) -> Result<()> {
+    let cfg = crate::config::current();
+    let cfg = &*cfg;
     let what = format!(
         "tide {} site {} group {}",
         op_name(call.op),
@@ -159,7 +161,7 @@ fn execute_inner(call: &CallInfo, seq: u64) -> Result<()> {
             error: Some(err.to_string()),
             ..Default::default()
         };
-        if let Ok(s) = Session::join(&what, key, call.rank, call.world, info, timeout()) {
+        if let Ok(s) = Session::join(&what, key, call.rank, call.world, info, timeout(cfg)) {
             s.fail(call.rank, &err);
         }
         Err(err)
@@ -184,7 +186,7 @@ fn execute_inner(call: &CallInfo, seq: u64) -> Result<()> {
         Ok(g) => g,
         Err(e) => return fail_early(e),
     };
-    let local = match prepare(call, &mut st) {
+    let local = match prepare(call, &mut st, cfg) {
         Ok(l) => l,
         Err(e) => return fail_early(e),
     };
@@ -194,13 +196,13 @@ fn execute_inner(call: &CallInfo, seq: u64) -> Result<()> {
         call.rank,
         call.world,
         local.info.clone(),
-        timeout(),
+        timeout(cfg),
     )?;
     let _unwind = FailOnUnwind {
         session: &session,
         rank: call.rank,
     };
-    let result = run(call, &mut st, &local, &session);
+    let result = run(call, &mut st, &local, &session, cfg);
     if let Err(e) = &result {
         session.fail(call.rank, e);
     }
@@ -225,7 +227,7 @@ impl Drop for FailOnUnwind<'_> {
 
 /// Checks the call, builds (or reuses) the plan and schedule, makes the device's resources exist,
 /// and records `ready` on XLA's stream.
-fn prepare(call: &CallInfo, st: &mut DeviceState) -> Result<Local> {
+fn prepare(call: &CallInfo, st: &mut DeviceState, cfg: &Config) -> Result<Local> {
     let ord = call.device_ordinal;
     if call.stream == 0 {
         return Err(TideError::InvalidArgument(format!(
@@ -272,11 +274,17 @@ fn prepare(call: &CallInfo, st: &mut DeviceState) -> Result<Local> {
     call.topology.check_world(call.world)?;
     let layout = call.layout()?;
 
+    let settings = device::PlanSettings::of(call.op, cfg);
     let cached = st
         .prepared
         .get(&(call.site, call.op))
         .cloned()
-        .filter(|p| p.rank == call.rank && p.topology == call.topology && p.layout == layout);
+        .filter(|p| {
+            p.rank == call.rank
+                && p.topology == call.topology
+                && p.settings == settings
+                && p.layout == layout
+        });
     let prepared = match cached {
         Some(p) => p,
         None => {
@@ -286,20 +294,16 @@ fn prepare(call: &CallInfo, st: &mut DeviceState) -> Result<Local> {
                     &layout,
                     call.topology,
                     crate::plan::RsOptions {
-                        stage_slots: CONFIG.rs_stage_slots,
-                        slot_bytes: CONFIG.rs_slot_bytes,
+                        stage_slots: cfg.rs_stage_slots,
+                        slot_bytes: cfg.rs_slot_bytes,
                     },
                 )?,
             };
             plan.validate()?;
-            let streams = match call.op {
-                Op::AllGather => CONFIG.ag_streams,
-                Op::ReduceScatter => CONFIG.rs_copy_streams,
-            };
             let schedule = schedule::build(
                 &plan,
                 call.rank,
-                &SchedOptions::new(streams, CONFIG.local_copy),
+                &SchedOptions::new(settings.streams, settings.local_copy),
             )?;
             let p = Arc::new(Prepared {
                 op: call.op,
@@ -308,6 +312,7 @@ fn prepare(call: &CallInfo, st: &mut DeviceState) -> Result<Local> {
                 layout,
                 plan,
                 schedule,
+                settings,
             });
             st.prepared.insert((call.site, call.op), p.clone());
             p
@@ -322,7 +327,7 @@ fn prepare(call: &CallInfo, st: &mut DeviceState) -> Result<Local> {
     st.ensure_phase_events(plan.phases.len().saturating_sub(1))?;
     let stages = st.ensure_stage(
         &plan.stage_slot_bytes,
-        CONFIG.rs_stage_slots.saturating_mul(CONFIG.rs_slot_bytes),
+        cfg.rs_stage_slots.saturating_mul(cfg.rs_slot_bytes),
     )?;
     if sched.needs_kernels {
         st.ensure_module()?;
@@ -452,6 +457,7 @@ fn run(
     st: &mut DeviceState,
     local: &Local,
     session: &Session<RankInfo>,
+    cfg: &Config,
 ) -> Result<()> {
     let infos = session.values();
     let prepared = &local.prepared;
@@ -466,7 +472,7 @@ fn run(
     let nphases = sched.phases.len();
     let mut issued_side = false;
     // Optional batching of consecutive copy-engine copies per stream (TIDE_COPY_BATCH).
-    let batching = CONFIG.copy_batch && driver::init().map(|v| v >= 13000).unwrap_or(false);
+    let batching = cfg.copy_batch && driver::init().map(|v| v >= 13000).unwrap_or(false);
     let mut pending: Vec<Vec<BatchCopy>> = vec![Vec::new(); st.side.len() + 1];
     let res = (|| -> Result<()> {
         for (p, phase) in sched.phases.iter().enumerate() {
@@ -499,7 +505,7 @@ fn run(
                     }
                     flush_batch(call, st, main, s, &mut pending)?;
                 }
-                issue(call, st, infos, prepared, main, p, cmd)?;
+                issue(call, st, infos, prepared, main, p, cmd, cfg)?;
             }
             for s in 0..pending.len() {
                 flush_batch(call, st, main, s, &mut pending)?;
@@ -718,6 +724,7 @@ fn step_ctx(call: &CallInfo, prepared: &Prepared, phase: usize, step: usize, r: 
     )
 }
 
+#[allow(clippy::too_many_arguments)]
 fn issue(
     call: &CallInfo,
     st: &DeviceState,
@@ -726,6 +733,7 @@ fn issue(
     main: CUstream,
     phase: usize,
     cmd: &Cmd,
+    cfg: &Config,
 ) -> Result<()> {
     let ord = call.device_ordinal;
     let rank = call.rank;
@@ -812,7 +820,7 @@ fn issue(
                         .ok_or_else(|| TideError::Internal("kernel module not loaded".into()))?;
                     let width = kernels::copy_width(da, sa);
                     let grid =
-                        kernels::grid((*bytes as u64).div_ceil(width as u64), CONFIG.rs_max_ctas);
+                        kernels::grid((*bytes as u64).div_ceil(width as u64), cfg.rs_max_ctas);
                     let (mut d, mut sp, mut n, mut w) = (da, sa, *bytes as u64, width);
                     let mut params: [*mut std::ffi::c_void; 4] = [
                         &mut d as *mut u64 as *mut _,
@@ -889,7 +897,7 @@ fn issue(
                 let vectorized = kernels::sum_vectorized(da, &ptrs.p[..l.count]);
                 let grid = kernels::grid(
                     kernels::sum_units(*elems as u64, l.dtype, vectorized),
-                    CONFIG.rs_max_ctas,
+                    cfg.rs_max_ctas,
                 );
                 let f = m.sum(l.dtype)?;
                 let mut d = da;
