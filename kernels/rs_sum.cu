@@ -183,10 +183,14 @@ TIDE_DEV void tide_sum(float* dst, const TideSrcs& srcs, int nsrc, unsigned long
     const unsigned long long nvec = vectorized ? n / E::PER_VEC : 0;
     if (nvec > 0) {
         switch (nsrc) {
+            // U * NSRC 16-byte loads in flight per thread (8 to 16 for 1 to 4 sources): with few CTAs
+            // (TIDE_RS_MAX_CTAS) the bytes in flight per SM set the bandwidth. 2 sources (two
+            // GPUs, the common case): 16 loads = 256 bytes per thread, 128 KiB per 512-thread CTA;
+            // 102 registers on sm_90, no spills (tests/kernels_nvrtc.rs).
             case 1: tide_sum_vec<E, 1, 8>(dst, srcs, nvec, accumulate); break;
-            case 2: tide_sum_vec<E, 2, 4>(dst, srcs, nvec, accumulate); break;
-            case 3: tide_sum_vec<E, 3, 2>(dst, srcs, nvec, accumulate); break;
-            case 4: tide_sum_vec<E, 4, 2>(dst, srcs, nvec, accumulate); break;
+            case 2: tide_sum_vec<E, 2, 8>(dst, srcs, nvec, accumulate); break;
+            case 3: tide_sum_vec<E, 3, 4>(dst, srcs, nvec, accumulate); break;
+            case 4: tide_sum_vec<E, 4, 4>(dst, srcs, nvec, accumulate); break;
             case 5: tide_sum_vec<E, 5, 1>(dst, srcs, nvec, accumulate); break;
             case 6: tide_sum_vec<E, 6, 1>(dst, srcs, nvec, accumulate); break;
             case 7: tide_sum_vec<E, 7, 1>(dst, srcs, nvec, accumulate); break;
