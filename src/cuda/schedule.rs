@@ -1082,7 +1082,9 @@ mod tests {
         for st in 1..=5 {
             let mine: Vec<&Cmd> = cmds.iter().filter(|c| c.stream() == st).collect();
             // Its own ready implies its previous done (MAIN waited on it before recording ready).
-            assert!(!mine.iter().any(|c| matches!(c, Cmd::WaitOwnPrevDone { .. })));
+            assert!(!mine
+                .iter()
+                .any(|c| matches!(c, Cmd::WaitOwnPrevDone { .. })));
             let mut want: Vec<usize> = mine
                 .iter()
                 .filter_map(|c| {
