@@ -61,6 +61,7 @@
 pub mod device;
 pub mod driver;
 pub mod kernels;
+pub mod multicast;
 pub mod nvrtc;
 pub mod schedule;
 
