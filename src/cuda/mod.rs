@@ -4,7 +4,9 @@
 //!
 //! Modules: `schedule` (pure: steps -> streams, events; unit-tested), `kernels` (pure: the embedded
 //! `kernels/rs_sum.cu`, launch shapes), `nvrtc` (compiling it), `driver` (checked driver calls),
-//! `device` (per-device state), this file (the call: rendezvous, ordering, issuing).
+//! `device` (per-device state), `multicast` (the opt-in, gated NVLink multicast all-gather; off
+//! unless TIDE_MULTICAST=1 and the device supports it), this file (the call: rendezvous, ordering,
+//! issuing).
 //!
 //! # Buffer ownership and stream rules (CUDA engine)
 //! Buffers: `Input(i)` / `Output(i)` of every rank are XLA's, borrowed for one call; stage slots and
@@ -89,6 +91,9 @@ pub struct RankInfo {
     pub ready: usize,
     pub done: usize,
     pub phases: Vec<usize>,
+    /// Whether this rank's multicast gate granted the NVLink multicast all-gather
+    /// (`multicast::decide`); the path runs only if every rank's did.
+    pub multicast: bool,
     /// Set when the rank failed before the rendezvous.
     pub error: Option<String>,
 }
@@ -140,6 +145,8 @@ fn timeout(cfg: &Config) -> Duration {
 struct Local {
     prepared: Arc<Prepared>,
     info: RankInfo,
+    /// This rank's multicast grant (all-gather, TIDE_MULTICAST=1 and the whole gate passed).
+    mc: Option<multicast::Granted>,
 }
 
 fn execute_inner(call: &CallInfo, seq: u64) -> Result<()> {
@@ -336,6 +343,30 @@ fn prepare(call: &CallInfo, st: &mut DeviceState, cfg: &Config) -> Result<Local>
     if sched.needs_kernels {
         st.ensure_module()?;
     }
+    // NVLink multicast: off unless asked for; then the whole gate (multicast module header), the
+    // device attribute query last. No multicast call is made here.
+    let mc = if call.op == Op::AllGather && cfg.multicast {
+        let shard_bytes: Vec<usize> = plan.layout.params.iter().map(|p| p.shard_bytes).collect();
+        let dev = st.dev;
+        let d = multicast::decide(
+            &multicast::GateInputs {
+                requested: cfg.multicast,
+                env_denial: multicast::env_denial(&|k| std::env::var(k).ok()),
+                nodes: call.topology.nodes,
+                world: call.world,
+                shard_bytes: &shard_bytes,
+            },
+            &mut || multicast::device_supports(dev, ord),
+        );
+        multicast::log_once(ord, call.site, &d);
+        d.granted()
+    } else {
+        None
+    };
+    if mc.is_some() {
+        st.ensure_side_streams(1)?;
+        st.ensure_phase_events(1)?;
+    }
 
     let n = plan.layout.len();
     let mut inputs = Vec::with_capacity(n);
@@ -386,12 +417,18 @@ fn prepare(call: &CallInfo, st: &mut DeviceState, cfg: &Config) -> Result<Local>
         phases: st
             .phase
             .iter()
-            .take(plan.phases.len().saturating_sub(1))
+            .take(
+                plan.phases
+                    .len()
+                    .saturating_sub(1)
+                    .max(usize::from(mc.is_some())),
+            )
             .map(|e| *e as usize)
             .collect(),
+        multicast: mc.is_some(),
         error: None,
     };
-    Ok(Local { prepared, info })
+    Ok(Local { prepared, info, mc })
 }
 
 /// Whether `call`'s buffers have exactly the shapes and dtypes of `layout` (what `call.layout()`
@@ -498,7 +535,13 @@ fn run(
     // Optional batching of consecutive copy-engine copies per stream (TIDE_COPY_BATCH).
     let batching = cfg.copy_batch && driver::init().map(|v| v >= 13000).unwrap_or(false);
     let mut pending: Vec<Vec<BatchCopy>> = vec![Vec::new(); st.side.len() + 1];
+    // The multicast all-gather only if every rank granted it (all see the same published values).
+    let mc = local.mc.filter(|_| infos.iter().all(|i| i.multicast));
     let res = (|| -> Result<()> {
+        if let Some(g) = mc {
+            issued_side = true;
+            return issue_multicast(call, st, prepared, infos, session, g, main, cfg);
+        }
         for (p, phase) in sched.phases.iter().enumerate() {
             for cmd in &phase.cmds {
                 let s = cmd.stream();
@@ -596,6 +639,124 @@ fn run(
         }
     }
     Ok(())
+}
+
+/// The NVLink multicast all-gather (see the `multicast` module header): set up the (site, group)
+/// buffer once, collectively; store this rank's shards to the multicast address on MAIN; "pushed"
+/// event and barrier; fan out every rank's rows from the local backing to the outputs on side
+/// stream 1; MAIN joins it. Only reachable with a `Granted` from every rank.
+#[allow(clippy::too_many_arguments)]
+fn issue_multicast(
+    call: &CallInfo,
+    st: &mut DeviceState,
+    prepared: &Prepared,
+    infos: &[RankInfo],
+    session: &Session<RankInfo>,
+    g: multicast::Granted,
+    main: CUstream,
+    cfg: &Config,
+) -> Result<()> {
+    let ord = call.device_ordinal;
+    let rank = call.rank;
+    let mp = multicast::plan(&prepared.layout, rank);
+    let shared = multicast::shared(call.site, call.group, mp.bytes);
+    // Every rank reads `complete` after the same barrier, so all agree on whether to set up.
+    session.barrier(rank, "multicast check")?;
+    if !shared.complete() {
+        if rank == 0 {
+            shared.set_handle(multicast::create(g, call.world, mp.bytes, ord)?);
+        }
+        session.barrier(rank, "multicast created")?;
+        let (handle, size) = shared.handle()?;
+        multicast::add_device(g, handle, st.dev, ord)?;
+        session.barrier(rank, "multicast devices added")?;
+        shared.set_rank(rank, multicast::bind_and_map(g, handle, size, ord)?);
+        session.barrier(rank, "multicast bound")?;
+        if rank == 0 {
+            shared.mark_complete();
+        }
+    }
+    let mine = shared.rank(rank)?;
+    let f = multicast::kernel(g, ord, st.cc)?;
+    let me = &infos[rank];
+    for s in &mp.stores {
+        let (src, bytes) = me.inputs[s.param];
+        if bytes < s.bytes || s.mc_offset + s.bytes > mine.size {
+            return Err(TideError::Internal(format!(
+                "multicast store of param {} out of bounds",
+                s.param
+            )));
+        }
+        multicast::launch_store(
+            g,
+            f,
+            main,
+            mine.mc + s.mc_offset as u64,
+            src,
+            s.bytes,
+            cfg.rs_max_ctas,
+        )?;
+    }
+    let pushed = *st
+        .phase
+        .first()
+        .ok_or_else(|| TideError::Internal("no pushed event".into()))?;
+    // SAFETY: valid event and stream; context current.
+    check(
+        unsafe { sys::cuEventRecord(pushed, main) },
+        "cuEventRecord",
+        || format!("rank {rank} device {ord}: multicast pushed event"),
+    )?;
+    session.barrier(rank, "multicast pushed")?;
+    let side = stream_of(st, main, 1)?;
+    for (q, info) in infos.iter().enumerate() {
+        let ev = *info.phases.first().ok_or_else(|| {
+            TideError::Internal(format!("rank {q} published no multicast pushed event"))
+        })?;
+        // SAFETY: rank q's pushed event, recorded before the barrier above.
+        check(
+            unsafe { sys::cuStreamWaitEvent(side, ev as CUevent, 0) },
+            "cuStreamWaitEvent",
+            || format!("rank {rank} device {ord}: on rank {q}'s multicast pushed event"),
+        )?;
+    }
+    for fan in &mp.fanout {
+        let (out, out_bytes) = me.outputs[fan.param];
+        if fan.out_offset + fan.bytes > out_bytes || fan.backing_offset + fan.bytes > mine.size {
+            return Err(TideError::Internal(format!(
+                "multicast fan-out of param {} from rank {} out of bounds",
+                fan.param, fan.src_rank
+            )));
+        }
+        // SAFETY: ranges checked above; both on this device.
+        check(
+            unsafe {
+                sys::cuMemcpyAsync(
+                    out + fan.out_offset as u64,
+                    mine.uc + fan.backing_offset as u64,
+                    fan.bytes,
+                    side,
+                )
+            },
+            "cuMemcpyAsync",
+            || format!("rank {rank} device {ord}: multicast fan-out"),
+        )?;
+    }
+    let join = *st
+        .pool
+        .first()
+        .ok_or_else(|| TideError::Internal("no local event".into()))?;
+    // SAFETY: valid handles.
+    unsafe {
+        check(sys::cuEventRecord(join, side), "cuEventRecord", || {
+            format!("rank {rank} device {ord}: multicast join")
+        })?;
+        check(
+            sys::cuStreamWaitEvent(main, join, 0),
+            "cuStreamWaitEvent",
+            || format!("rank {rank} device {ord}: multicast join"),
+        )
+    }
 }
 
 /// A copy-engine copy waiting to be issued in a batch.

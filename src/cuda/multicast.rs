@@ -16,9 +16,11 @@
 //! 3. one side copy stream waits on every rank's pushed event, then copies (copy engine, local HBM)
 //!    each rank q's valid rows of each parameter from its unicast backing to `Output(i)` at
 //!    `q * shard_rows * row_bytes`; MAIN joins it; then rule 5 (done, exit barrier, peers' done).
+//!
 //! Ordering: a rank's stores into its peers' backings of call k+1 follow (on its MAIN) its wait on
 //! every peer's `done` of call k, which follows their fan-out reads of call k. The backing is tide's
 //! memory; XLA's buffers are touched only by the rank that owns them, as in the copy path.
+//!
 //! Memory: `P x packed shard` per GPU for the backing (the copy path needs none): one reason it is
 //! opt-in. Kept for the life of the process, per (site, group, size). SMs: the store kernel uses at
 //! most TIDE_RS_MAX_CTAS CTAs for a pure copy at NVLink speed.
