@@ -334,8 +334,8 @@ impl McShared {
 
 /// The buffer of (site, group) of `bytes` bytes (created empty on first use).
 pub fn shared(site: i64, group: usize, bytes: usize) -> Arc<McShared> {
-    static MAP: Lazy<Mutex<HashMap<(i64, usize, usize), Arc<McShared>>>> =
-        Lazy::new(|| Mutex::new(HashMap::new()));
+    type Buffers = HashMap<(i64, usize, usize), Arc<McShared>>;
+    static MAP: Lazy<Mutex<Buffers>> = Lazy::new(|| Mutex::new(HashMap::new()));
     let mut m = MAP.lock().unwrap_or_else(|p| p.into_inner());
     m.entry((site, group, bytes))
         .or_insert_with(|| {
@@ -507,7 +507,7 @@ pub fn kernel(_g: Granted, ordinal: i64, cc: (i32, i32)) -> Result<CUfunction> {
 
 /// Launches `tide_mc_store` on `stream`: `bytes` (a multiple of 16) from `src` to the multicast
 /// address `mc_dst`, at most `max_ctas` CTAs.
-pub fn launch_store(
+pub(crate) fn launch_store(
     _g: Granted,
     f: CUfunction,
     stream: CUstream,
