@@ -148,7 +148,7 @@ pub fn decide(inp: &GateInputs, device_supports: &mut dyn FnMut() -> Result<bool
         .shard_bytes
         .iter()
         .enumerate()
-        .find(|(_, b)| **b % 16 != 0)
+        .find(|(_, b)| !b.is_multiple_of(16))
     {
         return Decision::Off(format!(
             "off: param {i}'s shard is {b} bytes, not a multiple of 16"
@@ -516,7 +516,7 @@ pub(crate) fn launch_store(
     bytes: usize,
     max_ctas: u32,
 ) -> Result<()> {
-    if bytes % 16 != 0 || mc_dst % 16 != 0 || src % 16 != 0 {
+    if !bytes.is_multiple_of(16) || !mc_dst.is_multiple_of(16) || !src.is_multiple_of(16) {
         return Err(TideError::Internal(format!(
             "multicast store of {bytes} bytes from {src:#x} to {mc_dst:#x}: not 16-byte aligned"
         )));
