@@ -16,10 +16,13 @@ pub struct Config {
     /// TIDE_RS_SLOT_BYTES (default 32 MiB): bytes of one staging slot. The reduce-scatter's scratch per
     /// rank is rs_stage_slots * rs_slot_bytes, independent of the group size.
     pub rs_slot_bytes: usize,
-    /// TIDE_AG_STREAMS (default 4): copy streams the CUDA all-gather spreads peer copies over.
+    /// TIDE_AG_STREAMS (default 4): copy streams the CUDA all-gather spreads peer copies over (its
+    /// local copy-engine copies go on one more stream of their own, overlapping them).
     pub ag_streams: usize,
-    /// TIDE_MULTICAST (default off): allow NVLink multicast paths when the hardware reports support.
-    /// Never set on shared machines.
+    /// TIDE_MULTICAST (default off): allow the NVLink multicast all-gather (`cuda::multicast`) when
+    /// the whole gate passes: the environment does not disable NVLink multicast (NCCL_NVLS_ENABLE=0
+    /// etc.), single node, at least 3 GPUs, 16-byte shards, and the device reports
+    /// CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED. Never set on shared machines.
     pub multicast: bool,
     /// TIDE_RS_COPY_STREAMS (default 2): copy streams the CUDA reduce-scatter spreads each chunk's
     /// staging copies over (pieces of at least 1 MiB).
