@@ -31,7 +31,7 @@
 use cudarc::driver::sys;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::Barrier;
+use std::sync::{Barrier, Mutex};
 use std::time::{Duration, Instant};
 use tide::call::{BufferView, CallInfo};
 use tide::config::{Config, LocalCopy};
@@ -524,12 +524,35 @@ fn base_config() -> Config {
 #[derive(Default)]
 struct Report {
     md: String,
-    json: Vec<String>,
+    /// (section, group, variant, median ms, GB/s) of every row, for the summary.
+    rows: Vec<(String, String, String, f64, f64)>,
+}
+
+/// JSON rows so far (also what the watchdog writes if the run overruns).
+static JSON_ROWS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+fn write_json(path: &str, head: &str, checks: &str) {
+    let rows = JSON_ROWS.lock().map(|r| r.join(",\n")).unwrap_or_default();
+    let json = format!("{{{head}\"rows\":[\n{rows}\n],\"checks\":[{checks}]}}\n");
+    if let Err(e) = std::fs::write(path, json) {
+        println!("cannot write {path}: {e}");
+    }
 }
 
 impl Report {
     fn row(&mut self, section: &str, group: &str, variant: &str, s: &Stat, bytes: usize) {
         let gbs = bytes as f64 / (s.median * 1e-3) / 1e9;
+        println!(
+            "row {section} {group} {variant}: median {:.3} ms (p10 {:.3}, p90 {:.3}), {gbs:.0} GB/s, host {:.0} us",
+            s.median, s.p10, s.p90, s.host_us
+        );
+        self.rows.push((
+            section.to_string(),
+            group.to_string(),
+            variant.to_string(),
+            s.median,
+            gbs,
+        ));
         let _ = writeln!(
             self.md,
             "| {section} | {group} | {variant} | {:.3} | {:.3} | {:.3} | {:.0} | {} | {:.0} |",
@@ -544,7 +567,7 @@ impl Report {
                 .join(" / "),
             s.host_us
         );
-        self.json.push(format!(
+        JSON_ROWS.lock().unwrap().push(format!(
             "{{\"section\":\"{section}\",\"group\":\"{group}\",\"variant\":\"{variant}\",\"median_ms\":{:.5},\"p10_ms\":{:.5},\"p90_ms\":{:.5},\"gbps\":{:.1},\"per_dev_median_ms\":[{}],\"host_us\":{:.1},\"bytes\":{bytes}}}",
             s.median, s.p10, s.p90, gbs,
             s.per_dev_median.iter().map(|x| format!("{x:.5}")).collect::<Vec<_>>().join(","),
@@ -591,6 +614,10 @@ fn main() {
     std::thread::spawn(move || {
         std::thread::sleep(Duration::from_secs(timeout_s));
         println!("TIMEOUT: cuda_bench ran past {timeout_s} s; exiting");
+        if let Ok(path) = std::env::var("TIDE_BENCH_OUT") {
+            write_json(&path, "\"partial\":true,", "");
+            println!("wrote partial {path}");
+        }
         std::process::exit(3);
     });
     let t_start = Instant::now();
@@ -603,6 +630,9 @@ fn main() {
         .map(|v| v == "1")
         .unwrap_or(false);
     let warm = 3;
+    if std::env::var("TIDE_BENCH_SELFTEST").is_ok() {
+        return selftest();
+    }
     let Some(devs) = gpus() else { return };
     let world = devs.len();
     let dev0 = devs[0].ord;
@@ -715,13 +745,7 @@ fn main() {
                 );
             }
         });
-        rep.row(
-            "local_copy",
-            &g,
-            "ce (cuMemcpyAsync per param)",
-            &s,
-            2 * shard,
-        );
+        rep.row("local_copy", &g, "ce cuMemcpyAsync", &s, 2 * shard);
         let cta_list: &[u32] = if quick {
             &[16, 132]
         } else {
@@ -1009,20 +1033,128 @@ fn main() {
     }
     tide::config::set_override(None);
 
-    println!("{}", rep.md);
+    let summary = summarize(&rep, groups);
+    let full = format!(
+        "{}\n\n### Fastest variants, checked\n{checks}\n{summary}",
+        rep.md
+    );
+    if let Ok(path) = std::env::var("TIDE_BENCH_OUT") {
+        let head = format!(
+            "\"world\":{world},\"reps\":{reps},\"warmup\":{warm},\"gated\":{},",
+            GATE_OK.load(Ordering::SeqCst)
+        );
+        write_json(&path, &head, &check_json.join(","));
+        let md = path.strip_suffix(".json").unwrap_or(&path).to_string() + ".md";
+        if let Err(e) = std::fs::write(&md, &full) {
+            println!("cannot write {md}: {e}");
+        }
+        println!("wrote {path} and {md} (all tables)");
+    } else {
+        println!("{}", rep.md);
+    }
     println!("\n### Fastest variants, checked\n{checks}");
+    println!("{summary}");
     if !GATE_OK.load(Ordering::SeqCst) {
         println!("NOTE: timed ungated (the stream gate failed its self-test): times include host issue gaps");
     }
     println!("total {:.1} s", t_start.elapsed().as_secs_f64());
-    if let Ok(path) = std::env::var("TIDE_BENCH_OUT") {
-        let json = format!(
-            "{{\"world\":{world},\"reps\":{reps},\"warmup\":{warm},\"gated\":{},\"rows\":[\n{}\n],\"checks\":[{}]}}\n",
-            GATE_OK.load(Ordering::SeqCst),
-            rep.json.join(",\n"),
-            check_json.join(",")
-        );
-        std::fs::write(&path, json).unwrap_or_else(|e| panic!("{path}: {e}"));
-        println!("wrote {path}");
+}
+
+/// The defaults as of this build (Config::from_env without TIDE_* set), as the sweep names them.
+const AG_DEFAULT: &str = "streams=4 local=ce batch=0";
+const RS_DEFAULT: &str = "ctas=16 slot=32MiB slots=2 streams=2";
+
+/// A compact summary: per group, the floor, default and fastest AG and RS (ratios to the floor),
+/// the reduction kernel and the local copy by CTA count.
+fn summarize(rep: &Report, groups: &[usize]) -> String {
+    let mut out = String::from("### Summary (median ms; x = over the copy-engine floor)\n");
+    for &h in groups {
+        let g = format!("h={h}");
+        let rows: Vec<_> = rep.rows.iter().filter(|r| r.1 == g).collect();
+        let of = |sec: &str| rows.iter().filter(|r| r.0 == sec).collect::<Vec<_>>();
+        let best = |sec: &str| {
+            of(sec)
+                .into_iter()
+                .min_by(|a, b| a.3.partial_cmp(&b.3).unwrap())
+                .map(|r| (r.2.clone(), r.3))
+        };
+        let named = |sec: &str, v: &str| of(sec).into_iter().find(|r| r.2 == v).map(|r| r.3);
+        let floor = best("floor").map(|x| x.1);
+        let ratio = |t: f64| match floor {
+            Some(f) if f > 0.0 => format!(" ({:.2}x)", t / f),
+            _ => String::new(),
+        };
+        let _ = writeln!(out, "- {g}:");
+        if let Some((v, t)) = best("floor") {
+            let _ = writeln!(out, "  - floor {t:.3} ({v})");
+        }
+        for (sec, def) in [("all_gather", AG_DEFAULT), ("reduce_scatter", RS_DEFAULT)] {
+            let d = named(sec, def)
+                .map(|t| format!("{t:.3}{}", ratio(t)))
+                .unwrap_or_else(|| "-".into());
+            let b = best(sec)
+                .map(|(v, t)| format!("{t:.3}{} [{v}]", ratio(t)))
+                .unwrap_or_else(|| "-".into());
+            let _ = writeln!(out, "  - {sec}: default {d}; fastest {b}");
+        }
+        for sec in ["reduce_kernel", "local_copy"] {
+            let line: Vec<String> = of(sec)
+                .iter()
+                .map(|r| {
+                    let short =
+                        r.2.replace("rs_sum_bf16_f32 ", "")
+                            .replace("tide_copy ", "");
+                    format!("{short} {:.3} ({:.0} GB/s)", r.3, r.4)
+                })
+                .collect();
+            let _ = writeln!(out, "  - {sec}: {}", line.join("; "));
+        }
     }
+    out
+}
+
+/// TIDE_BENCH_SELFTEST=1: the reporting (rows, summary, JSON and markdown files) on made-up
+/// numbers, without a GPU.
+fn selftest() {
+    let mut rep = Report::default();
+    let st = |m: f64| Stat {
+        median: m,
+        p10: m * 0.9,
+        p90: m * 1.1,
+        per_dev_median: vec![m, m],
+        host_us: 12.0,
+    };
+    for h in [1664usize, 3328] {
+        let g = format!("h={h}");
+        rep.header("floor");
+        rep.row("floor", &g, "one copy over 4 stream(s)", &st(0.1), 1 << 25);
+        rep.row("local_copy", &g, "ce cuMemcpyAsync", &st(0.03), 1 << 26);
+        rep.row("local_copy", &g, "sm tide_copy 16 CTAs", &st(0.05), 1 << 26);
+        rep.row("all_gather", &g, AG_DEFAULT, &st(0.13), 1 << 25);
+        rep.row(
+            "all_gather",
+            &g,
+            "streams=2 local=ce batch=1",
+            &st(0.11),
+            1 << 25,
+        );
+        rep.row("reduce_scatter", &g, RS_DEFAULT, &st(0.2), 1 << 25);
+        rep.row(
+            "reduce_kernel",
+            &g,
+            "rs_sum_bf16_f32 16 CTAs",
+            &st(0.04),
+            1 << 27,
+        );
+    }
+    let summary = summarize(&rep, &[1664, 3328]);
+    println!("{summary}");
+    let path =
+        std::env::var("TIDE_BENCH_OUT").unwrap_or_else(|_| "/tmp/cuda_bench_selftest.json".into());
+    write_json(&path, "\"selftest\":true,", "");
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.starts_with('{') && text.trim_end().ends_with('}'));
+    assert_eq!(text.matches("\"section\"").count(), 14);
+    assert!(summary.contains("(1.30x)") && summary.contains("fastest 0.110 (1.10x) [streams=2"));
+    println!("selftest ok: {path}");
 }
