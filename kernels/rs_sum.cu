@@ -183,10 +183,14 @@ TIDE_DEV void tide_sum(float* dst, const TideSrcs& srcs, int nsrc, unsigned long
     const unsigned long long nvec = vectorized ? n / E::PER_VEC : 0;
     if (nvec > 0) {
         switch (nsrc) {
+            // U * NSRC 16-byte loads in flight per thread (8 to 16 for 1 to 4 sources): with few CTAs
+            // (TIDE_RS_MAX_CTAS) the bytes in flight per SM set the bandwidth. 2 sources (two
+            // GPUs, the common case): 16 loads = 256 bytes per thread, 128 KiB per 512-thread CTA;
+            // 102 registers on sm_90, no spills (tests/kernels_nvrtc.rs).
             case 1: tide_sum_vec<E, 1, 8>(dst, srcs, nvec, accumulate); break;
-            case 2: tide_sum_vec<E, 2, 4>(dst, srcs, nvec, accumulate); break;
-            case 3: tide_sum_vec<E, 3, 2>(dst, srcs, nvec, accumulate); break;
-            case 4: tide_sum_vec<E, 4, 2>(dst, srcs, nvec, accumulate); break;
+            case 2: tide_sum_vec<E, 2, 8>(dst, srcs, nvec, accumulate); break;
+            case 3: tide_sum_vec<E, 3, 4>(dst, srcs, nvec, accumulate); break;
+            case 4: tide_sum_vec<E, 4, 4>(dst, srcs, nvec, accumulate); break;
             case 5: tide_sum_vec<E, 5, 1>(dst, srcs, nvec, accumulate); break;
             case 6: tide_sum_vec<E, 6, 1>(dst, srcs, nvec, accumulate); break;
             case 7: tide_sum_vec<E, 7, 1>(dst, srcs, nvec, accumulate); break;
@@ -211,23 +215,23 @@ rs_sum_f32_f32(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int ac
     tide_sum<TideF32>(dst, srcs, nsrc, n, accumulate, vectorized);
 }
 
-// Byte copy in units of T (4 units in flight per thread), then the bytes past the last whole unit.
-template <class T>
+// Byte copy in units of T (U units in flight per thread), then the bytes past the last whole unit.
+template <class T, int U>
 TIDE_DEV void tide_copy_units(void* dst, const void* src, unsigned long long bytes) {
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     const unsigned long long tid = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     const unsigned long long n = bytes / sizeof(T);
     T* d = (T*)dst;
     const T* s = (const T*)src;
-    for (unsigned long long i0 = tid; i0 < n; i0 += 4 * stride) {
-        T r[4];
+    for (unsigned long long i0 = tid; i0 < n; i0 += U * stride) {
+        T r[U];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
+        for (int u = 0; u < U; ++u) {
             const unsigned long long i = i0 + (unsigned long long)u * stride;
             if (i < n) r[u] = s[i];
         }
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
+        for (int u = 0; u < U; ++u) {
             const unsigned long long i = i0 + (unsigned long long)u * stride;
             if (i < n) d[i] = r[u];
         }
@@ -239,11 +243,13 @@ TIDE_DEV void tide_copy_units(void* dst, const void* src, unsigned long long byt
 
 extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
 tide_copy(void* dst, const void* src, unsigned long long bytes, int width) {
+    // 16-byte units: 8 in flight per thread (128 bytes; 64 KiB per CTA), so few CTAs still move
+    // HBM-speed bytes.
     switch (width) {
-        case 16: tide_copy_units<uint4>(dst, src, bytes); break;
-        case 8: tide_copy_units<unsigned long long>(dst, src, bytes); break;
-        case 4: tide_copy_units<unsigned int>(dst, src, bytes); break;
-        case 2: tide_copy_units<unsigned short>(dst, src, bytes); break;
-        default: tide_copy_units<unsigned char>(dst, src, bytes); break;
+        case 16: tide_copy_units<uint4, 8>(dst, src, bytes); break;
+        case 8: tide_copy_units<unsigned long long, 4>(dst, src, bytes); break;
+        case 4: tide_copy_units<unsigned int, 4>(dst, src, bytes); break;
+        case 2: tide_copy_units<unsigned short, 4>(dst, src, bytes); break;
+        default: tide_copy_units<unsigned char, 4>(dst, src, bytes); break;
     }
 }

@@ -1,8 +1,10 @@
 //! Tunables, in one place, read once from the environment. Each has a default; docs/design.md lists them.
 
 use once_cell::sync::Lazy;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     /// TIDE_TIMEOUT_S (default 120): how long a rank waits at a rendezvous or barrier for its peers
     /// before the call fails with an error naming the missing ranks. Never hang.
@@ -14,10 +16,13 @@ pub struct Config {
     /// TIDE_RS_SLOT_BYTES (default 32 MiB): bytes of one staging slot. The reduce-scatter's scratch per
     /// rank is rs_stage_slots * rs_slot_bytes, independent of the group size.
     pub rs_slot_bytes: usize,
-    /// TIDE_AG_STREAMS (default 4): copy streams the CUDA all-gather spreads peer copies over.
+    /// TIDE_AG_STREAMS (default 4): copy streams the CUDA all-gather spreads peer copies over (its
+    /// local copy-engine copies go on one more stream of their own, overlapping them).
     pub ag_streams: usize,
-    /// TIDE_MULTICAST (default off): allow NVLink multicast paths when the hardware reports support.
-    /// Never set on shared machines.
+    /// TIDE_MULTICAST (default off): allow the NVLink multicast all-gather (`cuda::multicast`) when
+    /// the whole gate passes: the environment does not disable NVLink multicast (NCCL_NVLS_ENABLE=0
+    /// etc.), single node, at least 3 GPUs, 16-byte shards, and the device reports
+    /// CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED. Never set on shared machines.
     pub multicast: bool,
     /// TIDE_RS_COPY_STREAMS (default 2): copy streams the CUDA reduce-scatter spreads each chunk's
     /// staging copies over (pieces of at least 1 MiB).
@@ -87,3 +92,32 @@ impl Config {
 
 /// The process-wide configuration, read on first use.
 pub static CONFIG: Lazy<Config> = Lazy::new(Config::from_env);
+
+static BASE: Lazy<Arc<Config>> = Lazy::new(|| Arc::new(CONFIG.clone()));
+static OVERRIDDEN: AtomicBool = AtomicBool::new(false);
+static OVERRIDE: Lazy<RwLock<Option<Arc<Config>>>> = Lazy::new(|| RwLock::new(None));
+
+/// The configuration a call runs under: `CONFIG` (from the environment), unless a test or benchmark
+/// replaced it with `set_override`. Engines take it once per call and pass it down, so one call
+/// never mixes two configurations. Production code never sets an override, and then this is one
+/// relaxed atomic load and a reference-count increment.
+pub fn current() -> Arc<Config> {
+    if OVERRIDDEN.load(Ordering::Acquire) {
+        if let Ok(g) = OVERRIDE.read() {
+            if let Some(c) = g.as_ref() {
+                return c.clone();
+            }
+        }
+    }
+    BASE.clone()
+}
+
+/// Test and benchmark hook: every call that starts after this returns runs under `config`
+/// (`None`: back to the environment's). Process-wide, so every device thread of one collective sees
+/// the same settings; change it only between calls (no call in flight), or ranks may disagree.
+/// Prepared schedules are keyed by the settings they depend on, so a change takes effect at once.
+pub fn set_override(config: Option<Config>) {
+    let mut g = OVERRIDE.write().unwrap_or_else(|e| e.into_inner());
+    OVERRIDDEN.store(config.is_some(), Ordering::Release);
+    *g = config.map(Arc::new);
+}

@@ -28,8 +28,12 @@ use once_cell::sync::{Lazy, OnceCell};
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+/// How long a waiting rank spins before it parks on the condition variable.
+const SPIN: Duration = Duration::from_micros(50);
 
 /// Identifies one execution of one call site by one group of ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -134,6 +138,8 @@ pub struct Session<T> {
     timeout: Duration,
     state: Mutex<State<T>>,
     cv: Condvar,
+    /// Bumped (under the lock) at every `notify_all`: waiters spin on it briefly before parking.
+    epoch: AtomicU64,
     /// All values, set once by the rank that completes the join.
     values: OnceCell<Vec<T>>,
 }
@@ -174,6 +180,7 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
         let session = Self::arrive(what, key, rank, world, timeout, Some(value), None)?;
         let deadline = Instant::now() + timeout;
         let mut st = lock(&session.state);
+        let mut spun = false;
         loop {
             // Complete (every rank published): peers may use our value from now on, so we return
             // the session even if it already failed; the caller must `leave` it.
@@ -190,11 +197,7 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
                 session.poison(&mut st, absent[0], msg.clone());
                 return Err(TideError::Rendezvous(msg));
             }
-            st = session
-                .cv
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            st = session.wait(st, deadline - now, &mut spun);
         }
     }
 
@@ -278,7 +281,7 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
                 let all: Vec<T> = st.values.iter_mut().filter_map(Option::take).collect();
                 let _ = session.values.set(all);
             }
-            session.cv.notify_all();
+            session.wake();
         }
         drop(st);
         drop(reg);
@@ -304,6 +307,7 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
                 failed: None,
             }),
             cv: Condvar::new(),
+            epoch: AtomicU64::new(0),
             values: OnceCell::new(),
         }
     }
@@ -369,11 +373,12 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
             st.barrier_in.iter_mut().for_each(|b| *b = false);
             st.barrier_count = 0;
             st.barrier_gen += 1;
-            self.cv.notify_all();
+            self.wake();
             return Ok(());
         }
         let gen = st.barrier_gen;
         let deadline = Instant::now() + self.timeout;
+        let mut spun = false;
         loop {
             if st.barrier_gen != gen {
                 return Ok(());
@@ -388,11 +393,7 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
                 self.poison(&mut st, absent[0], msg.clone());
                 return Err(TideError::Rendezvous(msg));
             }
-            st = self
-                .cv
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            st = self.wait(st, deadline - now, &mut spun);
         }
     }
 
@@ -412,9 +413,10 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
         st.departed[rank] = true;
         st.departures += 1;
         if st.departures == self.world {
-            self.cv.notify_all();
+            self.wake();
         }
         let deadline = Instant::now() + self.timeout;
+        let mut spun = false;
         while st.departures < self.world {
             let now = Instant::now();
             if now >= deadline {
@@ -423,11 +425,7 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
                 self.poison(&mut st, absent[0], msg.clone());
                 return Err(TideError::Rendezvous(msg));
             }
-            st = self
-                .cv
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            st = self.wait(st, deadline - now, &mut spun);
         }
         match self.failure(&st) {
             Some(err) => Err(err),
@@ -447,12 +445,48 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
         self.poison(&mut st, rank, msg);
     }
 
+    /// Wakes every waiter (call with the state locked).
+    fn wake(&self) {
+        self.epoch.fetch_add(1, Ordering::Release);
+        self.cv.notify_all();
+    }
+
+    /// One wait for a state change: the first time (per `spun`), a short spin on `epoch` with the
+    /// lock released (peers on other cores usually arrive within microseconds, and a parked
+    /// thread takes tens of microseconds to wake), then back to the caller to re-check; after
+    /// that, the condition variable, at most `left`. No wake-up is lost: the caller re-checks its
+    /// condition under the lock before every wait, and `wake` runs under the lock.
+    fn wait<'a>(
+        &'a self,
+        st: MutexGuard<'a, State<T>>,
+        left: Duration,
+        spun: &mut bool,
+    ) -> MutexGuard<'a, State<T>> {
+        if !*spun {
+            *spun = true;
+            let seen = self.epoch.load(Ordering::Acquire);
+            drop(st);
+            let start = Instant::now();
+            let limit = SPIN.min(left);
+            while self.epoch.load(Ordering::Acquire) == seen && start.elapsed() < limit {
+                for _ in 0..64 {
+                    std::hint::spin_loop();
+                }
+            }
+            return lock(&self.state);
+        }
+        self.cv
+            .wait_timeout(st, left)
+            .unwrap_or_else(|p| p.into_inner())
+            .0
+    }
+
     /// Records the first failure and wakes every waiter.
     fn poison(&self, st: &mut State<T>, rank: usize, msg: String) {
         if st.failed.is_none() {
             st.failed = Some((rank, msg));
         }
-        self.cv.notify_all();
+        self.wake();
     }
 
     fn failure(&self, st: &State<T>) -> Option<TideError> {

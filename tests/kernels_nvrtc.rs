@@ -103,3 +103,34 @@ fn a_broken_kernel_reports_the_nvrtc_log() {
         "{e}"
     );
 }
+
+/// The opt-in NVLink multicast store kernel compiles for sm_90 (compiling multimem code is safe;
+/// this test never loads or launches it).
+#[test]
+fn multicast_kernel_compiles_for_sm90() {
+    use tide::cuda::multicast;
+    if !nvrtc_or_skip("multicast_kernel_compiles_for_sm90") {
+        return;
+    }
+    let ptx = compile(
+        multicast::SOURCE,
+        multicast::SOURCE_NAME,
+        "compute_90",
+        Output::Ptx,
+    )
+    .unwrap();
+    let ptx = String::from_utf8_lossy(&ptx);
+    assert!(ptx.contains(&format!(".entry {}(", multicast::KERNEL)));
+    assert!(ptx.contains("multimem.st"));
+    let (cubin, log) = compile_with(
+        multicast::SOURCE,
+        multicast::SOURCE_NAME,
+        "sm_90",
+        Output::Cubin,
+        &["--ptxas-options=-v"],
+    )
+    .unwrap();
+    assert!(!cubin.is_empty());
+    say(&format!("kernels_nvrtc: multicast ptxas for sm_90:\n{log}"));
+    assert!(log.contains("0 bytes spill stores"), "{log}");
+}

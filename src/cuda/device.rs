@@ -53,6 +53,31 @@ pub struct Prepared {
     pub layout: GroupLayout,
     pub plan: Plan,
     pub schedule: Schedule,
+    /// The settings the plan and schedule were built under (rebuilt when they change).
+    pub settings: PlanSettings,
+}
+
+/// The configuration values a prepared plan and schedule depend on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanSettings {
+    pub stage_slots: usize,
+    pub slot_bytes: usize,
+    pub streams: usize,
+    pub local_copy: crate::config::LocalCopy,
+}
+
+impl PlanSettings {
+    pub fn of(op: Op, c: &crate::config::Config) -> PlanSettings {
+        PlanSettings {
+            stage_slots: c.rs_stage_slots,
+            slot_bytes: c.rs_slot_bytes,
+            streams: match op {
+                Op::AllGather => c.ag_streams,
+                Op::ReduceScatter => c.rs_copy_streams,
+            },
+            local_copy: c.local_copy,
+        }
+    }
 }
 
 pub struct DeviceState {

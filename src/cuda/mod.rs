@@ -4,7 +4,9 @@
 //!
 //! Modules: `schedule` (pure: steps -> streams, events; unit-tested), `kernels` (pure: the embedded
 //! `kernels/rs_sum.cu`, launch shapes), `nvrtc` (compiling it), `driver` (checked driver calls),
-//! `device` (per-device state), this file (the call: rendezvous, ordering, issuing).
+//! `device` (per-device state), `multicast` (the opt-in, gated NVLink multicast all-gather; off
+//! unless TIDE_MULTICAST=1 and the device supports it), this file (the call: rendezvous, ordering,
+//! issuing).
 //!
 //! # Buffer ownership and stream rules (CUDA engine)
 //! Buffers: `Input(i)` / `Output(i)` of every rank are XLA's, borrowed for one call; stage slots and
@@ -17,7 +19,8 @@
 //!    device with CU_EVENT_DISABLE_TIMING and reused). A rank that failed before this point joins
 //!    anyway with its error, so its peers fail at once rather than at the timeout.
 //! 3. Each stream, before its first command in phase 0, waits on the `ready` event of every rank
-//!    whose buffers it touches (side streams: their own rank's too, and the rank's previous `done`).
+//!    whose buffers it touches (side streams: their own rank's too, which follows the rank's
+//!    previous `done` by rule 1; a side stream touching only peers would wait on `done` itself).
 //!    So no peer buffer is read before its producer wrote it, and no output is written while XLA
 //!    might still use it. Copies go on side streams (copy engines; cuMemcpyAsync on unified
 //!    addresses with peer access enabled), balanced by bytes; Reduce (the `rs_sum_*` kernels, at most
@@ -60,11 +63,12 @@
 pub mod device;
 pub mod driver;
 pub mod kernels;
+pub mod multicast;
 pub mod nvrtc;
 pub mod schedule;
 
 use crate::call::CallInfo;
-use crate::config::CONFIG;
+use crate::config::Config;
 use crate::error::{Result, TideError};
 use crate::plan::{BufKind, Op, Region};
 use crate::rendezvous::{self, Key, Session};
@@ -87,6 +91,9 @@ pub struct RankInfo {
     pub ready: usize,
     pub done: usize,
     pub phases: Vec<usize>,
+    /// Whether this rank's multicast gate granted the NVLink multicast all-gather
+    /// (`multicast::decide`); the path runs only if every rank's did.
+    pub multicast: bool,
     /// Set when the rank failed before the rendezvous.
     pub error: Option<String>,
 }
@@ -130,17 +137,21 @@ pub fn execute_with_seq(call: &CallInfo, seq: u64) -> Result<()> {
     }
 }
 
-fn timeout() -> Duration {
-    Duration::from_secs_f64(CONFIG.timeout_s.clamp(0.001, 1e9))
+fn timeout(cfg: &Config) -> Duration {
+    Duration::from_secs_f64(cfg.timeout_s.clamp(0.001, 1e9))
 }
 
 /// Everything of the local preparation that must stay alive through the call.
 struct Local {
     prepared: Arc<Prepared>,
     info: RankInfo,
+    /// This rank's multicast grant (all-gather, TIDE_MULTICAST=1 and the whole gate passed).
+    mc: Option<multicast::Granted>,
 }
 
 fn execute_inner(call: &CallInfo, seq: u64) -> Result<()> {
+    let cfg = crate::config::current();
+    let cfg = &*cfg;
     let what = format!(
         "tide {} site {} group {}",
         op_name(call.op),
@@ -159,7 +170,7 @@ fn execute_inner(call: &CallInfo, seq: u64) -> Result<()> {
             error: Some(err.to_string()),
             ..Default::default()
         };
-        if let Ok(s) = Session::join(&what, key, call.rank, call.world, info, timeout()) {
+        if let Ok(s) = Session::join(&what, key, call.rank, call.world, info, timeout(cfg)) {
             s.fail(call.rank, &err);
         }
         Err(err)
@@ -184,7 +195,7 @@ fn execute_inner(call: &CallInfo, seq: u64) -> Result<()> {
         Ok(g) => g,
         Err(e) => return fail_early(e),
     };
-    let local = match prepare(call, &mut st) {
+    let local = match prepare(call, &mut st, cfg) {
         Ok(l) => l,
         Err(e) => return fail_early(e),
     };
@@ -194,13 +205,13 @@ fn execute_inner(call: &CallInfo, seq: u64) -> Result<()> {
         call.rank,
         call.world,
         local.info.clone(),
-        timeout(),
+        timeout(cfg),
     )?;
     let _unwind = FailOnUnwind {
         session: &session,
         rank: call.rank,
     };
-    let result = run(call, &mut st, &local, &session);
+    let result = run(call, &mut st, &local, &session, cfg);
     if let Err(e) = &result {
         session.fail(call.rank, e);
     }
@@ -225,7 +236,7 @@ impl Drop for FailOnUnwind<'_> {
 
 /// Checks the call, builds (or reuses) the plan and schedule, makes the device's resources exist,
 /// and records `ready` on XLA's stream.
-fn prepare(call: &CallInfo, st: &mut DeviceState) -> Result<Local> {
+fn prepare(call: &CallInfo, st: &mut DeviceState, cfg: &Config) -> Result<Local> {
     let ord = call.device_ordinal;
     if call.stream == 0 {
         return Err(TideError::InvalidArgument(format!(
@@ -270,36 +281,40 @@ fn prepare(call: &CallInfo, st: &mut DeviceState) -> Result<Local> {
         )));
     }
     call.topology.check_world(call.world)?;
-    let layout = call.layout()?;
 
+    // Hot path: the site's prepared plan, if the call's buffers still have its shapes (checked
+    // against the cached layout without building a new one).
+    let settings = device::PlanSettings::of(call.op, cfg);
     let cached = st
         .prepared
         .get(&(call.site, call.op))
-        .cloned()
-        .filter(|p| p.rank == call.rank && p.topology == call.topology && p.layout == layout);
+        .filter(|p| {
+            p.rank == call.rank
+                && p.topology == call.topology
+                && p.settings == settings
+                && same_shapes(&p.layout, call)
+        })
+        .cloned();
     let prepared = match cached {
         Some(p) => p,
         None => {
+            let layout = call.layout()?;
             let plan = match call.op {
                 Op::AllGather => crate::plan::all_gather(&layout, call.topology)?,
                 Op::ReduceScatter => crate::plan::reduce_scatter(
                     &layout,
                     call.topology,
                     crate::plan::RsOptions {
-                        stage_slots: CONFIG.rs_stage_slots,
-                        slot_bytes: CONFIG.rs_slot_bytes,
+                        stage_slots: cfg.rs_stage_slots,
+                        slot_bytes: cfg.rs_slot_bytes,
                     },
                 )?,
             };
             plan.validate()?;
-            let streams = match call.op {
-                Op::AllGather => CONFIG.ag_streams,
-                Op::ReduceScatter => CONFIG.rs_copy_streams,
-            };
             let schedule = schedule::build(
                 &plan,
                 call.rank,
-                &SchedOptions::new(streams, CONFIG.local_copy),
+                &SchedOptions::new(settings.streams, settings.local_copy),
             )?;
             let p = Arc::new(Prepared {
                 op: call.op,
@@ -308,6 +323,7 @@ fn prepare(call: &CallInfo, st: &mut DeviceState) -> Result<Local> {
                 layout,
                 plan,
                 schedule,
+                settings,
             });
             st.prepared.insert((call.site, call.op), p.clone());
             p
@@ -322,10 +338,34 @@ fn prepare(call: &CallInfo, st: &mut DeviceState) -> Result<Local> {
     st.ensure_phase_events(plan.phases.len().saturating_sub(1))?;
     let stages = st.ensure_stage(
         &plan.stage_slot_bytes,
-        CONFIG.rs_stage_slots.saturating_mul(CONFIG.rs_slot_bytes),
+        cfg.rs_stage_slots.saturating_mul(cfg.rs_slot_bytes),
     )?;
     if sched.needs_kernels {
         st.ensure_module()?;
+    }
+    // NVLink multicast: off unless asked for; then the whole gate (multicast module header), the
+    // device attribute query last. No multicast call is made here.
+    let mc = if call.op == Op::AllGather && cfg.multicast {
+        let shard_bytes: Vec<usize> = plan.layout.params.iter().map(|p| p.shard_bytes).collect();
+        let dev = st.dev;
+        let d = multicast::decide(
+            &multicast::GateInputs {
+                requested: cfg.multicast,
+                env_denial: multicast::env_denial(&|k| std::env::var(k).ok()),
+                nodes: call.topology.nodes,
+                world: call.world,
+                shard_bytes: &shard_bytes,
+            },
+            &mut || multicast::device_supports(dev, ord),
+        );
+        multicast::log_once(ord, call.site, &d);
+        d.granted()
+    } else {
+        None
+    };
+    if mc.is_some() {
+        st.ensure_side_streams(1)?;
+        st.ensure_phase_events(1)?;
     }
 
     let n = plan.layout.len();
@@ -377,12 +417,38 @@ fn prepare(call: &CallInfo, st: &mut DeviceState) -> Result<Local> {
         phases: st
             .phase
             .iter()
-            .take(plan.phases.len().saturating_sub(1))
+            .take(
+                plan.phases
+                    .len()
+                    .saturating_sub(1)
+                    .max(usize::from(mc.is_some())),
+            )
             .map(|e| *e as usize)
             .collect(),
+        multicast: mc.is_some(),
         error: None,
     };
-    Ok(Local { prepared, info })
+    Ok(Local { prepared, info, mc })
+}
+
+/// Whether `call`'s buffers have exactly the shapes and dtypes of `layout` (what `call.layout()`
+/// would rebuild and validate): the full parameter on one side, the dim-0 shard on the other.
+fn same_shapes(layout: &crate::layout::GroupLayout, call: &CallInfo) -> bool {
+    let n = layout.params.len();
+    if layout.world != call.world || call.inputs.len() != n || call.outputs.len() != n {
+        return false;
+    }
+    layout.params.iter().enumerate().all(|(i, p)| {
+        let (full, shard, shard_dtype) = match call.op {
+            Op::AllGather => (&call.outputs[i], &call.inputs[i], p.dtype),
+            Op::ReduceScatter => (&call.inputs[i], &call.outputs[i], crate::layout::DType::F32),
+        };
+        full.dims == p.shape
+            && full.dtype == p.dtype
+            && shard.dtype == shard_dtype
+            && shard.dims.first() == Some(&p.shard_rows)
+            && shard.dims.iter().skip(1).eq(p.shape.iter().skip(1))
+    })
 }
 
 /// Checks what the peers published against this rank's plan.
@@ -452,6 +518,7 @@ fn run(
     st: &mut DeviceState,
     local: &Local,
     session: &Session<RankInfo>,
+    cfg: &Config,
 ) -> Result<()> {
     let infos = session.values();
     let prepared = &local.prepared;
@@ -466,9 +533,15 @@ fn run(
     let nphases = sched.phases.len();
     let mut issued_side = false;
     // Optional batching of consecutive copy-engine copies per stream (TIDE_COPY_BATCH).
-    let batching = CONFIG.copy_batch && driver::init().map(|v| v >= 13000).unwrap_or(false);
+    let batching = cfg.copy_batch && driver::init().map(|v| v >= 13000).unwrap_or(false);
     let mut pending: Vec<Vec<BatchCopy>> = vec![Vec::new(); st.side.len() + 1];
+    // The multicast all-gather only if every rank granted it (all see the same published values).
+    let mc = local.mc.filter(|_| infos.iter().all(|i| i.multicast));
     let res = (|| -> Result<()> {
+        if let Some(g) = mc {
+            issued_side = true;
+            return issue_multicast(call, st, prepared, infos, session, g, main, cfg);
+        }
         for (p, phase) in sched.phases.iter().enumerate() {
             for cmd in &phase.cmds {
                 let s = cmd.stream();
@@ -499,7 +572,7 @@ fn run(
                     }
                     flush_batch(call, st, main, s, &mut pending)?;
                 }
-                issue(call, st, infos, prepared, main, p, cmd)?;
+                issue(call, st, infos, prepared, main, p, cmd, cfg)?;
             }
             for s in 0..pending.len() {
                 flush_batch(call, st, main, s, &mut pending)?;
@@ -566,6 +639,124 @@ fn run(
         }
     }
     Ok(())
+}
+
+/// The NVLink multicast all-gather (see the `multicast` module header): set up the (site, group)
+/// buffer once, collectively; store this rank's shards to the multicast address on MAIN; "pushed"
+/// event and barrier; fan out every rank's rows from the local backing to the outputs on side
+/// stream 1; MAIN joins it. Only reachable with a `Granted` from every rank.
+#[allow(clippy::too_many_arguments)]
+fn issue_multicast(
+    call: &CallInfo,
+    st: &mut DeviceState,
+    prepared: &Prepared,
+    infos: &[RankInfo],
+    session: &Session<RankInfo>,
+    g: multicast::Granted,
+    main: CUstream,
+    cfg: &Config,
+) -> Result<()> {
+    let ord = call.device_ordinal;
+    let rank = call.rank;
+    let mp = multicast::plan(&prepared.layout, rank);
+    let shared = multicast::shared(call.site, call.group, mp.bytes);
+    // Every rank reads `complete` after the same barrier, so all agree on whether to set up.
+    session.barrier(rank, "multicast check")?;
+    if !shared.complete() {
+        if rank == 0 {
+            shared.set_handle(multicast::create(g, call.world, mp.bytes, ord)?);
+        }
+        session.barrier(rank, "multicast created")?;
+        let (handle, size) = shared.handle()?;
+        multicast::add_device(g, handle, st.dev, ord)?;
+        session.barrier(rank, "multicast devices added")?;
+        shared.set_rank(rank, multicast::bind_and_map(g, handle, size, ord)?);
+        session.barrier(rank, "multicast bound")?;
+        if rank == 0 {
+            shared.mark_complete();
+        }
+    }
+    let mine = shared.rank(rank)?;
+    let f = multicast::kernel(g, ord, st.cc)?;
+    let me = &infos[rank];
+    for s in &mp.stores {
+        let (src, bytes) = me.inputs[s.param];
+        if bytes < s.bytes || s.mc_offset + s.bytes > mine.size {
+            return Err(TideError::Internal(format!(
+                "multicast store of param {} out of bounds",
+                s.param
+            )));
+        }
+        multicast::launch_store(
+            g,
+            f,
+            main,
+            mine.mc + s.mc_offset as u64,
+            src,
+            s.bytes,
+            cfg.rs_max_ctas,
+        )?;
+    }
+    let pushed = *st
+        .phase
+        .first()
+        .ok_or_else(|| TideError::Internal("no pushed event".into()))?;
+    // SAFETY: valid event and stream; context current.
+    check(
+        unsafe { sys::cuEventRecord(pushed, main) },
+        "cuEventRecord",
+        || format!("rank {rank} device {ord}: multicast pushed event"),
+    )?;
+    session.barrier(rank, "multicast pushed")?;
+    let side = stream_of(st, main, 1)?;
+    for (q, info) in infos.iter().enumerate() {
+        let ev = *info.phases.first().ok_or_else(|| {
+            TideError::Internal(format!("rank {q} published no multicast pushed event"))
+        })?;
+        // SAFETY: rank q's pushed event, recorded before the barrier above.
+        check(
+            unsafe { sys::cuStreamWaitEvent(side, ev as CUevent, 0) },
+            "cuStreamWaitEvent",
+            || format!("rank {rank} device {ord}: on rank {q}'s multicast pushed event"),
+        )?;
+    }
+    for fan in &mp.fanout {
+        let (out, out_bytes) = me.outputs[fan.param];
+        if fan.out_offset + fan.bytes > out_bytes || fan.backing_offset + fan.bytes > mine.size {
+            return Err(TideError::Internal(format!(
+                "multicast fan-out of param {} from rank {} out of bounds",
+                fan.param, fan.src_rank
+            )));
+        }
+        // SAFETY: ranges checked above; both on this device.
+        check(
+            unsafe {
+                sys::cuMemcpyAsync(
+                    out + fan.out_offset as u64,
+                    mine.uc + fan.backing_offset as u64,
+                    fan.bytes,
+                    side,
+                )
+            },
+            "cuMemcpyAsync",
+            || format!("rank {rank} device {ord}: multicast fan-out"),
+        )?;
+    }
+    let join = *st
+        .pool
+        .first()
+        .ok_or_else(|| TideError::Internal("no local event".into()))?;
+    // SAFETY: valid handles.
+    unsafe {
+        check(sys::cuEventRecord(join, side), "cuEventRecord", || {
+            format!("rank {rank} device {ord}: multicast join")
+        })?;
+        check(
+            sys::cuStreamWaitEvent(main, join, 0),
+            "cuStreamWaitEvent",
+            || format!("rank {rank} device {ord}: multicast join"),
+        )
+    }
 }
 
 /// A copy-engine copy waiting to be issued in a batch.
@@ -718,6 +909,7 @@ fn step_ctx(call: &CallInfo, prepared: &Prepared, phase: usize, step: usize, r: 
     )
 }
 
+#[allow(clippy::too_many_arguments)]
 fn issue(
     call: &CallInfo,
     st: &DeviceState,
@@ -726,6 +918,7 @@ fn issue(
     main: CUstream,
     phase: usize,
     cmd: &Cmd,
+    cfg: &Config,
 ) -> Result<()> {
     let ord = call.device_ordinal;
     let rank = call.rank;
@@ -812,7 +1005,7 @@ fn issue(
                         .ok_or_else(|| TideError::Internal("kernel module not loaded".into()))?;
                     let width = kernels::copy_width(da, sa);
                     let grid =
-                        kernels::grid((*bytes as u64).div_ceil(width as u64), CONFIG.rs_max_ctas);
+                        kernels::grid((*bytes as u64).div_ceil(width as u64), cfg.rs_max_ctas);
                     let (mut d, mut sp, mut n, mut w) = (da, sa, *bytes as u64, width);
                     let mut params: [*mut std::ffi::c_void; 4] = [
                         &mut d as *mut u64 as *mut _,
@@ -889,7 +1082,7 @@ fn issue(
                 let vectorized = kernels::sum_vectorized(da, &ptrs.p[..l.count]);
                 let grid = kernels::grid(
                     kernels::sum_units(*elems as u64, l.dtype, vectorized),
-                    CONFIG.rs_max_ctas,
+                    cfg.rs_max_ctas,
                 );
                 let f = m.sum(l.dtype)?;
                 let mut d = da;

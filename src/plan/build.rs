@@ -67,7 +67,7 @@ impl Default for RsOptions {
 impl RsOptions {
     /// From the process configuration (TIDE_RS_STAGE_SLOTS, TIDE_RS_SLOT_BYTES).
     pub fn from_config() -> RsOptions {
-        let c = &*crate::config::CONFIG;
+        let c = crate::config::current();
         RsOptions { stage_slots: c.rs_stage_slots, slot_bytes: c.rs_slot_bytes }
     }
 }
