@@ -202,11 +202,13 @@ def _all_gather(shards, lay: Layout, dtype, backend: str | None):
     return jax.tree_util.tree_unflatten(lay.treedef, gather(leaves, lay))
 
 
-def _reduce_scatter(grads, lay: Layout, dtypes: list, backend: str | None):
+def _reduce_scatter(grads, lay: Layout, dtypes: list, backend: str | None, psum_axes=()):
     leaves = _check_grads(grads, lay, "reduce_scatter")
     _check_context(lay, "reduce_scatter")
     _, scatter = _impl(backend)
     outs = scatter(leaves, lay)
+    if psum_axes:  # replicas of the shards (HSDP): sum the fp32 shards, not the bf16 gradients
+        outs = [jax.lax.psum(o, tuple(psum_axes)) for o in outs]
     outs = [o if dt is None or o.dtype == dt else o.astype(dt) for o, dt in zip(outs, dtypes)]
     return jax.tree_util.tree_unflatten(lay.treedef, outs)
 
@@ -246,16 +248,29 @@ def gather_params(shards, lay: Layout, dtype=jnp.bfloat16, *, backend: str | Non
             )
     shard_dtypes = [np.dtype(x.dtype) for x in leaves]
     backend = backend or _backend
+    # Mesh axes other than lay.axis over which the shards are replicated (e.g. the data-parallel axis
+    # of a 2-D mesh). The gathered parameters are declared varying over them, so JAX does not insert
+    # its own reduction of the (bf16) parameter cotangent over them; the backward pass sums the fp32
+    # shards over them instead. Only when shard_map tracks varying axes (check_vma=True); with
+    # check_vma=False the caller reduces over replicas, as with any collective.
+    shard_vma = frozenset().union(*(_compat.vma_of(x) for x in leaves))
+    replica_axes = ()
+    if shard_vma:
+        manual = _compat.manual_axes(_compat.enclosing_mesh())
+        replica_axes = tuple(sorted(manual - shard_vma - {lay.axis}))
 
     @jax.custom_vjp
     def gather(shards):
-        return _all_gather(shards, lay, dtype, backend)
+        full = _all_gather(shards, lay, dtype, backend)
+        if replica_axes:
+            full = jax.tree.map(lambda t: _compat.mark_varying(t, replica_axes), full)
+        return full
 
     def fwd(shards):
         return gather(shards), None
 
     def bwd(_, cotangent):
-        return (_reduce_scatter(cotangent, lay, shard_dtypes, backend),)
+        return (_reduce_scatter(cotangent, lay, shard_dtypes, backend, psum_axes=replica_axes),)
 
     gather.defvjp(fwd, bwd)
     return gather(shards)

@@ -10,13 +10,11 @@ import sys
 _flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
 os.environ["XLA_FLAGS"] = " ".join(_flags + ["--xla_force_host_platform_device_count=8"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# A source checkout without `pip install .`: import the package from python/.
+# Test this checkout's package (python/), not a copy installed earlier; its native library is found
+# by tide_jax._lib: $TIDE_LIBRARY, else target/release/libtide.so (which `pip install .` and
+# `cargo build --release` both write). scripts/test checks the installed copy separately.
 _here = os.path.dirname(os.path.abspath(__file__))
-_python = os.path.join(os.path.dirname(os.path.dirname(_here)), "python")
-try:
-    import tide_jax  # noqa: F401
-except ImportError:
-    sys.path.insert(0, _python)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(_here)), "python"))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
