@@ -195,16 +195,16 @@ def _impl(backend: str | None):
 
 # ----- public ops -----
 def _all_gather(shards, lay: Layout, dtype, backend: str | None):
-    leaves = _check_shards(shards, lay, "all_gather")
     _check_context(lay, "all_gather")
+    leaves = _check_shards(shards, lay, "all_gather")
     leaves = [_maybe_cast(x, dtype) for x in leaves]
     gather, _ = _impl(backend)
     return jax.tree_util.tree_unflatten(lay.treedef, gather(leaves, lay))
 
 
 def _reduce_scatter(grads, lay: Layout, dtypes: list, backend: str | None, psum_axes=()):
-    leaves = _check_grads(grads, lay, "reduce_scatter")
     _check_context(lay, "reduce_scatter")
+    leaves = _check_grads(grads, lay, "reduce_scatter")
     _, scatter = _impl(backend)
     outs = scatter(leaves, lay)
     if psum_axes:  # replicas of the shards (HSDP): sum the fp32 shards, not the bf16 gradients
@@ -238,8 +238,8 @@ def gather_params(shards, lay: Layout, dtype=jnp.bfloat16, *, backend: str | Non
     Forward: all_gather of the shards cast to `dtype` (e.g. fp32 master shards -> bf16 parameters).
     Backward: reduce_scatter of the parameters' cotangent (fp32 accumulate) into the shards' dtype.
     """
-    leaves = _check_shards(shards, lay, "gather_params")
     _check_context(lay, "gather_params")
+    leaves = _check_shards(shards, lay, "gather_params")
     for p, x in zip(lay.params, leaves):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(
