@@ -2,6 +2,7 @@
 //! oracle in tests and the backend of JAX's CPU platform, the CUDA engine lives in `crate::cuda`.
 
 pub mod cpu;
+pub mod reference;
 
 use crate::error::Result;
 

@@ -15,6 +15,7 @@
 
 pub mod build;
 
+use crate::error::{Result, TideError};
 use crate::layout::{DType, GroupLayout};
 use crate::topology::Topology;
 use std::fmt;
@@ -98,4 +99,264 @@ pub struct PlanStats {
     /// tide scratch per rank (sum of stage slots).
     pub stage_bytes_per_rank: usize,
     pub steps: usize,
+}
+
+impl Plan {
+    /// Bytes of `Input(index)` on every rank: the shard (all-gather) or the full gradient in its
+    /// dtype (reduce-scatter).
+    pub fn input_bytes(&self, index: usize) -> usize {
+        let p = &self.layout.params[index];
+        match self.op {
+            Op::AllGather => p.shard_bytes,
+            Op::ReduceScatter => p.full_bytes(),
+        }
+    }
+
+    /// Bytes of `Output(index)` on every rank: the full parameter (all-gather) or the fp32 shard,
+    /// padding rows included (reduce-scatter).
+    pub fn output_bytes(&self, index: usize) -> usize {
+        let p = &self.layout.params[index];
+        match self.op {
+            Op::AllGather => p.full_bytes(),
+            Op::ReduceScatter => p.shard_rows * p.row_elems * 4,
+        }
+    }
+
+    pub fn world(&self) -> usize {
+        self.layout.world
+    }
+
+    /// Bytes of the buffer a region points into, or an error naming the region.
+    pub fn buffer_bytes(&self, kind: BufKind, index: usize) -> Option<usize> {
+        match kind {
+            BufKind::Input if index < self.layout.len() => Some(self.input_bytes(index)),
+            BufKind::Output if index < self.layout.len() => Some(self.output_bytes(index)),
+            BufKind::Stage => self.stage_slot_bytes.get(index).copied(),
+            _ => None,
+        }
+    }
+
+    /// Checks the plan's contract (see the module header and `plan::build`):
+    /// - every region names an existing rank and buffer, and lies within the buffer;
+    /// - no step writes an `Input`; every step's destination is on its executor (pull);
+    /// - Reduce writes fp32 (an `Output` of a reduce-scatter or a stage slot) and reads from the
+    ///   executor's node only; Copy and Zero may not write `Output` of an all-gather out of order;
+    /// - in one phase no step reads or writes a region that another executor writes.
+    pub fn validate(&self) -> Result<()> {
+        use std::collections::HashMap;
+        let world = self.layout.world;
+        if self.topology.world() != world {
+            return Err(TideError::InvalidTopology(format!(
+                "plan topology {} has {} ranks but the layout has world size {world}",
+                self.topology,
+                self.topology.world()
+            )));
+        }
+        let bad = |k: usize, s: &Step, why: String| -> TideError {
+            TideError::Internal(format!("invalid plan: phase {k} ('{}'), {}: {why}", self.phases[k].name, StepDisplay(s)))
+        };
+        // (rank, kind, index) -> [(start, end, executor, is_write)]
+        type Key = (usize, BufKind, usize);
+        for (k, phase) in self.phases.iter().enumerate() {
+            let mut touched: HashMap<Key, Vec<(usize, usize, usize, bool)>> = HashMap::new();
+            for s in &phase.steps {
+                if s.executor >= world {
+                    return Err(bad(k, s, format!("executor outside world size {world}")));
+                }
+                let mut check = |r: &Region, bytes: usize, write: bool| -> Result<()> {
+                    if r.rank >= world {
+                        return Err(bad(k, s, format!("region on rank {} outside world size {world}", r.rank)));
+                    }
+                    let size = self
+                        .buffer_bytes(r.kind, r.index)
+                        .ok_or_else(|| bad(k, s, format!("no buffer {:?}[{}]", r.kind, r.index)))?;
+                    let end = r.offset.checked_add(bytes).ok_or_else(|| bad(k, s, "region overflows".into()))?;
+                    if end > size {
+                        return Err(bad(
+                            k,
+                            s,
+                            format!("{} + {bytes} bytes ends past the buffer's {size} bytes", RegionDisplay(r)),
+                        ));
+                    }
+                    if write {
+                        if r.kind == BufKind::Input {
+                            return Err(bad(k, s, "writes an Input buffer".into()));
+                        }
+                        if r.rank != s.executor {
+                            return Err(bad(k, s, "writes another rank's memory (plans pull)".into()));
+                        }
+                    }
+                    if bytes > 0 {
+                        touched.entry((r.rank, r.kind, r.index)).or_default().push((r.offset, end, s.executor, write));
+                    }
+                    Ok(())
+                };
+                match &s.action {
+                    Action::Copy { src, dst, bytes } => {
+                        check(src, *bytes, false)?;
+                        check(dst, *bytes, true)?;
+                    }
+                    Action::Zero { dst, bytes } => check(dst, *bytes, true)?,
+                    Action::Reduce { dst, srcs, elems } => {
+                        if srcs.is_empty() {
+                            return Err(bad(k, s, "Reduce without sources".into()));
+                        }
+                        if dst.kind == BufKind::Output && self.op != Op::ReduceScatter {
+                            return Err(bad(k, s, "Reduce into an all-gather Output (not fp32)".into()));
+                        }
+                        let bytes = elems.checked_mul(4).ok_or_else(|| bad(k, s, "size overflows".into()))?;
+                        for o in srcs {
+                            if !o.dtype.is_reducible() {
+                                return Err(bad(k, s, format!("operand dtype {} is not reducible", o.dtype.name())));
+                            }
+                            if self.topology.node_of(o.region.rank) != self.topology.node_of(s.executor) {
+                                return Err(bad(k, s, "Reduce reads from another node".into()));
+                            }
+                            if o.region.kind != BufKind::Stage {
+                                let want = if o.region.kind == BufKind::Output {
+                                    DType::F32
+                                } else {
+                                    self.layout.params.get(o.region.index).map(|p| p.dtype).unwrap_or(o.dtype)
+                                };
+                                if o.dtype != want {
+                                    return Err(bad(k, s, format!("operand read as {} but the buffer holds {}", o.dtype.name(), want.name())));
+                                }
+                            }
+                            let ob = elems.checked_mul(o.dtype.size_bytes()).ok_or_else(|| bad(k, s, "size overflows".into()))?;
+                            check(&o.region, ob, false)?;
+                        }
+                        check(dst, bytes, true)?;
+                    }
+                }
+            }
+            for ((rank, kind, index), mut list) in touched {
+                list.sort_by_key(|t| t.0);
+                // Sweep in start order; per executor, how far its reads and its writes seen so far reach.
+                let mut active: Vec<(usize, usize, usize)> = Vec::new(); // (executor, read end, write end)
+                for (start, end, exec, write) in list {
+                    active.retain(|a| a.1.max(a.2) > start);
+                    if let Some(a) = active.iter().find(|a| a.0 != exec && (a.2 > start || (write && a.1 > start))) {
+                        let other_writes = a.2 > start;
+                        return Err(TideError::Internal(format!(
+                            "invalid plan: phase {k} ('{}'): rank {exec} {} {:?}[{index}] of rank {rank} at bytes [{start}, {end}) while rank {} {} it in the same phase",
+                            phase.name,
+                            if write { "writes" } else { "reads" },
+                            kind,
+                            a.0,
+                            if other_writes { "writes" } else { "reads" },
+                        )));
+                    }
+                    match active.iter_mut().find(|a| a.0 == exec) {
+                        Some(a) if write => a.2 = a.2.max(end),
+                        Some(a) => a.1 = a.1.max(end),
+                        None if write => active.push((exec, 0, end)),
+                        None => active.push((exec, end, 0)),
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// What the plan moves and sums, from its steps.
+    pub fn stats(&self) -> PlanStats {
+        let world = self.layout.world;
+        let mut st = PlanStats {
+            recv_bytes_per_rank: vec![0; world],
+            cross_node_recv_bytes_per_rank: vec![0; world],
+            stage_bytes_per_rank: self.stage_slot_bytes.iter().sum(),
+            ..PlanStats::default()
+        };
+        for phase in &self.phases {
+            for s in &phase.steps {
+                st.steps += 1;
+                match &s.action {
+                    Action::Copy { src, dst, bytes } => {
+                        if src.rank == dst.rank {
+                            st.local_copy_bytes += bytes;
+                        } else {
+                            st.recv_bytes_per_rank[dst.rank] += bytes;
+                            if self.topology.node_of(src.rank) != self.topology.node_of(dst.rank) {
+                                st.cross_node_recv_bytes_per_rank[dst.rank] += bytes;
+                            }
+                        }
+                    }
+                    Action::Zero { .. } => {}
+                    Action::Reduce { elems, .. } => st.reduce_elems += elems,
+                }
+            }
+        }
+        st
+    }
+}
+
+struct RegionDisplay<'a>(&'a Region);
+
+impl fmt::Display for RegionDisplay<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let r = self.0;
+        let kind = match r.kind {
+            BufKind::Input => "in",
+            BufKind::Output => "out",
+            BufKind::Stage => "stage",
+        };
+        write!(f, "r{}.{kind}[{}]+{}", r.rank, r.index, r.offset)
+    }
+}
+
+struct StepDisplay<'a>(&'a Step);
+
+impl fmt::Display for StepDisplay<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.0;
+        match &s.action {
+            Action::Copy { src, dst, bytes } => {
+                write!(f, "rank {}: copy {} -> {} ({bytes} B)", s.executor, RegionDisplay(src), RegionDisplay(dst))
+            }
+            Action::Zero { dst, bytes } => write!(f, "rank {}: zero {} ({bytes} B)", s.executor, RegionDisplay(dst)),
+            Action::Reduce { dst, srcs, elems } => {
+                write!(f, "rank {}: reduce {} = ", s.executor, RegionDisplay(dst))?;
+                for (k, o) in srcs.iter().enumerate() {
+                    if k > 0 {
+                        write!(f, " + ")?;
+                    }
+                    write!(f, "{}:{}", RegionDisplay(&o.region), o.dtype.name())?;
+                }
+                write!(f, " ({elems} elems, {} B out)", elems * 4)
+            }
+        }
+    }
+}
+
+impl fmt::Display for Step {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        StepDisplay(self).fmt(f)
+    }
+}
+
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let op = match self.op {
+            Op::AllGather => "all-gather",
+            Op::ReduceScatter => "reduce-scatter",
+        };
+        let st = self.stats();
+        writeln!(
+            f,
+            "{op} plan over {} ({} params, {} phases, {} steps, stage {} B/rank in {} slots)",
+            self.topology,
+            self.layout.len(),
+            self.phases.len(),
+            st.steps,
+            st.stage_bytes_per_rank,
+            self.stage_slot_bytes.len()
+        )?;
+        for (k, phase) in self.phases.iter().enumerate() {
+            writeln!(f, "phase {k} '{}':", phase.name)?;
+            for s in &phase.steps {
+                writeln!(f, "  phase {k} {s}")?;
+            }
+        }
+        Ok(())
+    }
 }
