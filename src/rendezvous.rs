@@ -1,11 +1,26 @@
 //! In-process rendezvous: the ranks of one collective call, each on its own host thread (XLA runs
 //! each local device's program on its own thread), meet, exchange a value, and pass barriers.
-//! See docs/design.md "Rendezvous". API fixed here; the implementation is the FFI work's.
+//! See docs/design.md "Rendezvous".
+//!
+//! Lifetime of a session: the first rank to `join` (or `abandon`) a key creates it in a process-wide
+//! registry; every rank that joins holds an `Arc` to it; the rank whose arrival completes the count
+//! (`world` arrivals, joins and abandons alike) removes it from the registry, so a key is used once.
+//! A session whose peers never all arrive (a rank timed out, a thread died) stays in the registry,
+//! marked failed, so a very late arrival fails at once with the recorded error instead of waiting;
+//! later calls use a fresh `seq` and hence a fresh key, so a failed key never breaks them.
+//!
+//! Every wait is bounded by the session's timeout; a rank that fails (`fail`, `abandon`, or a
+//! timeout seen by any rank) poisons the session and every waiter returns that error at once.
+//! Errors name the call (`what`), the key, the label and which ranks were missing.
 
 use crate::engine::Barrier;
 use crate::error::{Result, TideError};
-use std::sync::Arc;
-use std::time::Duration;
+use once_cell::sync::{Lazy, OnceCell};
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// Identifies one execution of one call site by one group of ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -15,41 +30,378 @@ pub struct Key {
     pub seq: u64,
 }
 
+impl fmt::Display for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "group {} seq {}", self.group, self.seq)
+    }
+}
+
+/// Locks `m`, ignoring poisoning: every critical section here leaves the state consistent, and a
+/// panic elsewhere must not turn into a panic (or abort) inside an FFI call.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+static SEQS: Lazy<Mutex<HashMap<(i64, usize, usize), u64>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+
 /// The n-th execution (from 0) of `site` by `rank` of `group`: every rank counts its own, so the
-/// counts agree across ranks of an SPMD program.
-pub fn next_seq(_site: i64, _group: usize, _rank: usize) -> u64 {
-    todo!("rendezvous::next_seq")
+/// counts agree across ranks of an SPMD program. Call it once per execution, before anything that
+/// can fail, so a rank that fails early still keeps its count in step with its peers.
+pub fn next_seq(site: i64, group: usize, rank: usize) -> u64 {
+    let mut seqs = lock(&SEQS);
+    let n = seqs.entry((site, group, rank)).or_insert(0);
+    let seq = *n;
+    *n += 1;
+    seq
+}
+
+/// Sessions by (value type, key). Type-erased so one registry serves every `Session<T>`.
+type Registry = HashMap<(TypeId, Key), Arc<dyn Any + Send + Sync>>;
+static REGISTRY: Lazy<Mutex<Registry>> = Lazy::new(|| Mutex::new(HashMap::new()));
+
+/// Number of sessions currently registered (all value types). For tests and diagnostics.
+pub fn live_sessions() -> usize {
+    lock(&REGISTRY).len()
+}
+
+struct State<T> {
+    /// Published values, by rank.
+    values: Vec<Option<T>>,
+    /// Ranks that joined or abandoned.
+    arrived: Vec<bool>,
+    arrivals: usize,
+    /// Reusable barrier: generation, who is in the current generation, and its label.
+    barrier_gen: u64,
+    barrier_in: Vec<bool>,
+    barrier_count: usize,
+    barrier_label: String,
+    /// Ranks that called `leave`.
+    departed: Vec<bool>,
+    departures: usize,
+    /// The first failure: the rank it is blamed on and the message peers report.
+    failed: Option<(usize, String)>,
 }
 
 /// One meeting of `world` ranks. Values are indexed by rank.
 pub struct Session<T> {
-    _values: Vec<T>,
+    what: String,
+    key: Key,
+    world: usize,
+    timeout: Duration,
+    state: Mutex<State<T>>,
+    cv: Condvar,
+    /// All values, set once by the rank that completes the join.
+    values: OnceCell<Vec<T>>,
+}
+
+fn missing(flags: &[bool]) -> Vec<usize> {
+    flags.iter().enumerate().filter(|(_, &f)| !f).map(|(r, _)| r).collect()
+}
+
+fn describe_ranks(ranks: &[usize]) -> String {
+    match ranks.len() {
+        1 => format!("rank {}", ranks[0]),
+        _ => format!("ranks {ranks:?}"),
+    }
 }
 
 impl<T: Clone + Send + Sync + 'static> Session<T> {
     /// Publishes `value` for `rank` and waits (at most `timeout`) until all `world` ranks have.
     /// `what` names the call in errors ("tide all_gather site 3").
+    ///
+    /// Protocol: once `join` returns `Ok`, peers hold this rank's value (buffer addresses) and may
+    /// use it, so the caller must end with `leave`, on every path. The session may already be
+    /// failed (a peer failed right after joining): `check` says so, and every `barrier` fails.
+    /// `join` returns `Err` only when the meeting never completed (a rank abandoned it or did not
+    /// arrive in time); then nobody received anybody's value and there is nothing to leave.
     pub fn join(
-        _what: &str,
-        _key: Key,
-        _rank: usize,
-        _world: usize,
-        _value: T,
-        _timeout: Duration,
+        what: &str,
+        key: Key,
+        rank: usize,
+        world: usize,
+        value: T,
+        timeout: Duration,
     ) -> Result<Arc<Session<T>>> {
-        Err(TideError::Internal("rendezvous not implemented yet".into()))
+        let session = Self::arrive(what, key, rank, world, timeout, Some(value), None)?;
+        let deadline = Instant::now() + timeout;
+        let mut st = lock(&session.state);
+        loop {
+            // Complete (every rank published): peers may use our value from now on, so we return
+            // the session even if it already failed; the caller must `leave` it.
+            if session.values.get().is_some() {
+                return Ok(session.clone());
+            }
+            if let Some(err) = session.failure(&st) {
+                return Err(err);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let absent = missing(&st.arrived);
+                let msg = session.timeout_message(&absent, "join");
+                session.poison(&mut st, absent[0], msg.clone());
+                return Err(TideError::Rendezvous(msg));
+            }
+            st = session.cv.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        }
     }
-    /// Everyone's values, indexed by rank.
+
+    /// For a rank that failed before it could join `key`: counts it as arrived and poisons the
+    /// session with `err`, so peers waiting in (or later joining) it fail at once with that error
+    /// instead of timing out. Returns without waiting.
+    pub fn abandon(what: &str, key: Key, rank: usize, world: usize, err: &TideError, timeout: Duration) {
+        // An error here (bad rank, a session of another world size) leaves peers to time out,
+        // which still names this rank; nothing better can be done.
+        let _ = Self::arrive(what, key, rank, world, timeout, None, Some(err));
+    }
+
+    /// Registers `rank`'s arrival at `key` (with a value, or as a failure) and returns the session.
+    fn arrive(
+        what: &str,
+        key: Key,
+        rank: usize,
+        world: usize,
+        timeout: Duration,
+        value: Option<T>,
+        err: Option<&TideError>,
+    ) -> Result<Arc<Session<T>>> {
+        if world == 0 || rank >= world {
+            return Err(TideError::InvalidArgument(format!(
+                "{what} {key}: rank {rank} is outside world size {world}"
+            )));
+        }
+        let reg_key = (TypeId::of::<Session<T>>(), key);
+        let mut reg = lock(&REGISTRY);
+        let session: Arc<Session<T>> = match reg.get(&reg_key) {
+            Some(any) => any.clone().downcast::<Session<T>>().map_err(|_| {
+                TideError::Internal(format!("{what} {key}: rendezvous registry holds a session of another type"))
+            })?,
+            None => {
+                let s = Arc::new(Session::new(what, key, world, timeout));
+                reg.insert(reg_key, s.clone() as Arc<dyn Any + Send + Sync>);
+                s
+            }
+        };
+        let mut st = lock(&session.state);
+        if session.world != world {
+            let msg = format!(
+                "{what} {key}: rank {rank} joined with world size {world} but peers use {}",
+                session.world
+            );
+            session.poison(&mut st, rank, msg.clone());
+            return Err(TideError::InvalidArgument(msg));
+        }
+        if st.arrived[rank] {
+            let msg = format!(
+                "{what} {key}: rank {rank} joined twice (two devices map to the same rank, or call \
+                 sites share a site id)"
+            );
+            session.poison(&mut st, rank, msg.clone());
+            return Err(TideError::InvalidArgument(msg));
+        }
+        st.arrived[rank] = true;
+        st.arrivals += 1;
+        st.values[rank] = value;
+        if let Some(e) = err {
+            session.poison(&mut st, rank, format!("{what} {key}: rank {rank} failed: {e}"));
+        }
+        if st.arrivals == world {
+            reg.remove(&reg_key);
+            // Publish only if nobody failed before the meeting completed: a rank that timed out
+            // has returned already, and its buffers must not be handed to anybody.
+            if st.failed.is_none() && st.values.iter().all(Option::is_some) {
+                let all: Vec<T> = st.values.iter_mut().filter_map(Option::take).collect();
+                let _ = session.values.set(all);
+            }
+            session.cv.notify_all();
+        }
+        drop(st);
+        drop(reg);
+        Ok(session)
+    }
+
+    fn new(what: &str, key: Key, world: usize, timeout: Duration) -> Session<T> {
+        Session {
+            what: what.to_string(),
+            key,
+            world,
+            timeout,
+            state: Mutex::new(State {
+                values: (0..world).map(|_| None).collect(),
+                arrived: vec![false; world],
+                arrivals: 0,
+                barrier_gen: 0,
+                barrier_in: vec![false; world],
+                barrier_count: 0,
+                barrier_label: String::new(),
+                departed: vec![false; world],
+                departures: 0,
+                failed: None,
+            }),
+            cv: Condvar::new(),
+            values: OnceCell::new(),
+        }
+    }
+
+    /// The session's failure, if a rank failed it (or timed out in it).
+    pub fn check(&self) -> Result<()> {
+        match self.failure(&lock(&self.state)) {
+            Some(err) => Err(err),
+            None => Ok(()),
+        }
+    }
+
+    /// Everyone's values, indexed by rank. Empty only on a session that failed before all joined
+    /// (never returned by a successful `join`).
     pub fn values(&self) -> &[T] {
-        &self._values
+        self.values.get().map(|v| v.as_slice()).unwrap_or(&[])
     }
+
+    /// The number of ranks.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The key this session was joined under.
+    pub fn key(&self) -> Key {
+        self.key
+    }
+
     /// Barrier `label` over all ranks; fails if a peer failed or did not arrive within the timeout.
-    pub fn barrier(&self, _rank: usize, _label: &str) -> Result<()> {
-        todo!("rendezvous barrier")
+    pub fn barrier(&self, rank: usize, label: &str) -> Result<()> {
+        let mut st = lock(&self.state);
+        if let Some(err) = self.failure(&st) {
+            return Err(err);
+        }
+        if rank >= self.world {
+            return Err(TideError::Internal(format!(
+                "{} {}: barrier '{label}' entered by rank {rank} of world {}",
+                self.what, self.key, self.world
+            )));
+        }
+        if st.barrier_in[rank] {
+            let msg = format!(
+                "{} {}: rank {rank} entered barrier '{label}' twice while '{}' was still open",
+                self.what, self.key, st.barrier_label
+            );
+            self.poison(&mut st, rank, msg.clone());
+            return Err(TideError::Internal(msg));
+        }
+        if st.barrier_count == 0 {
+            st.barrier_label = label.to_string();
+        } else if st.barrier_label != label {
+            let msg = format!(
+                "{} {}: rank {rank} entered barrier '{label}' while peers are at '{}' (ranks \
+                 disagree on the plan)",
+                self.what, self.key, st.barrier_label
+            );
+            self.poison(&mut st, rank, msg.clone());
+            return Err(TideError::Internal(msg));
+        }
+        st.barrier_in[rank] = true;
+        st.barrier_count += 1;
+        if st.barrier_count == self.world {
+            st.barrier_in.iter_mut().for_each(|b| *b = false);
+            st.barrier_count = 0;
+            st.barrier_gen += 1;
+            self.cv.notify_all();
+            return Ok(());
+        }
+        let gen = st.barrier_gen;
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if st.barrier_gen != gen {
+                return Ok(());
+            }
+            if let Some(err) = self.failure(&st) {
+                return Err(err);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let absent = missing(&st.barrier_in);
+                let msg = self.timeout_message(&absent, label);
+                self.poison(&mut st, absent[0], msg.clone());
+                return Err(TideError::Rendezvous(msg));
+            }
+            st = self.cv.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        }
     }
+
+    /// The last wait of every rank that joined, on success and on failure alike: returns once every
+    /// rank has left (or after the timeout), so no rank returns (and lets its buffers go) while a
+    /// peer may still be reading them. Unlike `barrier`, a failure does not cut it short; a failed
+    /// peer still leaves (after `fail`), and a peer that does not leave in time is named. Returns the
+    /// session's failure if there was one, else `Ok` once all left.
+    pub fn leave(&self, rank: usize) -> Result<()> {
+        let mut st = lock(&self.state);
+        if rank >= self.world || st.departed[rank] {
+            return Err(TideError::Internal(format!(
+                "{} {}: rank {rank} left twice or is outside world {}",
+                self.what, self.key, self.world
+            )));
+        }
+        st.departed[rank] = true;
+        st.departures += 1;
+        if st.departures == self.world {
+            self.cv.notify_all();
+        }
+        let deadline = Instant::now() + self.timeout;
+        while st.departures < self.world {
+            let now = Instant::now();
+            if now >= deadline {
+                let absent = missing(&st.departed);
+                let msg = self.timeout_message(&absent, "exit");
+                self.poison(&mut st, absent[0], msg.clone());
+                return Err(TideError::Rendezvous(msg));
+            }
+            st = self.cv.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        }
+        match self.failure(&st) {
+            Some(err) => Err(err),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether every rank has called `leave` (false after a `leave` that timed out).
+    pub fn all_left(&self) -> bool {
+        lock(&self.state).departures == self.world
+    }
+
     /// Marks this session failed by `rank` with `err`, so peers waiting in it fail fast with it.
-    pub fn fail(&self, _rank: usize, _err: &TideError) {
-        todo!("rendezvous fail")
+    pub fn fail(&self, rank: usize, err: &TideError) {
+        let mut st = lock(&self.state);
+        let msg = format!("{} {}: rank {rank} failed: {err}", self.what, self.key);
+        self.poison(&mut st, rank, msg);
+    }
+
+    /// Records the first failure and wakes every waiter.
+    fn poison(&self, st: &mut State<T>, rank: usize, msg: String) {
+        if st.failed.is_none() {
+            st.failed = Some((rank, msg));
+        }
+        self.cv.notify_all();
+    }
+
+    fn failure(&self, st: &State<T>) -> Option<TideError> {
+        st.failed.as_ref().map(|(_, msg)| TideError::Rendezvous(msg.clone()))
+    }
+
+    fn timeout_message(&self, absent: &[usize], label: &str) -> String {
+        format!(
+            "{} {}: {} did not arrive at '{label}' within {} s",
+            self.what,
+            self.key,
+            describe_ranks(absent),
+            fmt_secs(self.timeout)
+        )
+    }
+}
+
+fn fmt_secs(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s.fract() == 0.0 {
+        format!("{s:.0}")
+    } else {
+        format!("{s}")
     }
 }
 

@@ -1,1 +1,290 @@
-//! XLA FFI edge (stub; filled in by the FFI work).
+//! XLA FFI edge, Rust half. The C++ handlers (`cxxbridge/tide_ffi.cc`) decode XLA's call frame into
+//! an `FfiCall` and call one function per op and platform here; this module turns it into a
+//! `call::CallInfo`, validates it, dispatches to an engine (CPU: `cpu`, CUDA: `crate::cuda`) and
+//! returns an `FfiStatus` that the C++ turns into an XLA error (docs/design.md "FFI contract").
+//!
+//! Contract with the C++ side:
+//! - Buffers are borrowed views owned by XLA, passed as addresses; nothing here frees them.
+//! - Nothing unwinds across the bridge: every entry point runs under `catch_unwind`, and a panic
+//!   becomes an internal error naming the call.
+//! - Errors name the call (op, site), the device/rank and the parameter (see `call::CallInfo::layout`).
+//!
+//! The symbols jax registers (`tide_ffi_all_gather_cpu`, ...) are defined here and forward to the
+//! C++ handlers: a Rust cdylib exports only Rust-defined symbols, so the C++ ones (`tide_cxx_*`)
+//! stay internal to the library.
+
+pub mod cpu;
+
+use crate::call::{BufferView, CallInfo};
+use crate::error::{Result, TideError};
+use crate::layout::DType;
+use crate::plan::Op;
+use crate::topology::Topology;
+use std::ffi::c_void;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+#[cxx::bridge(namespace = "tide::ffi")]
+mod bridge {
+    /// One XLA buffer: address, `XLA_FFI_DataType` code, dims.
+    struct FfiBuffer {
+        data: usize,
+        dtype: i32,
+        dims: Vec<i64>,
+    }
+
+    /// A decoded call frame. Attribute fields mirror docs/design.md "FFI contract".
+    struct FfiCall {
+        site: i64,
+        world: i64,
+        nodes: i64,
+        gpus_per_node: i64,
+        /// XLA's device ordinal of the executing device (FFI context `DeviceOrdinal`).
+        device_ordinal: i64,
+        device_ordinals: Vec<i64>,
+        device_ranks: Vec<i64>,
+        device_groups: Vec<i64>,
+        /// Parameter names joined by '\n', as bytes (decoded lossily: only used in messages).
+        names: Vec<u8>,
+        inputs: Vec<FfiBuffer>,
+        outputs: Vec<FfiBuffer>,
+        /// XLA's stream (CUstream) on CUDA, 0 on CPU.
+        stream: usize,
+    }
+
+    /// How a call ended; the C++ maps it onto `xla::ffi::ErrorCode`.
+    #[derive(Debug)]
+    #[repr(i32)]
+    enum StatusCode {
+        Ok = 0,
+        InvalidArgument = 1,
+        Internal = 2,
+    }
+
+    #[derive(Debug)]
+    struct FfiStatus {
+        code: StatusCode,
+        message: String,
+    }
+
+    extern "Rust" {
+        fn tide_all_gather_cpu(call: &FfiCall) -> FfiStatus;
+        fn tide_reduce_scatter_cpu(call: &FfiCall) -> FfiStatus;
+        fn tide_all_gather_cuda(call: &FfiCall) -> FfiStatus;
+        fn tide_reduce_scatter_cuda(call: &FfiCall) -> FfiStatus;
+    }
+
+    unsafe extern "C++" {
+        include!("tide/cxxbridge/tide_ffi.h");
+    }
+}
+
+pub use bridge::{FfiBuffer, FfiCall, FfiStatus, StatusCode};
+
+extern "C" {
+    fn tide_cxx_all_gather_cpu(call_frame: *mut c_void) -> *mut c_void;
+    fn tide_cxx_reduce_scatter_cpu(call_frame: *mut c_void) -> *mut c_void;
+    fn tide_cxx_all_gather_cuda(call_frame: *mut c_void) -> *mut c_void;
+    fn tide_cxx_reduce_scatter_cuda(call_frame: *mut c_void) -> *mut c_void;
+}
+
+/// XLA FFI handler (`XLA_FFI_Error* (XLA_FFI_CallFrame*)`): target `tide_all_gather`, platform cpu.
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn tide_ffi_all_gather_cpu(call_frame: *mut c_void) -> *mut c_void {
+    // SAFETY: forwarded unchanged to the C++ handler, which catches every C++ exception.
+    unsafe { tide_cxx_all_gather_cpu(call_frame) }
+}
+
+/// XLA FFI handler: target `tide_reduce_scatter`, platform cpu.
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn tide_ffi_reduce_scatter_cpu(call_frame: *mut c_void) -> *mut c_void {
+    // SAFETY: as above.
+    unsafe { tide_cxx_reduce_scatter_cpu(call_frame) }
+}
+
+/// XLA FFI handler: target `tide_all_gather`, platform CUDA.
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn tide_ffi_all_gather_cuda(call_frame: *mut c_void) -> *mut c_void {
+    // SAFETY: as above.
+    unsafe { tide_cxx_all_gather_cuda(call_frame) }
+}
+
+/// XLA FFI handler: target `tide_reduce_scatter`, platform CUDA.
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn tide_ffi_reduce_scatter_cuda(call_frame: *mut c_void) -> *mut c_void {
+    // SAFETY: as above.
+    unsafe { tide_cxx_reduce_scatter_cuda(call_frame) }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Platform {
+    Cpu,
+    Cuda,
+}
+
+fn tide_all_gather_cpu(call: &FfiCall) -> FfiStatus {
+    entry(Op::AllGather, Platform::Cpu, call)
+}
+fn tide_reduce_scatter_cpu(call: &FfiCall) -> FfiStatus {
+    entry(Op::ReduceScatter, Platform::Cpu, call)
+}
+fn tide_all_gather_cuda(call: &FfiCall) -> FfiStatus {
+    entry(Op::AllGather, Platform::Cuda, call)
+}
+fn tide_reduce_scatter_cuda(call: &FfiCall) -> FfiStatus {
+    entry(Op::ReduceScatter, Platform::Cuda, call)
+}
+
+/// What the CPU handlers run, callable without XLA (tests): `decode`, `cpu::execute`, `status`.
+pub fn run_cpu(op: Op, call: &FfiCall) -> FfiStatus {
+    entry(op, Platform::Cpu, call)
+}
+
+pub(crate) fn op_name(op: Op) -> &'static str {
+    match op {
+        Op::AllGather => "tide all_gather",
+        Op::ReduceScatter => "tide reduce_scatter",
+    }
+}
+
+/// Every call from C++ lands here: decode, validate, execute; never unwinds.
+fn entry(op: Op, platform: Platform, call: &FfiCall) -> FfiStatus {
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        let info = decode(op, call)?;
+        match platform {
+            Platform::Cpu => cpu::execute(&info),
+            Platform::Cuda => {
+                info.layout()?;
+                crate::cuda::execute(&info)
+            }
+        }
+    }))
+    .unwrap_or_else(|payload| {
+        Err(TideError::Internal(format!(
+            "{} site {} on device {}: panic: {}",
+            op_name(op),
+            call.site,
+            call.device_ordinal,
+            panic_message(&*payload)
+        )))
+    });
+    status(result)
+}
+
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(non-string panic payload)".to_string()
+    }
+}
+
+/// The status the C++ turns into an XLA error: bad input is `kInvalidArgument`, the rest `kInternal`.
+pub fn status(result: Result<()>) -> FfiStatus {
+    match result {
+        Ok(()) => FfiStatus { code: StatusCode::Ok, message: String::new() },
+        Err(e) => {
+            let code = match e {
+                TideError::InvalidArgument(_) | TideError::UnsupportedDtype { .. } | TideError::InvalidTopology(_) => {
+                    StatusCode::InvalidArgument
+                }
+                _ => StatusCode::Internal,
+            };
+            FfiStatus { code, message: e.to_string() }
+        }
+    }
+}
+
+fn nonneg(value: i64, what: impl Fn() -> String) -> Result<usize> {
+    usize::try_from(value).map_err(|_| TideError::InvalidArgument(format!("{}: must be non-negative, got {value}", what())))
+}
+
+fn buffers(list: &[FfiBuffer], role: &str, call_name: &str) -> Result<Vec<BufferView>> {
+    list.iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let dtype = DType::from_xla(b.dtype)
+                .map_err(|e| TideError::InvalidArgument(format!("{call_name}: {role} {i}: {e}")))?;
+            let dims = b
+                .dims
+                .iter()
+                .map(|&d| nonneg(d, || format!("{call_name}: {role} {i} dims {:?}", b.dims)))
+                .collect::<Result<Vec<_>>>()?;
+            Ok(BufferView { ptr: b.data, dtype, dims })
+        })
+        .collect()
+}
+
+/// Builds the `CallInfo` of a decoded frame: checks the attributes and maps the device ordinal to
+/// this device's rank and group. Buffer shapes are checked later, by `CallInfo::layout`.
+pub fn decode(op: Op, call: &FfiCall) -> Result<CallInfo> {
+    let name = format!("{} site {}", op_name(op), call.site);
+    let device = call.device_ordinal;
+    let world = nonneg(call.world, || format!("{name}: attribute 'world'"))?;
+    if world == 0 {
+        return crate::invalid!("{name}: attribute 'world' is 0; the sharded axis needs at least one device");
+    }
+    let nodes = nonneg(call.nodes, || format!("{name}: attribute 'nodes'"))?;
+    let gpus_per_node = nonneg(call.gpus_per_node, || format!("{name}: attribute 'gpus_per_node'"))?;
+    let topology = Topology::new(nodes, gpus_per_node)
+        .and_then(|t| t.check_world(world).map(|()| t))
+        .map_err(|e| TideError::InvalidTopology(format!("{name}: attributes 'nodes' x 'gpus_per_node': {e}")))?;
+    let n = call.device_ordinals.len();
+    if call.device_ranks.len() != n || call.device_groups.len() != n {
+        return crate::invalid!(
+            "{name}: attributes 'device_ordinals', 'device_ranks', 'device_groups' must have equal lengths, \
+             got {}, {}, {}",
+            n,
+            call.device_ranks.len(),
+            call.device_groups.len()
+        );
+    }
+    let at = call.device_ordinals.iter().position(|&d| d == device).ok_or_else(|| {
+        TideError::InvalidArgument(format!(
+            "{name}: device ordinal {device} is not in attribute 'device_ordinals' {:?}: the call runs on \
+             a device outside the mesh it was traced for",
+            call.device_ordinals
+        ))
+    })?;
+    if call.device_ordinals[at + 1..].contains(&device) {
+        return crate::invalid!("{name}: device ordinal {device} appears twice in attribute 'device_ordinals'");
+    }
+    let rank = nonneg(call.device_ranks[at], || format!("{name}: 'device_ranks' entry of device {device}"))?;
+    let group = nonneg(call.device_groups[at], || format!("{name}: 'device_groups' entry of device {device}"))?;
+    if rank >= world {
+        return crate::invalid!(
+            "{name}: device {device} has rank {rank} in attribute 'device_ranks', outside world size {world}"
+        );
+    }
+    let names = if call.names.is_empty() {
+        Vec::new()
+    } else {
+        String::from_utf8_lossy(&call.names).split('\n').map(str::to_string).collect()
+    };
+    Ok(CallInfo {
+        op,
+        site: call.site,
+        device_ordinal: device,
+        rank,
+        group,
+        world,
+        topology,
+        names,
+        inputs: buffers(&call.inputs, "operand", &name)?,
+        outputs: buffers(&call.outputs, "result", &name)?,
+        stream: call.stream,
+    })
+}

@@ -1,0 +1,121 @@
+//! The CPU platform's execution of one call (docs/design.md "Rendezvous"): every device of the
+//! mesh is a rank on its own XLA host thread. Each rank
+//! 1. takes its sequence number for the call site (first, so a rank that fails later keeps its
+//!    count in step with its peers),
+//! 2. validates the call and gets the plan (cached per call site),
+//! 3. allocates its stage slots and joins the rendezvous `(site, group, seq)` publishing its buffer
+//!    addresses (or, if 2 failed, abandons it so peers fail at once with its error),
+//! 4. runs its part of the plan with the session as the barrier between phases,
+//! 5. leaves through `Session::leave`, on success and on failure alike, so it never returns (and
+//!    lets XLA reuse its buffers, or frees its stage slots) while a peer may still read them.
+
+use super::op_name;
+use crate::call::CallInfo;
+use crate::config::CONFIG;
+use crate::engine::RankBuffers;
+use crate::error::{Result, TideError};
+use crate::layout::GroupLayout;
+use crate::plan::{Op, Plan, RsOptions};
+use crate::rendezvous::{next_seq, Key, Session};
+use crate::topology::Topology;
+use once_cell::sync::Lazy;
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::engine::cpu::{execute_rank, StageBuffers};
+use crate::plan::{all_gather as plan_all_gather, reduce_scatter as plan_reduce_scatter};
+
+/// What a plan was built from; a cached plan is reused only when all of it is equal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PlanInputs {
+    op: Op,
+    topology: Topology,
+    layout: GroupLayout,
+    rs: RsOptions,
+}
+
+struct CachedPlan {
+    inputs: PlanInputs,
+    plan: Arc<Plan>,
+}
+
+/// Plans by call site. A site's layout and topology are fixed for a traced program, so the check
+/// is an equality test; a different program reusing a site id just replaces the entry.
+static PLANS: Lazy<Mutex<HashMap<i64, CachedPlan>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+
+fn rs_options() -> RsOptions {
+    RsOptions { stage_slots: CONFIG.rs_stage_slots, slot_bytes: CONFIG.rs_slot_bytes }
+}
+
+fn plan_for(site: i64, inputs: PlanInputs) -> Result<Arc<Plan>> {
+    let mut plans = PLANS.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(c) = plans.get(&site) {
+        if c.inputs == inputs {
+            return Ok(c.plan.clone());
+        }
+    }
+    let plan = Arc::new(match inputs.op {
+        Op::AllGather => plan_all_gather(&inputs.layout, inputs.topology)?,
+        Op::ReduceScatter => plan_reduce_scatter(&inputs.layout, inputs.topology, inputs.rs)?,
+    });
+    plans.insert(site, CachedPlan { inputs, plan: plan.clone() });
+    Ok(plan)
+}
+
+fn timeout() -> Duration {
+    Duration::from_secs_f64(CONFIG.timeout_s.max(0.001))
+}
+
+/// Runs `call` as one rank of a CPU collective. Returns once every rank of the call is done with
+/// this rank's buffers.
+pub fn execute(call: &CallInfo) -> Result<()> {
+    let what = format!("{} site {}", op_name(call.op), call.site);
+    let key = Key { site: call.site, group: call.group, seq: next_seq(call.site, call.group, call.rank) };
+    let (rank, world) = (call.rank, call.world);
+
+    let prepared = (|| -> Result<(Arc<Plan>, StageBuffers)> {
+        let layout = call.layout()?;
+        let inputs = PlanInputs { op: call.op, topology: call.topology, layout, rs: rs_options() };
+        let plan = plan_for(call.site, inputs)?;
+        let stages = StageBuffers::new(&plan);
+        Ok((plan, stages))
+    })();
+    let (plan, stages) = match prepared {
+        Ok(p) => p,
+        Err(err) => {
+            Session::<RankBuffers>::abandon(&what, key, rank, world, &err, timeout());
+            return Err(err);
+        }
+    };
+
+    let mine = RankBuffers {
+        inputs: call.inputs.iter().map(|b| b.ptr).collect(),
+        outputs: call.outputs.iter().map(|b| b.ptr).collect(),
+        stages: stages.addrs(),
+    };
+    let session = Session::join(&what, key, rank, world, mine, timeout())?;
+
+    let run = session.check().and_then(|()| catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: every rank published the addresses of XLA's live buffers for this call (checked
+        // against the layout by `call.layout()`) and of its own stage slots, which stay alive until
+        // every rank has left the session below.
+        unsafe { execute_rank(&plan, rank, session.values(), &*session) }
+    }))
+    .unwrap_or_else(|payload| {
+        Err(TideError::Internal(format!(
+            "{what} on rank {rank}: panic in the CPU engine: {}",
+            super::panic_message(&*payload)
+        )))
+    }));
+    if let Err(err) = &run {
+        session.fail(rank, err); // no-op if the session had already failed
+    }
+    let left = session.leave(rank);
+    if !session.all_left() {
+        // A peer did not leave in time: it may still read our stage slots; never free them.
+        std::mem::forget(stages);
+    }
+    run.and(left)
+}

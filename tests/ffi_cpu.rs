@@ -1,0 +1,194 @@
+//! The Rust half of the FFI edge without XLA: decoding a call frame (`FfiCall`) into a `CallInfo`,
+//! status codes, and the CPU path end to end with ranks as threads over host buffers, including a
+//! rank that fails validation while its peers are fine.
+
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+use tide::error::TideError;
+use tide::ffi::{decode, run_cpu, FfiBuffer, FfiCall, StatusCode};
+use tide::plan::Op;
+
+const F32: i32 = 11;
+const BF16: i32 = 16;
+
+fn buf(data: usize, dtype: i32, dims: &[i64]) -> FfiBuffer {
+    FfiBuffer { data, dtype, dims: dims.to_vec() }
+}
+
+/// A call on device `ordinal` of a 1-D mesh whose devices have ordinals 10, 11, ... (rank order).
+fn call(site: i64, world: usize, ordinal: i64, inputs: Vec<FfiBuffer>, outputs: Vec<FfiBuffer>) -> FfiCall {
+    let names: Vec<String> = (0..inputs.len()).map(|i| format!("p{i}")).collect();
+    FfiCall {
+        site,
+        world: world as i64,
+        nodes: 1,
+        gpus_per_node: world as i64,
+        device_ordinal: ordinal,
+        device_ordinals: (0..world as i64).map(|r| 10 + r).collect(),
+        device_ranks: (0..world as i64).collect(),
+        device_groups: vec![0; world],
+        names: names.join("\n").into_bytes(),
+        inputs,
+        outputs,
+        stream: 0,
+    }
+}
+
+#[test]
+fn decode_maps_ordinal_to_rank_and_group() {
+    let mut c = call(1, 4, 12, vec![buf(8, F32, &[2, 3])], vec![buf(16, F32, &[7, 3])]);
+    c.device_ranks = vec![3, 2, 1, 0];
+    c.device_groups = vec![0, 0, 5, 0];
+    let info = decode(Op::AllGather, &c).unwrap();
+    assert_eq!((info.rank, info.group, info.world, info.device_ordinal), (1, 5, 4, 12));
+    assert_eq!(info.names, vec!["p0".to_string()]);
+    assert_eq!(info.inputs[0].dims, vec![2, 3]);
+    assert_eq!(info.outputs[0].ptr, 16);
+    info.layout().unwrap();
+}
+
+#[test]
+fn decode_errors_name_the_attribute() {
+    let base = || call(2, 4, 10, vec![buf(8, F32, &[2])], vec![buf(16, F32, &[8])]);
+    let err = |c: FfiCall| decode(Op::AllGather, &c).err().expect("must fail").to_string();
+
+    let mut c = base();
+    c.device_ordinal = 3;
+    let e = err(c);
+    assert!(e.contains("tide all_gather site 2: device ordinal 3 is not in attribute 'device_ordinals' [10, 11, 12, 13]"), "{e}");
+
+    let mut c = base();
+    c.device_groups.pop();
+    assert!(err(c).contains("must have equal lengths, got 4, 4, 3"));
+
+    let mut c = base();
+    c.nodes = 3;
+    let e = decode(Op::AllGather, &c).err().unwrap();
+    assert!(matches!(e, TideError::InvalidTopology(_)), "{e}");
+    assert!(e.to_string().contains("'nodes' x 'gpus_per_node'"), "{e}");
+
+    let mut c = base();
+    c.world = 0;
+    assert!(err(c).contains("attribute 'world' is 0"));
+
+    let mut c = base();
+    c.device_ranks[0] = 9;
+    assert!(err(c).contains("rank 9 in attribute 'device_ranks', outside world size 4"));
+
+    let mut c = base();
+    c.device_ordinals[2] = 10;
+    assert!(err(c).contains("device ordinal 10 appears twice"));
+
+    let mut c = base();
+    c.inputs[0].dims = vec![-1];
+    assert!(err(c).contains("operand 0 dims [-1]: must be non-negative"));
+
+    let mut c = base();
+    c.outputs[0].dtype = 99;
+    assert!(err(c).contains("result 0: invalid argument: unknown dtype code 99"));
+}
+
+#[test]
+fn status_codes() {
+    let c = call(3, 1, 10, vec![buf(8, F32, &[2])], vec![buf(16, F32, &[3])]);
+    let s = run_cpu(Op::AllGather, &c);
+    assert_eq!(s.code, StatusCode::InvalidArgument);
+    assert!(s.message.contains("param 0 'p0'"), "{}", s.message);
+    let s = tide::ffi::status(Err(TideError::Rendezvous("x".into())));
+    assert_eq!(s.code, StatusCode::Internal);
+    let s = tide::ffi::status(Ok(()));
+    assert_eq!(s.code, StatusCode::Ok);
+}
+
+/// Runs `f(rank)` on `world` threads.
+fn on_ranks<R: Send + 'static>(world: usize, f: impl Fn(usize) -> R + Send + Sync + 'static) -> Vec<R> {
+    let f = Arc::new(f);
+    let hs: Vec<_> = (0..world).map(|r| {
+        let f = f.clone();
+        thread::spawn(move || f(r))
+    }).collect();
+    hs.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn cpu_all_gather_end_to_end() {
+    // Two params over 5 ranks: (7, 3) f32 (shard_rows 2) and a 0-d f32 (shard_rows 1).
+    const WORLD: usize = 5;
+    for round in 0..3 {
+        let out = on_ranks(WORLD, move |rank| {
+            let shard0: Vec<f32> = (0..6).map(|e| (rank * 6 + e) as f32).collect();
+            let shard1: Vec<f32> = vec![if rank == 0 { 42.0 } else { 0.0 }];
+            let mut full0 = vec![-1f32; 21];
+            let mut full1 = vec![-1f32; 1];
+            let c = call(
+                20,
+                WORLD,
+                10 + rank as i64,
+                vec![buf(shard0.as_ptr() as usize, F32, &[2, 3]), buf(shard1.as_ptr() as usize, F32, &[1])],
+                vec![buf(full0.as_mut_ptr() as usize, F32, &[7, 3]), buf(full1.as_mut_ptr() as usize, F32, &[])],
+            );
+            let s = run_cpu(Op::AllGather, &c);
+            assert_eq!(s.code, StatusCode::Ok, "round {round} rank {rank}: {}", s.message);
+            (full0, full1)
+        });
+        for (full0, full1) in out {
+            assert_eq!(full0, (0..21).map(|e| e as f32).collect::<Vec<_>>());
+            assert_eq!(full1, vec![42.0]);
+        }
+    }
+}
+
+#[test]
+fn cpu_reduce_scatter_end_to_end() {
+    // (5,) bf16 gradients over 3 ranks (shard_rows 2: rank 2 holds 1 row + 1 padding row).
+    const WORLD: usize = 3;
+    let out = on_ranks(WORLD, |rank| {
+        let grad: Vec<u16> = (0..5).map(|e| ((e + 1) as f32 * (rank + 1) as f32).to_bits().wrapping_shr(16) as u16).collect();
+        let mut shard = vec![f32::NAN; 2];
+        let c = call(21, WORLD, 10 + rank as i64, vec![buf(grad.as_ptr() as usize, BF16, &[5])],
+            vec![buf(shard.as_mut_ptr() as usize, F32, &[2])]);
+        let s = run_cpu(Op::ReduceScatter, &c);
+        assert_eq!(s.code, StatusCode::Ok, "{}", s.message);
+        shard
+    });
+    // sum over ranks of (e + 1) * (rank + 1) = 6 * (e + 1).
+    assert_eq!(out, vec![vec![6.0, 12.0], vec![18.0, 24.0], vec![30.0, 0.0]]);
+}
+
+#[test]
+fn one_rank_with_a_bad_shard_fails_everyone_fast() {
+    const WORLD: usize = 4;
+    let t0 = Instant::now();
+    let out = on_ranks(WORLD, |rank| {
+        let rows = if rank == 2 { 3 } else { 2 };
+        let shard = vec![0f32; rows];
+        let mut full = vec![0f32; 8];
+        let c = call(22, WORLD, 10 + rank as i64, vec![buf(shard.as_ptr() as usize, F32, &[rows as i64])],
+            vec![buf(full.as_mut_ptr() as usize, F32, &[8])]);
+        run_cpu(Op::AllGather, &c)
+    });
+    assert!(t0.elapsed() < Duration::from_secs(20), "peers must fail fast, not time out");
+    for (rank, s) in out.iter().enumerate() {
+        if rank == 2 {
+            assert_eq!(s.code, StatusCode::InvalidArgument);
+            assert!(s.message.contains("rank 2: param 0 'p0' (shape [8], float32): operand (local shard) has shape [3]"), "{}", s.message);
+        } else {
+            assert_eq!(s.code, StatusCode::Internal);
+            assert!(s.message.contains("tide all_gather site 22 group 0 seq 0: rank 2 failed: invalid argument"), "{}", s.message);
+        }
+    }
+    // The next execution of the same site (next seq) works.
+    let out = on_ranks(WORLD, |rank| {
+        let shard = vec![rank as f32; 2];
+        let mut full = vec![0f32; 8];
+        let c = call(22, WORLD, 10 + rank as i64, vec![buf(shard.as_ptr() as usize, F32, &[2])],
+            vec![buf(full.as_mut_ptr() as usize, F32, &[8])]);
+        let s = run_cpu(Op::AllGather, &c);
+        (s.code, full)
+    });
+    for (code, full) in out {
+        assert_eq!(code, StatusCode::Ok);
+        assert_eq!(full, vec![0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]);
+    }
+}
