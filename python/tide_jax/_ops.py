@@ -148,11 +148,9 @@ def _maybe_cast(x, dtype):
 
 
 def _vary_like(outs, ins, axis):
-    """Gives FFI results the varying-axes type jax.lax's collectives would (shard_map's check_vma)."""
-    vma = frozenset().union(*(_compat.vma_of(x) for x in ins))
-    if not vma:  # vma not tracked (check_vma=False)
-        return outs
-    vma = vma | {axis}
+    """Gives FFI results the varying-axes type jax.lax's collectives would (shard_map's check_vma):
+    varying over the inputs' axes and `axis`. A no-op under check_vma=False."""
+    vma = frozenset().union(*(_compat.vma_of(x) for x in ins)) | {axis}
     return [_compat.mark_varying(o, sorted(vma)) for o in outs]
 
 
@@ -270,7 +268,15 @@ def gather_params(shards, lay: Layout, dtype=jnp.bfloat16, *, backend: str | Non
         return gather(shards), None
 
     def bwd(_, cotangent):
-        return (_reduce_scatter(cotangent, lay, shard_dtypes, backend, psum_axes=replica_axes),)
+        # A cotangent may be typed less varying than the primal output (e.g. the same on every rank);
+        # its values are still per device, so type it as such before summing it over devices.
+        ct_axes = sorted(shard_vma | set(replica_axes) | {lay.axis}) if shard_vma else []
+        if ct_axes:
+            cotangent = jax.tree.map(lambda t: _compat.mark_varying(t, ct_axes), cotangent)
+        grads = _reduce_scatter(cotangent, lay, shard_dtypes, backend, psum_axes=replica_axes)
+        if shard_vma:
+            grads = jax.tree.map(lambda t: _compat.mark_varying(t, sorted(shard_vma)), grads)
+        return (grads,)
 
     gather.defvjp(fwd, bwd)
     return gather(shards)
