@@ -156,3 +156,28 @@ def test_library_is_present():
     """CI installs the native library; its absence must fail the run, not skip the native tests."""
     path = tide_jax.library_path()
     assert os.path.isfile(path)
+
+
+def test_native_error_surfaces_naming_the_parameter(tide_backend):
+    """Bypassing tide_jax's checks: the library itself rejects a call that contradicts the layout, and
+    the error reaches Python as an exception naming the parameter, without killing the process."""
+    from tide_jax import _lib, _ops
+
+    mesh = make_mesh((8,), (AXIS,))
+    params = {"w": np.ones((9, 5), np.float32)}  # shard_rows = 2
+    lay = tide_jax.layout(params, mesh, AXIS)
+    _lib.ensure_registered("cpu")
+
+    def bad_call(s):
+        # a (1, 5) operand where the layout over 8 ranks wants (2, 5)
+        out = jax.ffi.ffi_call("tide_all_gather", [jax.ShapeDtypeStruct((9, 5), jnp.float32)])(
+            s["w"][:1], **_ops._attrs(lay, _ops._new_site())
+        )
+        return out[0][None]
+
+    f = smap(bad_call, mesh, (lay.spec,))
+    with pytest.raises(Exception, match=r"(?s)tide.*'w'"):
+        jax.block_until_ready(f(lay.shard(params)))
+    # the process and the library still work afterwards
+    ok = smap(lambda s: tide_jax.all_gather(s, lay)["w"][None], mesh, (lay.spec,))(lay.shard(params))
+    assert (np.asarray(ok) == 1).all()
