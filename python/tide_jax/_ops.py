@@ -64,7 +64,10 @@ def get_backend() -> str:
 
 # ----- call-site ids -----
 # Each traced call gets a fresh id; the traced program is the same on every rank, so the id is too.
-# The native rendezvous keys on (site, group, seq).
+# The native rendezvous keys on (site, group, seq), seq counting a rank's executions of the site.
+# Caveat: JAX reuses a cached trace (an inner jax.jit called twice with the same shapes, remat), so
+# one site can appear several times in a program; ranks then pair those calls by execution order,
+# which is right as long as every device runs them in the same order (as XLA:CPU did in our tests).
 _site_lock = threading.Lock()
 _site_counter = itertools.count(1)
 
