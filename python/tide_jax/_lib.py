@@ -87,18 +87,11 @@ def load() -> ctypes.CDLL:
         return _lib
 
 
-def _platform_present(platform: str) -> bool:
-    try:
-        return len(jax.devices(platform)) > 0
-    except RuntimeError:
-        return False
-
-
 def ensure_registered(platform: str = "cpu") -> None:
-    """Registers the FFI targets for `platform` ("cpu" or "CUDA") once.
+    """Registers the FFI targets for `platform` ("cpu", or "CUDA" / "gpu") once.
 
-    CPU handlers are registered on first use always; CUDA handlers when a CUDA backend is present
-    (JAX then lowers a tide call on GPU devices to them).
+    Called with the platform of the layout's mesh when a tide op is first traced for it, so CUDA
+    handlers are registered only where a GPU mesh is used (a CUDA backend is then present).
     """
     platform = "CUDA" if platform.lower() in ("cuda", "gpu") else "cpu"
     if platform in _registered:
@@ -119,10 +112,3 @@ def ensure_registered(platform: str = "cpu") -> None:
                 ) from e
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform=platform)
         _registered.add(platform)
-
-
-def ensure_all_registered() -> None:
-    """Registers for CPU, and for CUDA when a CUDA backend is present."""
-    ensure_registered("cpu")
-    if "CUDA" not in _registered and _platform_present("cuda"):
-        ensure_registered("CUDA")
