@@ -8,6 +8,7 @@
 //! Where the headers come from, first match wins:
 //! 1. `TIDE_XLA_FFI_INCLUDE`: a directory holding `xla/ffi/api/ffi.h`;
 //! 2. `<jaxlib>/include` of the Python in `PYO3_PYTHON`, `PYTHON_SYS_EXECUTABLE`, or `python3`.
+//!
 //! Headers newer than API 0.3 fail the build unless `TIDE_ALLOW_NEWER_XLA_HEADERS=1`.
 
 use std::env;
@@ -50,10 +51,16 @@ fn main() {
     println!("cargo:rerun-if-changed={}", c_api.display());
     let api = match read_api_version(&c_api) {
         Ok(v) => v,
-        Err(why) => fail(&format!("cannot read the XLA FFI API version from {}: {why}", c_api.display())),
+        Err(why) => fail(&format!(
+            "cannot read the XLA FFI API version from {}: {why}",
+            c_api.display()
+        )),
     };
     if api > MAX_API {
-        if env::var("TIDE_ALLOW_NEWER_XLA_HEADERS").map(|v| v.trim() == "1").unwrap_or(false) {
+        if env::var("TIDE_ALLOW_NEWER_XLA_HEADERS")
+            .map(|v| v.trim() == "1")
+            .unwrap_or(false)
+        {
             println!(
                 "cargo:warning=tide: building against XLA FFI API {}.{} headers from {} \
                  (TIDE_ALLOW_NEWER_XLA_HEADERS=1); the library will be rejected by older jaxlib",
@@ -102,7 +109,10 @@ fn find_headers() -> Result<PathBuf, String> {
         return if has_ffi(&dir) {
             Ok(dir)
         } else {
-            Err(format!("TIDE_XLA_FFI_INCLUDE={} has no xla/ffi/api/ffi.h", dir.display()))
+            Err(format!(
+                "TIDE_XLA_FFI_INCLUDE={} has no xla/ffi/api/ffi.h",
+                dir.display()
+            ))
         };
     }
     let python = env::var("PYO3_PYTHON")
@@ -115,14 +125,21 @@ fn find_headers() -> Result<PathBuf, String> {
     if !out.status.success() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         let last = stderr.lines().last().unwrap_or("").trim().to_string();
-        let why = if last.is_empty() { out.status.to_string() } else { last };
+        let why = if last.is_empty() {
+            out.status.to_string()
+        } else {
+            last
+        };
         return Err(format!("{python} cannot import jaxlib ({why})"));
     }
     let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
     if has_ffi(&dir) {
         Ok(dir)
     } else {
-        Err(format!("{python}'s jaxlib has no {}", dir.join("xla/ffi/api/ffi.h").display()))
+        Err(format!(
+            "{python}'s jaxlib has no {}",
+            dir.join("xla/ffi/api/ffi.h").display()
+        ))
     }
 }
 
@@ -133,7 +150,8 @@ fn read_api_version(c_api: &Path) -> Result<(u32, u32), String> {
         text.lines()
             .filter_map(|l| {
                 let mut words = l.split_whitespace();
-                (words.next() == Some("#define") && words.next() == Some(name)).then(|| words.next())?
+                (words.next() == Some("#define") && words.next() == Some(name))
+                    .then(|| words.next())?
             })
             .next()
             .ok_or_else(|| format!("no #define {name}"))?

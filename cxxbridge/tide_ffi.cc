@@ -62,7 +62,7 @@ FfiBuffer ToBuffer(const ::ffi::AnyBuffer& buf) {
                  int64_t site, int64_t world, int64_t nodes, int64_t gpus_per_node,
                  ::ffi::Span<const int64_t> device_ordinals, ::ffi::Span<const int64_t> device_ranks,
                  ::ffi::Span<const int64_t> device_groups, std::string_view names,
-                 int32_t device_ordinal, void* stream) {
+                 int32_t device_ordinal, ::ffi::RunId run_id, void* stream) {
   // Nothing may escape a handler: a C++ exception (allocation failure, a cxx conversion) becomes
   // an internal error; Rust catches its own panics (src/ffi/mod.rs).
   try {
@@ -80,6 +80,7 @@ FfiBuffer ToBuffer(const ::ffi::AnyBuffer& buf) {
     call.names.reserve(names.size());
     for (char c : names) call.names.push_back(static_cast<uint8_t>(c));
     call.stream = reinterpret_cast<size_t>(stream);
+    call.run_id = run_id.run_id;
 
     call.inputs.reserve(args.size());
     for (size_t i = 0; i < args.size(); ++i) {
@@ -132,9 +133,9 @@ template <Op op>
                     ::ffi::Span<const int64_t> device_ordinals,
                     ::ffi::Span<const int64_t> device_ranks,
                     ::ffi::Span<const int64_t> device_groups, std::string_view names,
-                    int32_t device_ordinal) {
+                    int32_t device_ordinal, ::ffi::RunId run_id) {
   return Run(op, Platform::kCpu, args, rets, site, world, nodes, gpus_per_node, device_ordinals,
-             device_ranks, device_groups, names, device_ordinal, nullptr);
+             device_ranks, device_groups, names, device_ordinal, run_id, nullptr);
 }
 
 template <Op op>
@@ -143,9 +144,9 @@ template <Op op>
                      ::ffi::Span<const int64_t> device_ordinals,
                      ::ffi::Span<const int64_t> device_ranks,
                      ::ffi::Span<const int64_t> device_groups, std::string_view names,
-                     int32_t device_ordinal, void* stream) {
+                     int32_t device_ordinal, ::ffi::RunId run_id, void* stream) {
   return Run(op, Platform::kCuda, args, rets, site, world, nodes, gpus_per_node, device_ordinals,
-             device_ranks, device_groups, names, device_ordinal, stream);
+             device_ranks, device_groups, names, device_ordinal, run_id, stream);
 }
 
 // The binding shared by every handler, up to the platform-specific context.
@@ -161,7 +162,8 @@ auto Bind() {
       .Attr<::ffi::Span<const int64_t>>("device_ranks")
       .Attr<::ffi::Span<const int64_t>>("device_groups")
       .Attr<std::string_view>("names")
-      .Ctx<::ffi::DeviceOrdinal>();
+      .Ctx<::ffi::DeviceOrdinal>()
+      .Ctx<::ffi::RunId>();
 }
 
 }  // namespace

@@ -9,6 +9,15 @@
 //! marked failed, so a very late arrival fails at once with the recorded error instead of waiting;
 //! later calls use a fresh `seq` and hence a fresh key, so a failed key never breaks them.
 //!
+//! Keys: `(site, group, seq)`. The FFI edge takes `seq` from `run_seq` (XLA's RunId plus a count
+//! of this rank's calls of the site in that run), so ranks re-synchronize at every run even after
+//! one of them skipped a call; `next_seq` (a plain per-rank count) remains for callers without a
+//! run id.
+//!
+//! Protocol for callers: `join` -> work, with `barrier`s between phases -> `leave`, where `leave`
+//! is reached on every path once `join` returned `Ok` (see `join`). A rank that fails before it
+//! can join calls `abandon`.
+//!
 //! Every wait is bounded by the session's timeout; a rank that fails (`fail`, `abandon`, or a
 //! timeout seen by any rank) poisons the session and every waiter returns that error at once.
 //! Errors name the call (`what`), the key, the label and which ranks were missing.
@@ -32,7 +41,17 @@ pub struct Key {
 
 impl fmt::Display for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "group {} seq {}", self.group, self.seq)
+        // Keys from `run_seq` carry XLA's run id in the high half.
+        match self.seq >> 32 {
+            0 => write!(f, "group {} seq {}", self.group, self.seq),
+            run => write!(
+                f,
+                "group {} run {:#x} call {}",
+                self.group,
+                run,
+                self.seq & 0xffff_ffff
+            ),
+        }
     }
 }
 
@@ -42,7 +61,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-static SEQS: Lazy<Mutex<HashMap<(i64, usize, usize), u64>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+/// (site, group, rank): what the per-rank counters are keyed by.
+type RankKey = (i64, usize, usize);
+
+static SEQS: Lazy<Mutex<HashMap<RankKey, u64>>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
 /// The n-th execution (from 0) of `site` by `rank` of `group`: every rank counts its own, so the
 /// counts agree across ranks of an SPMD program. Call it once per execution, before anything that
@@ -53,6 +75,28 @@ pub fn next_seq(site: i64, group: usize, rank: usize) -> u64 {
     let seq = *n;
     *n += 1;
     seq
+}
+
+/// Per (site, group, rank): the run it last executed `site` in, and how many times it did so.
+static RUN_CALLS: Lazy<Mutex<HashMap<RankKey, (i64, u32)>>> =
+    Lazy::new(|| Mutex::new(HashMap::new()));
+
+/// The sequence number of this execution of `site` by `rank` of `group` within XLA's run `run_id`
+/// (the FFI context `RunId`, shared by every device of one launch): `(run_id << 32) | call`, where
+/// `call` counts this rank's executions of `site` in that run (a loop body runs it many times).
+///
+/// Unlike `next_seq`, ranks re-synchronize at every run: if one rank never reached the call in some
+/// run (a device failed earlier in the program), its peers time out in that run only, and the next
+/// run meets again. Assumes a rank executes its runs one after another, as XLA does per device.
+pub fn run_seq(site: i64, group: usize, rank: usize, run_id: i64) -> u64 {
+    let mut calls = lock(&RUN_CALLS);
+    let entry = calls.entry((site, group, rank)).or_insert((run_id, 0));
+    if entry.0 != run_id {
+        *entry = (run_id, 0);
+    }
+    let call = entry.1;
+    entry.1 = entry.1.wrapping_add(1);
+    ((run_id as u64) << 32) | call as u64
 }
 
 /// Sessions by (value type, key). Type-erased so one registry serves every `Session<T>`.
@@ -95,7 +139,12 @@ pub struct Session<T> {
 }
 
 fn missing(flags: &[bool]) -> Vec<usize> {
-    flags.iter().enumerate().filter(|(_, &f)| !f).map(|(r, _)| r).collect()
+    flags
+        .iter()
+        .enumerate()
+        .filter(|(_, &f)| !f)
+        .map(|(r, _)| r)
+        .collect()
 }
 
 fn describe_ranks(ranks: &[usize]) -> String {
@@ -141,14 +190,25 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
                 session.poison(&mut st, absent[0], msg.clone());
                 return Err(TideError::Rendezvous(msg));
             }
-            st = session.cv.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+            st = session
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 
     /// For a rank that failed before it could join `key`: counts it as arrived and poisons the
     /// session with `err`, so peers waiting in (or later joining) it fail at once with that error
     /// instead of timing out. Returns without waiting.
-    pub fn abandon(what: &str, key: Key, rank: usize, world: usize, err: &TideError, timeout: Duration) {
+    pub fn abandon(
+        what: &str,
+        key: Key,
+        rank: usize,
+        world: usize,
+        err: &TideError,
+        timeout: Duration,
+    ) {
         // An error here (bad rank, a session of another world size) leaves peers to time out,
         // which still names this rank; nothing better can be done.
         let _ = Self::arrive(what, key, rank, world, timeout, None, Some(err));
@@ -173,7 +233,9 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
         let mut reg = lock(&REGISTRY);
         let session: Arc<Session<T>> = match reg.get(&reg_key) {
             Some(any) => any.clone().downcast::<Session<T>>().map_err(|_| {
-                TideError::Internal(format!("{what} {key}: rendezvous registry holds a session of another type"))
+                TideError::Internal(format!(
+                    "{what} {key}: rendezvous registry holds a session of another type"
+                ))
             })?,
             None => {
                 let s = Arc::new(Session::new(what, key, world, timeout));
@@ -202,7 +264,11 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
         st.arrivals += 1;
         st.values[rank] = value;
         if let Some(e) = err {
-            session.poison(&mut st, rank, format!("{what} {key}: rank {rank} failed: {e}"));
+            session.poison(
+                &mut st,
+                rank,
+                format!("{what} {key}: rank {rank} failed: {e}"),
+            );
         }
         if st.arrivals == world {
             reg.remove(&reg_key);
@@ -322,7 +388,11 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
                 self.poison(&mut st, absent[0], msg.clone());
                 return Err(TideError::Rendezvous(msg));
             }
-            st = self.cv.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+            st = self
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 
@@ -353,7 +423,11 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
                 self.poison(&mut st, absent[0], msg.clone());
                 return Err(TideError::Rendezvous(msg));
             }
-            st = self.cv.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+            st = self
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
         match self.failure(&st) {
             Some(err) => Err(err),
@@ -382,7 +456,9 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
     }
 
     fn failure(&self, st: &State<T>) -> Option<TideError> {
-        st.failed.as_ref().map(|(_, msg)| TideError::Rendezvous(msg.clone()))
+        st.failed
+            .as_ref()
+            .map(|(_, msg)| TideError::Rendezvous(msg.clone()))
     }
 
     fn timeout_message(&self, absent: &[usize], label: &str) -> String {

@@ -13,11 +13,21 @@ const F32: i32 = 11;
 const BF16: i32 = 16;
 
 fn buf(data: usize, dtype: i32, dims: &[i64]) -> FfiBuffer {
-    FfiBuffer { data, dtype, dims: dims.to_vec() }
+    FfiBuffer {
+        data,
+        dtype,
+        dims: dims.to_vec(),
+    }
 }
 
 /// A call on device `ordinal` of a 1-D mesh whose devices have ordinals 10, 11, ... (rank order).
-fn call(site: i64, world: usize, ordinal: i64, inputs: Vec<FfiBuffer>, outputs: Vec<FfiBuffer>) -> FfiCall {
+fn call(
+    site: i64,
+    world: usize,
+    ordinal: i64,
+    inputs: Vec<FfiBuffer>,
+    outputs: Vec<FfiBuffer>,
+) -> FfiCall {
     let names: Vec<String> = (0..inputs.len()).map(|i| format!("p{i}")).collect();
     FfiCall {
         site,
@@ -32,16 +42,26 @@ fn call(site: i64, world: usize, ordinal: i64, inputs: Vec<FfiBuffer>, outputs: 
         inputs,
         outputs,
         stream: 0,
+        run_id: 0,
     }
 }
 
 #[test]
 fn decode_maps_ordinal_to_rank_and_group() {
-    let mut c = call(1, 4, 12, vec![buf(8, F32, &[2, 3])], vec![buf(16, F32, &[7, 3])]);
+    let mut c = call(
+        1,
+        4,
+        12,
+        vec![buf(8, F32, &[2, 3])],
+        vec![buf(16, F32, &[7, 3])],
+    );
     c.device_ranks = vec![3, 2, 1, 0];
     c.device_groups = vec![0, 0, 5, 0];
     let info = decode(Op::AllGather, &c).unwrap();
-    assert_eq!((info.rank, info.group, info.world, info.device_ordinal), (1, 5, 4, 12));
+    assert_eq!(
+        (info.rank, info.group, info.world, info.device_ordinal),
+        (1, 5, 4, 12)
+    );
     assert_eq!(info.names, vec!["p0".to_string()]);
     assert_eq!(info.inputs[0].dims, vec![2, 3]);
     assert_eq!(info.outputs[0].ptr, 16);
@@ -51,7 +71,11 @@ fn decode_maps_ordinal_to_rank_and_group() {
 #[test]
 fn decode_errors_name_the_attribute() {
     let base = || call(2, 4, 10, vec![buf(8, F32, &[2])], vec![buf(16, F32, &[8])]);
-    let err = |c: FfiCall| decode(Op::AllGather, &c).err().expect("must fail").to_string();
+    let err = |c: FfiCall| {
+        decode(Op::AllGather, &c)
+            .expect_err("must fail")
+            .to_string()
+    };
 
     let mut c = base();
     c.device_ordinal = 3;
@@ -102,12 +126,17 @@ fn status_codes() {
 }
 
 /// Runs `f(rank)` on `world` threads.
-fn on_ranks<R: Send + 'static>(world: usize, f: impl Fn(usize) -> R + Send + Sync + 'static) -> Vec<R> {
+fn on_ranks<R: Send + 'static>(
+    world: usize,
+    f: impl Fn(usize) -> R + Send + Sync + 'static,
+) -> Vec<R> {
     let f = Arc::new(f);
-    let hs: Vec<_> = (0..world).map(|r| {
-        let f = f.clone();
-        thread::spawn(move || f(r))
-    }).collect();
+    let hs: Vec<_> = (0..world)
+        .map(|r| {
+            let f = f.clone();
+            thread::spawn(move || f(r))
+        })
+        .collect();
     hs.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
@@ -125,11 +154,22 @@ fn cpu_all_gather_end_to_end() {
                 20,
                 WORLD,
                 10 + rank as i64,
-                vec![buf(shard0.as_ptr() as usize, F32, &[2, 3]), buf(shard1.as_ptr() as usize, F32, &[1])],
-                vec![buf(full0.as_mut_ptr() as usize, F32, &[7, 3]), buf(full1.as_mut_ptr() as usize, F32, &[])],
+                vec![
+                    buf(shard0.as_ptr() as usize, F32, &[2, 3]),
+                    buf(shard1.as_ptr() as usize, F32, &[1]),
+                ],
+                vec![
+                    buf(full0.as_mut_ptr() as usize, F32, &[7, 3]),
+                    buf(full1.as_mut_ptr() as usize, F32, &[]),
+                ],
             );
             let s = run_cpu(Op::AllGather, &c);
-            assert_eq!(s.code, StatusCode::Ok, "round {round} rank {rank}: {}", s.message);
+            assert_eq!(
+                s.code,
+                StatusCode::Ok,
+                "round {round} rank {rank}: {}",
+                s.message
+            );
             (full0, full1)
         });
         for (full0, full1) in out {
@@ -144,16 +184,30 @@ fn cpu_reduce_scatter_end_to_end() {
     // (5,) bf16 gradients over 3 ranks (shard_rows 2: rank 2 holds 1 row + 1 padding row).
     const WORLD: usize = 3;
     let out = on_ranks(WORLD, |rank| {
-        let grad: Vec<u16> = (0..5).map(|e| ((e + 1) as f32 * (rank + 1) as f32).to_bits().wrapping_shr(16) as u16).collect();
+        let grad: Vec<u16> = (0..5)
+            .map(|e| {
+                ((e + 1) as f32 * (rank + 1) as f32)
+                    .to_bits()
+                    .wrapping_shr(16) as u16
+            })
+            .collect();
         let mut shard = vec![f32::NAN; 2];
-        let c = call(21, WORLD, 10 + rank as i64, vec![buf(grad.as_ptr() as usize, BF16, &[5])],
-            vec![buf(shard.as_mut_ptr() as usize, F32, &[2])]);
+        let c = call(
+            21,
+            WORLD,
+            10 + rank as i64,
+            vec![buf(grad.as_ptr() as usize, BF16, &[5])],
+            vec![buf(shard.as_mut_ptr() as usize, F32, &[2])],
+        );
         let s = run_cpu(Op::ReduceScatter, &c);
         assert_eq!(s.code, StatusCode::Ok, "{}", s.message);
         shard
     });
     // sum over ranks of (e + 1) * (rank + 1) = 6 * (e + 1).
-    assert_eq!(out, vec![vec![6.0, 12.0], vec![18.0, 24.0], vec![30.0, 0.0]]);
+    assert_eq!(
+        out,
+        vec![vec![6.0, 12.0], vec![18.0, 24.0], vec![30.0, 0.0]]
+    );
 }
 
 #[test]
@@ -164,31 +218,78 @@ fn one_rank_with_a_bad_shard_fails_everyone_fast() {
         let rows = if rank == 2 { 3 } else { 2 };
         let shard = vec![0f32; rows];
         let mut full = vec![0f32; 8];
-        let c = call(22, WORLD, 10 + rank as i64, vec![buf(shard.as_ptr() as usize, F32, &[rows as i64])],
-            vec![buf(full.as_mut_ptr() as usize, F32, &[8])]);
+        let c = call(
+            22,
+            WORLD,
+            10 + rank as i64,
+            vec![buf(shard.as_ptr() as usize, F32, &[rows as i64])],
+            vec![buf(full.as_mut_ptr() as usize, F32, &[8])],
+        );
         run_cpu(Op::AllGather, &c)
     });
-    assert!(t0.elapsed() < Duration::from_secs(20), "peers must fail fast, not time out");
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "peers must fail fast, not time out"
+    );
     for (rank, s) in out.iter().enumerate() {
         if rank == 2 {
             assert_eq!(s.code, StatusCode::InvalidArgument);
             assert!(s.message.contains("rank 2: param 0 'p0' (shape [8], float32): operand (local shard) has shape [3]"), "{}", s.message);
         } else {
             assert_eq!(s.code, StatusCode::Internal);
-            assert!(s.message.contains("tide all_gather site 22 group 0 seq 0: rank 2 failed: invalid argument"), "{}", s.message);
+            assert!(
+                s.message.contains(
+                    "tide all_gather site 22 group 0 seq 0: rank 2 failed: invalid argument"
+                ),
+                "{}",
+                s.message
+            );
         }
     }
     // The next execution of the same site (next seq) works.
     let out = on_ranks(WORLD, |rank| {
-        let shard = vec![rank as f32; 2];
+        let shard = [rank as f32; 2];
         let mut full = vec![0f32; 8];
-        let c = call(22, WORLD, 10 + rank as i64, vec![buf(shard.as_ptr() as usize, F32, &[2])],
-            vec![buf(full.as_mut_ptr() as usize, F32, &[8])]);
+        let c = call(
+            22,
+            WORLD,
+            10 + rank as i64,
+            vec![buf(shard.as_ptr() as usize, F32, &[2])],
+            vec![buf(full.as_mut_ptr() as usize, F32, &[8])],
+        );
         let s = run_cpu(Op::AllGather, &c);
         (s.code, full)
     });
     for (code, full) in out {
         assert_eq!(code, StatusCode::Ok);
         assert_eq!(full, vec![0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]);
+    }
+}
+
+#[test]
+fn ranks_that_disagree_on_the_layout_fail_without_touching_memory() {
+    // Each rank's call is valid on its own, but rank 1's parameter has 6 rows, rank 0's 4.
+    let out = on_ranks(2, |rank| {
+        let rows = if rank == 0 { 4 } else { 6 };
+        let shard = vec![1f32; rows / 2];
+        let mut full = vec![0f32; rows];
+        let c = call(
+            23,
+            2,
+            10 + rank as i64,
+            vec![buf(shard.as_ptr() as usize, F32, &[(rows / 2) as i64])],
+            vec![buf(full.as_mut_ptr() as usize, F32, &[rows as i64])],
+        );
+        (run_cpu(Op::AllGather, &c), full)
+    });
+    for (s, full) in out {
+        assert_eq!(s.code, StatusCode::InvalidArgument, "{}", s.message);
+        assert!(
+            s.message
+                .contains("ranks [1] built a different plan than rank 0"),
+            "{}",
+            s.message
+        );
+        assert!(full.iter().all(|&x| x == 0.0), "nothing may be written");
     }
 }

@@ -12,11 +12,18 @@ use tide::rendezvous::{live_sessions, next_seq, Key, Session};
 const LONG: Duration = Duration::from_secs(30);
 
 fn key(site: i64, seq: u64) -> Key {
-    Key { site, group: 0, seq }
+    Key {
+        site,
+        group: 0,
+        seq,
+    }
 }
 
 /// Runs `f(rank)` on `world` threads and returns the results by rank.
-fn on_ranks<R: Send + 'static>(world: usize, f: impl Fn(usize) -> R + Send + Sync + 'static) -> Vec<R> {
+fn on_ranks<R: Send + 'static>(
+    world: usize,
+    f: impl Fn(usize) -> R + Send + Sync + 'static,
+) -> Vec<R> {
     let f = Arc::new(f);
     let handles: Vec<_> = (0..world)
         .map(|rank| {
@@ -24,7 +31,10 @@ fn on_ranks<R: Send + 'static>(world: usize, f: impl Fn(usize) -> R + Send + Syn
             thread::spawn(move || f(rank))
         })
         .collect();
-    handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("rank thread panicked"))
+        .collect()
 }
 
 #[test]
@@ -56,8 +66,15 @@ fn many_rounds_with_next_seq_and_barriers() {
         for round in 0..ROUNDS {
             let seq = next_seq(102, 0, rank);
             assert_eq!(seq, round);
-            let s = Session::join("test rounds", key(102, seq), rank, WORLD, (rank as u64) * 1000 + round, LONG)
-                .unwrap();
+            let s = Session::join(
+                "test rounds",
+                key(102, seq),
+                rank,
+                WORLD,
+                (rank as u64) * 1000 + round,
+                LONG,
+            )
+            .unwrap();
             for phase in 0..3 {
                 s.wait(rank, phase).unwrap();
             }
@@ -89,7 +106,11 @@ fn groups_are_separate_sessions() {
     // Two groups of 3 ranks meet at the same site and seq without mixing.
     let out = on_ranks(6, |t| {
         let (group, rank) = (t / 3, t % 3);
-        let k = Key { site: 105, group, seq: 0 };
+        let k = Key {
+            site: 105,
+            group,
+            seq: 0,
+        };
         let s = Session::join("test groups", k, rank, 3, t, LONG).unwrap();
         s.barrier(rank, "exit").unwrap();
         s.values().to_vec()
@@ -107,9 +128,16 @@ fn join_timeout_names_missing_ranks() {
             return None;
         }
         Some(
-            Session::join("tide all_gather site 106", key(106, 3), rank, 6, (), Duration::from_millis(200))
-                .err()
-                .expect("join must time out"),
+            Session::join(
+                "tide all_gather site 106",
+                key(106, 3),
+                rank,
+                6,
+                (),
+                Duration::from_millis(200),
+            )
+            .err()
+            .expect("join must time out"),
         )
     });
     assert!(t0.elapsed() < Duration::from_secs(10));
@@ -126,15 +154,25 @@ fn join_timeout_names_missing_ranks() {
 #[test]
 fn late_arrival_fails_fast_after_timeout() {
     let k = key(107, 0);
-    let e = Session::join("test late", k, 0, 2, (), Duration::from_millis(50)).err().unwrap();
-    assert!(e.to_string().contains("rank 1 did not arrive at 'join'"), "{e}");
+    let e = Session::join("test late", k, 0, 2, (), Duration::from_millis(50))
+        .err()
+        .unwrap();
+    assert!(
+        e.to_string().contains("rank 1 did not arrive at 'join'"),
+        "{e}"
+    );
     // Rank 1 comes long after rank 0 gave up: it fails at once with rank 0's error.
     let t0 = Instant::now();
     let e = Session::join("test late", k, 1, 2, (), LONG).err().unwrap();
     assert!(t0.elapsed() < Duration::from_secs(5));
-    assert!(e.to_string().contains("rank 1 did not arrive at 'join'"), "{e}");
+    assert!(
+        e.to_string().contains("rank 1 did not arrive at 'join'"),
+        "{e}"
+    );
     // Both ranks arrived: the failed session is gone, the next seq works.
-    let out = on_ranks(2, |rank| Session::join("test late", key(107, 1), rank, 2, rank, LONG).map(|s| s.values().to_vec()));
+    let out = on_ranks(2, |rank| {
+        Session::join("test late", key(107, 1), rank, 2, rank, LONG).map(|s| s.values().to_vec())
+    });
     for v in out {
         assert_eq!(v.unwrap(), vec![0, 1]);
     }
@@ -143,21 +181,31 @@ fn late_arrival_fails_fast_after_timeout() {
 #[test]
 fn barrier_timeout_names_missing_rank_and_label() {
     let out = on_ranks(4, |rank| {
-        let s = Session::join("tide reduce_scatter site 108", key(108, 0), rank, 4, (), Duration::from_millis(300))
-            .unwrap();
+        let s = Session::join(
+            "tide reduce_scatter site 108",
+            key(108, 0),
+            rank,
+            4,
+            (),
+            Duration::from_millis(300),
+        )
+        .unwrap();
         s.wait(rank, 0).unwrap();
         if rank == 3 {
             // Rank 3 leaves without entering phase 1.
             return None;
         }
-        Some(s.wait(rank, 1).err().expect("barrier must fail"))
+        Some(s.wait(rank, 1).expect_err("barrier must fail"))
     });
     let errs: Vec<_> = out.into_iter().flatten().collect();
     assert_eq!(errs.len(), 3);
     for e in errs {
         let msg = e.to_string();
         // The first rank to time out names rank 3; peers fail fast with the same message.
-        assert!(msg.contains("site 108 group 0 seq 0: rank 3 did not arrive at 'phase 1' within 0.3 s"), "{msg}");
+        assert!(
+            msg.contains("site 108 group 0 seq 0: rank 3 did not arrive at 'phase 1' within 0.3 s"),
+            "{msg}"
+        );
     }
 }
 
@@ -174,11 +222,19 @@ fn fail_propagates_to_waiting_peers_fast() {
         }
         s.wait(rank, 0)
     });
-    assert!(t0.elapsed() < Duration::from_secs(10), "peers must not wait for the timeout");
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "peers must not wait for the timeout"
+    );
     for (rank, r) in out.into_iter().enumerate() {
-        let msg = r.err().expect("every rank fails").to_string();
+        let msg = r.expect_err("every rank fails").to_string();
         if rank != 4 {
-            assert!(msg.contains("test fail group 0 seq 0: rank 4 failed: invalid argument: param 2 'w'"), "{msg}");
+            assert!(
+                msg.contains(
+                    "test fail group 0 seq 0: rank 4 failed: invalid argument: param 2 'w'"
+                ),
+                "{msg}"
+            );
         }
     }
 }
@@ -198,11 +254,16 @@ fn rank_failing_before_join_poisons_peers() {
     for (rank, r) in out.into_iter().enumerate() {
         let msg = r.err().unwrap().to_string();
         if rank != 1 {
-            assert!(msg.contains("rank 1 failed: invalid argument: shard shape mismatch"), "{msg}");
+            assert!(
+                msg.contains("rank 1 failed: invalid argument: shard shape mismatch"),
+                "{msg}"
+            );
         }
     }
     // Every rank arrived: the key is gone, and the next call (next seq) works.
-    let out = on_ranks(4, |rank| Session::join("test abandon", key(110, 1), rank, 4, rank, LONG).map(|s| s.values().len()));
+    let out = on_ranks(4, |rank| {
+        Session::join("test abandon", key(110, 1), rank, 4, rank, LONG).map(|s| s.values().len())
+    });
     assert!(out.into_iter().all(|r| r.unwrap() == 4));
 }
 
@@ -213,12 +274,29 @@ fn rank_that_never_joins_is_named_and_later_seqs_work() {
         if rank == 0 {
             return None;
         }
-        Some(Session::join("test silent", key(111, 0), rank, 3, (), Duration::from_millis(100)).err().unwrap())
+        Some(
+            Session::join(
+                "test silent",
+                key(111, 0),
+                rank,
+                3,
+                (),
+                Duration::from_millis(100),
+            )
+            .err()
+            .unwrap(),
+        )
     });
     for e in out.into_iter().flatten() {
-        assert!(e.to_string().contains("rank 0 did not arrive at 'join' within 0.1 s"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("rank 0 did not arrive at 'join' within 0.1 s"),
+            "{e}"
+        );
     }
-    let out = on_ranks(3, |rank| Session::join("test silent", key(111, 1), rank, 3, rank, LONG).is_ok());
+    let out = on_ranks(3, |rank| {
+        Session::join("test silent", key(111, 1), rank, 3, rank, LONG).is_ok()
+    });
     assert!(out.into_iter().all(|ok| ok));
 }
 
@@ -227,19 +305,31 @@ fn world_mismatch_and_double_join_are_errors() {
     let k = key(112, 0);
     let a = thread::spawn(move || Session::join("test mismatch", k, 0, 2, 0u8, LONG));
     thread::sleep(Duration::from_millis(50));
-    let e = Session::join("test mismatch", k, 1, 3, 1u8, LONG).err().unwrap();
-    assert!(e.to_string().contains("world size 3 but peers use 2"), "{e}");
+    let e = Session::join("test mismatch", k, 1, 3, 1u8, LONG)
+        .err()
+        .unwrap();
+    assert!(
+        e.to_string().contains("world size 3 but peers use 2"),
+        "{e}"
+    );
     let e = a.join().unwrap().err().unwrap();
-    assert!(e.to_string().contains("world size 3 but peers use 2"), "{e}");
+    assert!(
+        e.to_string().contains("world size 3 but peers use 2"),
+        "{e}"
+    );
 
     let k = key(113, 0);
     let a = thread::spawn(move || Session::join("test twice", k, 0, 2, 0u8, LONG));
     thread::sleep(Duration::from_millis(50));
-    let e = Session::join("test twice", k, 0, 2, 1u8, LONG).err().unwrap();
+    let e = Session::join("test twice", k, 0, 2, 1u8, LONG)
+        .err()
+        .unwrap();
     assert!(e.to_string().contains("rank 0 joined twice"), "{e}");
     assert!(a.join().unwrap().is_err());
 
-    let e = Session::join("test range", key(114, 0), 3, 2, 0u8, LONG).err().unwrap();
+    let e = Session::join("test range", key(114, 0), 3, 2, 0u8, LONG)
+        .err()
+        .unwrap();
     assert!(matches!(e, TideError::InvalidArgument(_)), "{e}");
 }
 
@@ -253,7 +343,12 @@ fn mismatched_barrier_labels_fail() {
         s.barrier(rank, if rank == 0 { "a" } else { "b" })
     });
     assert!(out.iter().all(|r| r.is_err()));
-    assert!(out[0].as_ref().err().unwrap().to_string().contains("disagree"));
+    assert!(out[0]
+        .as_ref()
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("disagree"));
 }
 
 #[test]
@@ -298,7 +393,10 @@ fn sixty_four_ranks_one_fails_mid_plan() {
     for (rank, r) in out.into_iter().enumerate() {
         let msg = r.err().unwrap().to_string();
         if rank != 37 {
-            assert!(msg.contains("rank 37 failed: internal error (a tide bug): boom"), "{msg}");
+            assert!(
+                msg.contains("rank 37 failed: internal error (a tide bug): boom"),
+                "{msg}"
+            );
         }
     }
 }
@@ -308,9 +406,13 @@ fn completed_sessions_leave_the_registry() {
     // Other tests run concurrently, so only check that our own key is gone: a fresh join of the same
     // key after completion creates a new session (it would otherwise see "joined twice").
     let k = key(118, 0);
-    let out = on_ranks(3, move |rank| Session::join("test reg", k, rank, 3, rank, LONG).is_ok());
+    let out = on_ranks(3, move |rank| {
+        Session::join("test reg", k, rank, 3, rank, LONG).is_ok()
+    });
     assert!(out.into_iter().all(|ok| ok));
-    let out = on_ranks(3, move |rank| Session::join("test reg", k, rank, 3, rank, LONG).is_ok());
+    let out = on_ranks(3, move |rank| {
+        Session::join("test reg", k, rank, 3, rank, LONG).is_ok()
+    });
     assert!(out.into_iter().all(|ok| ok));
     let _ = live_sessions();
 }
@@ -340,7 +442,11 @@ fn leave_waits_for_every_rank_even_after_a_failure() {
     });
     for (r, saw_rank1_leave) in out {
         assert!(saw_rank1_leave, "a rank returned before rank 1 left");
-        assert!(r.err().unwrap().to_string().contains("rank 1 failed: internal error (a tide bug): copy failed"));
+        assert!(r
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("rank 1 failed: internal error (a tide bug): copy failed"));
     }
 }
 
@@ -352,7 +458,15 @@ fn leave_ok_and_timeout_names_who_stayed() {
     });
     assert!(out.into_iter().all(|r| r.is_ok()));
     let out = on_ranks(3, |rank| {
-        let s = Session::join("test leave to", key(121, 0), rank, 3, (), Duration::from_millis(150)).unwrap();
+        let s = Session::join(
+            "test leave to",
+            key(121, 0),
+            rank,
+            3,
+            (),
+            Duration::from_millis(150),
+        )
+        .unwrap();
         if rank == 2 {
             thread::sleep(Duration::from_millis(600));
             return None;
@@ -362,6 +476,28 @@ fn leave_ok_and_timeout_names_who_stayed() {
         Some(r.err().unwrap().to_string())
     });
     for m in out.into_iter().flatten() {
-        assert!(m.contains("rank 2 did not arrive at 'exit' within 0.15 s"), "{m}");
+        assert!(
+            m.contains("rank 2 did not arrive at 'exit' within 0.15 s"),
+            "{m}"
+        );
     }
+}
+
+#[test]
+fn run_seq_counts_within_a_run_and_resyncs_across_runs() {
+    use tide::rendezvous::run_seq;
+    let run_a = 0x1234_i64;
+    assert_eq!(run_seq(122, 0, 0, run_a), 0x1234 << 32);
+    assert_eq!(run_seq(122, 0, 0, run_a), (0x1234 << 32) | 1);
+    assert_eq!(run_seq(122, 0, 1, run_a), 0x1234 << 32);
+    // Rank 1 never ran its second call of run A (it failed earlier); in run B both start at 0.
+    let run_b = -5_i64;
+    assert_eq!(run_seq(122, 0, 0, run_b), run_seq(122, 0, 1, run_b));
+    let k = Key {
+        site: 122,
+        group: 3,
+        seq: run_seq(122, 3, 0, 0x10),
+    };
+    assert_eq!(k.to_string(), "group 3 run 0x10 call 0");
+    assert_eq!(key(1, 7).to_string(), "group 0 seq 7");
 }

@@ -1,7 +1,7 @@
 //! The CPU platform's execution of one call (docs/design.md "Rendezvous"): every device of the
 //! mesh is a rank on its own XLA host thread. Each rank
-//! 1. takes its sequence number for the call site (first, so a rank that fails later keeps its
-//!    count in step with its peers),
+//! 1. takes its sequence number for the call site within XLA's run (`rendezvous::run_seq`; first,
+//!    so a rank that fails later keeps its count in step with its peers),
 //! 2. validates the call and gets the plan (cached per call site),
 //! 3. allocates its stage slots and joins the rendezvous `(site, group, seq)` publishing its buffer
 //!    addresses (or, if 2 failed, abandons it so peers fail at once with its error),
@@ -16,7 +16,7 @@ use crate::engine::RankBuffers;
 use crate::error::{Result, TideError};
 use crate::layout::GroupLayout;
 use crate::plan::{Op, Plan, RsOptions};
-use crate::rendezvous::{next_seq, Key, Session};
+use crate::rendezvous::{run_seq, Key, Session};
 use crate::topology::Topology;
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
@@ -46,7 +46,10 @@ struct CachedPlan {
 static PLANS: Lazy<Mutex<HashMap<i64, CachedPlan>>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
 fn rs_options() -> RsOptions {
-    RsOptions { stage_slots: CONFIG.rs_stage_slots, slot_bytes: CONFIG.rs_slot_bytes }
+    RsOptions {
+        stage_slots: CONFIG.rs_stage_slots,
+        slot_bytes: CONFIG.rs_slot_bytes,
+    }
 }
 
 fn plan_for(site: i64, inputs: PlanInputs) -> Result<Arc<Plan>> {
@@ -60,7 +63,13 @@ fn plan_for(site: i64, inputs: PlanInputs) -> Result<Arc<Plan>> {
         Op::AllGather => plan_all_gather(&inputs.layout, inputs.topology)?,
         Op::ReduceScatter => plan_reduce_scatter(&inputs.layout, inputs.topology, inputs.rs)?,
     });
-    plans.insert(site, CachedPlan { inputs, plan: plan.clone() });
+    plans.insert(
+        site,
+        CachedPlan {
+            inputs,
+            plan: plan.clone(),
+        },
+    );
     Ok(plan)
 }
 
@@ -68,24 +77,78 @@ fn timeout() -> Duration {
     Duration::from_secs_f64(CONFIG.timeout_s.max(0.001))
 }
 
-/// Runs `call` as one rank of a CPU collective. Returns once every rank of the call is done with
-/// this rank's buffers.
-pub fn execute(call: &CallInfo) -> Result<()> {
+/// What every rank publishes: its buffers, and a fingerprint of the plan it built.
+type Published = (RankBuffers, u64);
+
+/// A fingerprint of what a plan was built from (op, topology, shapes, dtypes): ranks that meet at
+/// one key must agree on it, else their buffer addresses do not describe the same regions.
+fn fingerprint(plan: &Plan) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    plan.op.hash(&mut h);
+    plan.topology.hash(&mut h);
+    plan.layout.world.hash(&mut h);
+    for p in &plan.layout.params {
+        p.shape.hash(&mut h);
+        p.dtype.hash(&mut h);
+    }
+    plan.stage_slot_bytes.hash(&mut h);
+    h.finish()
+}
+
+/// Everyone's buffers, once it is clear that every rank built the same plan.
+fn same_plan(what: &str, key: Key, published: &[Published]) -> Result<Vec<RankBuffers>> {
+    let first = published[0].1;
+    let differ: Vec<usize> = published
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.1 != first)
+        .map(|(r, _)| r)
+        .collect();
+    if !differ.is_empty() {
+        return crate::invalid!(
+            "{what} {key}: ranks {differ:?} built a different plan than rank 0 (different shapes, dtypes or \
+             topology at one call site: is a site id shared by two calls?)"
+        );
+    }
+    Ok(published.iter().map(|p| p.0.clone()).collect())
+}
+
+/// Runs `call` as one rank of a CPU collective in XLA's run `run_id`. Returns once every rank of
+/// the call is done with this rank's buffers.
+pub fn execute(call: &CallInfo, run_id: i64) -> Result<()> {
+    let seq = run_seq(call.site, call.group, call.rank, run_id);
     let what = format!("{} site {}", op_name(call.op), call.site);
-    let key = Key { site: call.site, group: call.group, seq: next_seq(call.site, call.group, call.rank) };
+    let key = Key {
+        site: call.site,
+        group: call.group,
+        seq,
+    };
     let (rank, world) = (call.rank, call.world);
 
-    let prepared = (|| -> Result<(Arc<Plan>, StageBuffers)> {
+    // Under catch_unwind too, so that even a panic here abandons the key and peers fail fast.
+    let prepared = catch_unwind(AssertUnwindSafe(|| -> Result<(Arc<Plan>, StageBuffers)> {
         let layout = call.layout()?;
-        let inputs = PlanInputs { op: call.op, topology: call.topology, layout, rs: rs_options() };
+        let inputs = PlanInputs {
+            op: call.op,
+            topology: call.topology,
+            layout,
+            rs: rs_options(),
+        };
         let plan = plan_for(call.site, inputs)?;
         let stages = StageBuffers::new(&plan);
         Ok((plan, stages))
-    })();
+    }))
+    .unwrap_or_else(|payload| {
+        Err(TideError::Internal(format!(
+            "{what} on rank {rank}: panic while preparing the call: {}",
+            super::panic_message(&*payload)
+        )))
+    });
     let (plan, stages) = match prepared {
         Ok(p) => p,
         Err(err) => {
-            Session::<RankBuffers>::abandon(&what, key, rank, world, &err, timeout());
+            Session::<Published>::abandon(&what, key, rank, world, &err, timeout());
             return Err(err);
         }
     };
@@ -95,20 +158,32 @@ pub fn execute(call: &CallInfo) -> Result<()> {
         outputs: call.outputs.iter().map(|b| b.ptr).collect(),
         stages: stages.addrs(),
     };
-    let session = Session::join(&what, key, rank, world, mine, timeout())?;
+    let session = Session::join(
+        &what,
+        key,
+        rank,
+        world,
+        (mine, fingerprint(&plan)),
+        timeout(),
+    )?;
 
-    let run = session.check().and_then(|()| catch_unwind(AssertUnwindSafe(|| {
-        // SAFETY: every rank published the addresses of XLA's live buffers for this call (checked
-        // against the layout by `call.layout()`) and of its own stage slots, which stay alive until
-        // every rank has left the session below.
-        unsafe { execute_rank(&plan, rank, session.values(), &*session) }
-    }))
-    .unwrap_or_else(|payload| {
-        Err(TideError::Internal(format!(
-            "{what} on rank {rank}: panic in the CPU engine: {}",
-            super::panic_message(&*payload)
-        )))
-    }));
+    // same_plan first: every rank reaches the same verdict from the same values.
+    let run = same_plan(&what, key, session.values())
+        .and_then(|bufs| session.check().map(|()| bufs))
+        .and_then(|bufs| {
+            catch_unwind(AssertUnwindSafe(|| {
+                // SAFETY: every rank published the addresses of XLA's live buffers for this call
+                // (checked against the layout by `call.layout()`, and all ranks built the same plan)
+                // and of its own stage slots, which stay alive until every rank has left the session.
+                unsafe { execute_rank(&plan, rank, &bufs, &*session) }
+            }))
+            .unwrap_or_else(|payload| {
+                Err(TideError::Internal(format!(
+                    "{what} on rank {rank}: panic in the CPU engine: {}",
+                    super::panic_message(&*payload)
+                )))
+            })
+        });
     if let Err(err) = &run {
         session.fail(rank, err); // no-op if the session had already failed
     }

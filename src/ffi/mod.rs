@@ -49,6 +49,9 @@ mod bridge {
         outputs: Vec<FfiBuffer>,
         /// XLA's stream (CUstream) on CUDA, 0 on CPU.
         stream: usize,
+        /// XLA's RunId of this execution (FFI context `RunId`): the same on every device of one
+        /// launch; keys the rendezvous (`rendezvous::run_seq`).
+        run_id: i64,
     }
 
     /// How a call ended; the C++ maps it onto `xla::ffi::ErrorCode`.
@@ -163,7 +166,7 @@ fn entry(op: Op, platform: Platform, call: &FfiCall) -> FfiStatus {
     let result = catch_unwind(AssertUnwindSafe(|| {
         let info = decode(op, call)?;
         match platform {
-            Platform::Cpu => cpu::execute(&info),
+            Platform::Cpu => cpu::execute(&info, call.run_id),
             Platform::Cuda => {
                 info.layout()?;
                 crate::cuda::execute(&info)
@@ -195,21 +198,29 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// The status the C++ turns into an XLA error: bad input is `kInvalidArgument`, the rest `kInternal`.
 pub fn status(result: Result<()>) -> FfiStatus {
     match result {
-        Ok(()) => FfiStatus { code: StatusCode::Ok, message: String::new() },
+        Ok(()) => FfiStatus {
+            code: StatusCode::Ok,
+            message: String::new(),
+        },
         Err(e) => {
             let code = match e {
-                TideError::InvalidArgument(_) | TideError::UnsupportedDtype { .. } | TideError::InvalidTopology(_) => {
-                    StatusCode::InvalidArgument
-                }
+                TideError::InvalidArgument(_)
+                | TideError::UnsupportedDtype { .. }
+                | TideError::InvalidTopology(_) => StatusCode::InvalidArgument,
                 _ => StatusCode::Internal,
             };
-            FfiStatus { code, message: e.to_string() }
+            FfiStatus {
+                code,
+                message: e.to_string(),
+            }
         }
     }
 }
 
 fn nonneg(value: i64, what: impl Fn() -> String) -> Result<usize> {
-    usize::try_from(value).map_err(|_| TideError::InvalidArgument(format!("{}: must be non-negative, got {value}", what())))
+    usize::try_from(value).map_err(|_| {
+        TideError::InvalidArgument(format!("{}: must be non-negative, got {value}", what()))
+    })
 }
 
 fn buffers(list: &[FfiBuffer], role: &str, call_name: &str) -> Result<Vec<BufferView>> {
@@ -223,7 +234,11 @@ fn buffers(list: &[FfiBuffer], role: &str, call_name: &str) -> Result<Vec<Buffer
                 .iter()
                 .map(|&d| nonneg(d, || format!("{call_name}: {role} {i} dims {:?}", b.dims)))
                 .collect::<Result<Vec<_>>>()?;
-            Ok(BufferView { ptr: b.data, dtype, dims })
+            Ok(BufferView {
+                ptr: b.data,
+                dtype,
+                dims,
+            })
         })
         .collect()
 }
@@ -235,13 +250,19 @@ pub fn decode(op: Op, call: &FfiCall) -> Result<CallInfo> {
     let device = call.device_ordinal;
     let world = nonneg(call.world, || format!("{name}: attribute 'world'"))?;
     if world == 0 {
-        return crate::invalid!("{name}: attribute 'world' is 0; the sharded axis needs at least one device");
+        return crate::invalid!(
+            "{name}: attribute 'world' is 0; the sharded axis needs at least one device"
+        );
     }
     let nodes = nonneg(call.nodes, || format!("{name}: attribute 'nodes'"))?;
-    let gpus_per_node = nonneg(call.gpus_per_node, || format!("{name}: attribute 'gpus_per_node'"))?;
+    let gpus_per_node = nonneg(call.gpus_per_node, || {
+        format!("{name}: attribute 'gpus_per_node'")
+    })?;
     let topology = Topology::new(nodes, gpus_per_node)
         .and_then(|t| t.check_world(world).map(|()| t))
-        .map_err(|e| TideError::InvalidTopology(format!("{name}: attributes 'nodes' x 'gpus_per_node': {e}")))?;
+        .map_err(|e| {
+            TideError::InvalidTopology(format!("{name}: attributes 'nodes' x 'gpus_per_node': {e}"))
+        })?;
     let n = call.device_ordinals.len();
     if call.device_ranks.len() != n || call.device_groups.len() != n {
         return crate::invalid!(
@@ -260,10 +281,16 @@ pub fn decode(op: Op, call: &FfiCall) -> Result<CallInfo> {
         ))
     })?;
     if call.device_ordinals[at + 1..].contains(&device) {
-        return crate::invalid!("{name}: device ordinal {device} appears twice in attribute 'device_ordinals'");
+        return crate::invalid!(
+            "{name}: device ordinal {device} appears twice in attribute 'device_ordinals'"
+        );
     }
-    let rank = nonneg(call.device_ranks[at], || format!("{name}: 'device_ranks' entry of device {device}"))?;
-    let group = nonneg(call.device_groups[at], || format!("{name}: 'device_groups' entry of device {device}"))?;
+    let rank = nonneg(call.device_ranks[at], || {
+        format!("{name}: 'device_ranks' entry of device {device}")
+    })?;
+    let group = nonneg(call.device_groups[at], || {
+        format!("{name}: 'device_groups' entry of device {device}")
+    })?;
     if rank >= world {
         return crate::invalid!(
             "{name}: device {device} has rank {rank} in attribute 'device_ranks', outside world size {world}"
@@ -272,7 +299,10 @@ pub fn decode(op: Op, call: &FfiCall) -> Result<CallInfo> {
     let names = if call.names.is_empty() {
         Vec::new()
     } else {
-        String::from_utf8_lossy(&call.names).split('\n').map(str::to_string).collect()
+        String::from_utf8_lossy(&call.names)
+            .split('\n')
+            .map(str::to_string)
+            .collect()
     };
     Ok(CallInfo {
         op,
