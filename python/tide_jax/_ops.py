@@ -187,6 +187,8 @@ def _tide_reduce_scatter(leaves: list, lay: Layout) -> list:
 
 def _impl(backend: str | None):
     backend = backend or _backend
+    if backend not in BACKENDS:
+        raise ValueError(f"tide: unknown backend {backend!r}: expected one of {BACKENDS}")
     if backend == "tide":
         return _tide_all_gather, _tide_reduce_scatter
     from . import reference
