@@ -239,3 +239,27 @@ def test_scan_200_calls_bitwise_stable(backend):
         tide_jax.set_backend(previous)
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("topology", ["2x4", "4x2", "8x1"])
+def test_multi_node_topologies(backend, topology):
+    """The same results when the 8 ranks are declared as several nodes (the hierarchical plans)."""
+    mesh = make_mesh((8,), (AXIS,))
+    rng = np.random.default_rng(42)
+    params = odd_params(rng, float_only=True)
+    lay = tide_jax.layout(params, mesh, AXIS, topology=topology)
+    assert f"{lay.nodes}x{lay.gpus_per_node}" == topology
+    stacked = jax.tree.map(lambda _: P(AXIS), params)
+    out = smap(
+        lambda s: jax.tree.map(lambda t: t[None], tide_jax.all_gather(s, lay)), mesh, (lay.spec,), stacked
+    )(lay.shard(params))
+    for name, x in params.items():
+        for rank in range(8):
+            assert same_bytes(out[name][rank], x), f"{name} on rank {rank}"
+    grads = per_rank_grads(rng, params, 8)
+    summed = smap(
+        lambda g: tide_jax.reduce_scatter(jax.tree.map(lambda t: t[0], g), lay), mesh, (P(AXIS),), lay.spec
+    )(jax.device_put(grads, NamedSharding(mesh, P(AXIS))))
+    for p in lay.params:
+        name = p.path[2:-2]
+        check_reduction(name, summed[name], grads[name], p.rows, bf16_margin=False)
