@@ -1,0 +1,38 @@
+"""tide_jax: zero-copy FSDP collectives for JAX.
+
+    lay = tide_jax.layout(params, mesh, "fsdp")        # FSDP2 dim-0 sharding of a pytree
+    shards = lay.shard(params)                          # global arrays (P * shard_rows, *rest)
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(lay.spec, ...), out_specs=...)
+    def step(shards, batch):
+        params = tide_jax.gather_params(shards, lay)    # bf16 full params; grads reduce-scattered
+        ...                                             # in fp32 into the fp32 shards
+
+Backends: "tide" (the native library, default) or "jax" (pure-JAX twins in `tide_jax.reference`),
+chosen with `set_backend` or TIDE_BACKEND.
+"""
+
+from . import reference
+from ._layout import Layout, ParamInfo, layout
+from ._lib import LibraryNotFoundError, library_path
+from ._ops import BACKENDS, all_gather, gather_params, get_backend, reduce_scatter, set_backend
+from ._compat import shard_map
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "Layout",
+    "LibraryNotFoundError",
+    "ParamInfo",
+    "all_gather",
+    "gather_params",
+    "get_backend",
+    "layout",
+    "library_path",
+    "reduce_scatter",
+    "reference",
+    "set_backend",
+    "shard_map",
+]

@@ -1,0 +1,287 @@
+"""The collectives: all_gather, reduce_scatter, gather_params, on either backend.
+
+Every public op validates its inputs against the layout and the enclosing shard_map here, in Python,
+before anything is traced into the program, so mistakes surface as exceptions that name the
+parameter. Then it dispatches to the active backend:
+- "tide": one `jax.ffi.ffi_call` per parameter group (variadic: N operands, N results) into the
+  native library (docs/design.md, "FFI contract");
+- "jax": the pure-JAX twins in `tide_jax.reference` (jax.lax.all_gather / psum_scatter).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _compat, _lib
+from ._layout import Layout
+
+__all__ = [
+    "all_gather",
+    "reduce_scatter",
+    "gather_params",
+    "set_backend",
+    "get_backend",
+    "BACKENDS",
+]
+
+BACKENDS = ("tide", "jax")
+REDUCIBLE = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
+
+
+def _backend_from_env() -> str:
+    name = os.environ.get("TIDE_BACKEND", "tide").strip().lower() or "tide"
+    if name not in BACKENDS:
+        raise ValueError(f"tide: TIDE_BACKEND={name!r}: expected one of {BACKENDS}")
+    return name
+
+
+_backend = _backend_from_env()
+
+
+def set_backend(name: str) -> str:
+    """Selects the backend used when a tide op is traced: "tide" (native) or "jax" (pure JAX).
+
+    Returns the previous backend. Functions already compiled keep the backend they were traced with.
+    """
+    global _backend
+    name = str(name).lower()
+    if name not in BACKENDS:
+        raise ValueError(f"tide: unknown backend {name!r}: expected one of {BACKENDS}")
+    previous, _backend = _backend, name
+    return previous
+
+
+def get_backend() -> str:
+    return _backend
+
+
+# ----- call-site ids -----
+# Each traced call gets a fresh id; the traced program is the same on every rank, so the id is too.
+# The native rendezvous keys on (site, group, seq), seq counting a rank's executions of the site.
+# Caveat: JAX reuses a cached trace (an inner jax.jit called twice with the same shapes, remat), so
+# one site can appear several times in a program; ranks then pair those calls by execution order,
+# which is right as long as every device runs them in the same order (as XLA:CPU did in our tests).
+_site_lock = threading.Lock()
+_site_counter = itertools.count(1)
+
+
+def _new_site() -> int:
+    with _site_lock:
+        return next(_site_counter)
+
+
+# ----- validation -----
+def _check_context(lay: Layout, op: str) -> None:
+    """The op must run inside shard_map over the layout's mesh (its axis manual, same axis sizes)."""
+    if not isinstance(lay, Layout):
+        raise TypeError(f"tide: {op}: expected a tide_jax Layout, got {type(lay).__name__}")
+    mesh = _compat.enclosing_mesh()
+    manual = _compat.manual_axes(mesh)
+    if not manual:
+        raise RuntimeError(
+            f"tide: {op} must be called inside jax.shard_map (under jax.jit) over the layout's mesh "
+            f"with axis {lay.axis!r}; it was called outside shard_map"
+        )
+    lay_shape = dict(lay.mesh.shape)
+    here_shape = dict(getattr(mesh, "shape", {}))
+    if lay.axis not in manual or here_shape != lay_shape:
+        raise ValueError(
+            f"tide: {op}: the layout is from another mesh: it shards over axis {lay.axis!r} of a mesh "
+            f"with axes {lay_shape}, but the enclosing shard_map's mesh has axes {here_shape} "
+            f"(manual: {sorted(manual)}). Build the layout from the mesh passed to shard_map."
+        )
+
+
+def _flatten_like(tree, lay: Layout, op: str, what: str) -> list:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if treedef != lay.treedef:
+        raise ValueError(
+            f"tide: {op}: {what} do not match the layout's pytree structure: got {treedef}, the layout "
+            f"has {lay.treedef}"
+        )
+    for p, x in zip(lay.params, leaves):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"tide: {op}: {p.describe()}: expected an array, got {type(x).__name__}")
+    return leaves
+
+
+def _check_shards(shards, lay: Layout, op: str) -> list:
+    leaves = _flatten_like(shards, lay, op, "the shards")
+    for p, x in zip(lay.params, leaves):
+        if tuple(x.shape) != p.shard_shape:
+            hint = ""
+            if tuple(x.shape) == p.global_shape:
+                hint = " (that is the global sharded shape: call this inside shard_map with in_specs=lay.spec)"
+            elif tuple(x.shape) == p.shape:
+                hint = " (that is the full parameter: shard it with lay.shard first)"
+            raise ValueError(
+                f"tide: {op}: {p.describe()}: local shard has shape {tuple(x.shape)}, the layout over "
+                f"{lay.world} ranks of axis {lay.axis!r} wants {p.shard_shape}{hint}"
+            )
+    return leaves
+
+
+def _check_grads(grads, lay: Layout, op: str) -> list:
+    leaves = _flatten_like(grads, lay, op, "the gradients")
+    for p, x in zip(lay.params, leaves):
+        if tuple(x.shape) != p.shape:
+            raise ValueError(
+                f"tide: {op}: {p.describe()}: gradient has shape {tuple(x.shape)}, expected the full "
+                f"parameter shape {p.shape}"
+            )
+        if np.dtype(x.dtype) not in REDUCIBLE:
+            raise TypeError(
+                f"tide: {op}: {p.describe()}: gradient dtype {np.dtype(x.dtype).name} is not supported; "
+                "reduce_scatter takes bfloat16, float16 or float32 (summed in float32)"
+            )
+    return leaves
+
+
+def _maybe_cast(x, dtype):
+    if dtype is None or not jnp.issubdtype(x.dtype, jnp.inexact):
+        return x
+    return x.astype(dtype)
+
+
+def _vary_like(outs, ins, axis):
+    """Gives FFI results the varying-axes type jax.lax's collectives would (shard_map's check_vma):
+    varying over the inputs' axes and `axis`. A no-op under check_vma=False."""
+    vma = frozenset().union(*(_compat.vma_of(x) for x in ins)) | {axis}
+    return [_compat.mark_varying(o, sorted(vma)) for o in outs]
+
+
+def _attrs(lay: Layout, site: int) -> dict[str, Any]:
+    return dict(
+        site=np.int64(site),
+        world=np.int64(lay.world),
+        nodes=np.int64(lay.nodes),
+        gpus_per_node=np.int64(lay.gpus_per_node),
+        device_ordinals=lay.device_ordinals,
+        device_ranks=lay.device_ranks,
+        device_groups=lay.device_groups,
+        names=lay.names,
+    )
+
+
+# ----- the native (tide) implementations, on validated leaves -----
+def _tide_all_gather(leaves: list, lay: Layout) -> list:
+    _lib.ensure_registered(lay.platform)
+    result_types = [jax.ShapeDtypeStruct(p.shape, x.dtype) for p, x in zip(lay.params, leaves)]
+    outs = jax.ffi.ffi_call("tide_all_gather", result_types)(*leaves, **_attrs(lay, _new_site()))
+    return _vary_like(list(outs), leaves, lay.axis)
+
+
+def _tide_reduce_scatter(leaves: list, lay: Layout) -> list:
+    _lib.ensure_registered(lay.platform)
+    result_types = [jax.ShapeDtypeStruct(p.shard_shape, jnp.float32) for p in lay.params]
+    outs = jax.ffi.ffi_call("tide_reduce_scatter", result_types)(*leaves, **_attrs(lay, _new_site()))
+    return _vary_like(list(outs), leaves, lay.axis)
+
+
+def _impl(backend: str | None):
+    backend = backend or _backend
+    if backend not in BACKENDS:
+        raise ValueError(f"tide: unknown backend {backend!r}: expected one of {BACKENDS}")
+    if backend == "tide":
+        return _tide_all_gather, _tide_reduce_scatter
+    from . import reference
+
+    return reference._all_gather_leaves, reference._reduce_scatter_leaves
+
+
+# ----- public ops -----
+def _all_gather(shards, lay: Layout, dtype, backend: str | None):
+    _check_context(lay, "all_gather")
+    leaves = _check_shards(shards, lay, "all_gather")
+    leaves = [_maybe_cast(x, dtype) for x in leaves]
+    gather, _ = _impl(backend)
+    return jax.tree_util.tree_unflatten(lay.treedef, gather(leaves, lay))
+
+
+def _reduce_scatter(grads, lay: Layout, dtypes: list, backend: str | None, psum_axes=()):
+    _check_context(lay, "reduce_scatter")
+    leaves = _check_grads(grads, lay, "reduce_scatter")
+    _, scatter = _impl(backend)
+    outs = scatter(leaves, lay)
+    if psum_axes:  # replicas of the shards (HSDP): sum the fp32 shards, not the bf16 gradients
+        outs = [jax.lax.psum(o, tuple(psum_axes)) for o in outs]
+    outs = [o if dt is None or o.dtype == dt else o.astype(dt) for o, dt in zip(outs, dtypes)]
+    return jax.tree_util.tree_unflatten(lay.treedef, outs)
+
+
+def all_gather(shards, lay: Layout, dtype=None, *, backend: str | None = None):
+    """Local shards `(shard_rows, *rest)` -> full parameters (original shapes), inside shard_map.
+
+    `dtype` (e.g. jnp.bfloat16) casts every floating shard before the gather, so only the local shard
+    is converted and the wire carries the narrow type. One native call per pytree (parameter group).
+    """
+    return _all_gather(shards, lay, dtype, backend)
+
+
+def reduce_scatter(grads, lay: Layout, dtype=jnp.float32, *, backend: str | None = None):
+    """Full gradients `(rows, *rest)` (bf16 / f16 / f32) -> this rank's shards of their sum over ranks.
+
+    The sum is accumulated in float32; the result is `(shard_rows, *rest)` float32 with padding rows
+    zero, cast to `dtype` afterwards if that differs.
+    """
+    n = len(lay.params) if isinstance(lay, Layout) else 0
+    return _reduce_scatter(grads, lay, [None if dtype is None else np.dtype(dtype)] * n, backend)
+
+
+def gather_params(shards, lay: Layout, dtype=jnp.bfloat16, *, backend: str | None = None):
+    """Differentiable all-gather: the FSDP mixed-precision recipe in one call.
+
+    Forward: all_gather of the shards cast to `dtype` (e.g. fp32 master shards -> bf16 parameters).
+    Backward: reduce_scatter of the parameters' cotangent (fp32 accumulate) into the shards' dtype.
+    """
+    _check_context(lay, "gather_params")
+    leaves = _check_shards(shards, lay, "gather_params")
+    for p, x in zip(lay.params, leaves):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(
+                f"tide: gather_params: {p.describe()}: shard dtype {np.dtype(x.dtype).name} is not a "
+                "floating type; only floating parameters can be differentiated"
+            )
+    shard_dtypes = [np.dtype(x.dtype) for x in leaves]
+    backend = backend or _backend
+    # Mesh axes other than lay.axis over which the shards are replicated (e.g. the data-parallel axis
+    # of a 2-D mesh). The gathered parameters are declared varying over them, so JAX does not insert
+    # its own reduction of the (bf16) parameter cotangent over them; the backward pass sums the fp32
+    # shards over them instead. Only when shard_map tracks varying axes (check_vma=True); with
+    # check_vma=False the caller reduces over replicas, as with any collective.
+    shard_vma = frozenset().union(*(_compat.vma_of(x) for x in leaves))
+    replica_axes = ()
+    if shard_vma:
+        manual = _compat.manual_axes(_compat.enclosing_mesh())
+        replica_axes = tuple(sorted(manual - shard_vma - {lay.axis}))
+
+    @jax.custom_vjp
+    def gather(shards):
+        full = _all_gather(shards, lay, dtype, backend)
+        if replica_axes:
+            full = jax.tree.map(lambda t: _compat.mark_varying(t, replica_axes), full)
+        return full
+
+    def fwd(shards):
+        return gather(shards), None
+
+    def bwd(_, cotangent):
+        # A cotangent may be typed less varying than the primal output (e.g. the same on every rank);
+        # its values are still per device, so type it as such before summing it over devices.
+        ct_axes = sorted(shard_vma | set(replica_axes) | {lay.axis}) if shard_vma else []
+        if ct_axes:
+            cotangent = jax.tree.map(lambda t: _compat.mark_varying(t, ct_axes), cotangent)
+        grads = _reduce_scatter(cotangent, lay, shard_dtypes, backend, psum_axes=replica_axes)
+        if shard_vma:
+            grads = jax.tree.map(lambda t: _compat.mark_varying(t, sorted(shard_vma)), grads)
+        return (grads,)
+
+    gather.defvjp(fwd, bwd)
+    return gather(shards)

@@ -1,0 +1,51 @@
+"""Pure-JAX twins of tide's collectives: the test oracle and a fallback (`set_backend("jax")`).
+
+Same signatures, same validation, same results as the native ops:
+- all_gather: `jax.lax.all_gather(tiled=True)` of the padded shards, then the padding is cropped;
+- reduce_scatter: each gradient is upcast to float32 and zero-padded to `world * shard_rows` rows,
+  then `jax.lax.psum_scatter(tiled=True)` sums in float32 (fp32-accurate, twice the bytes of bf16).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import _ops
+from ._layout import Layout
+
+__all__ = ["all_gather", "reduce_scatter", "gather_params"]
+
+
+def _all_gather_leaves(leaves: list, lay: Layout) -> list:
+    outs = []
+    for p, x in zip(lay.params, leaves):
+        full = jax.lax.all_gather(x, lay.axis, axis=0, tiled=True)  # (world * shard_rows, *rest)
+        outs.append(jnp.reshape(full[: p.rows], p.shape))
+    return outs
+
+
+def _reduce_scatter_leaves(leaves: list, lay: Layout) -> list:
+    outs = []
+    for p, g in zip(lay.params, leaves):
+        g = jnp.reshape(g, (p.rows, *p.rest)).astype(jnp.float32)
+        pad_rows = p.padded_rows - p.rows
+        if pad_rows:
+            g = jnp.pad(g, [(0, pad_rows)] + [(0, 0)] * len(p.rest))
+        outs.append(jax.lax.psum_scatter(g, lay.axis, scatter_dimension=0, tiled=True))
+    return outs
+
+
+def all_gather(shards, lay: Layout, dtype=None):
+    """Pure-JAX `tide_jax.all_gather`."""
+    return _ops.all_gather(shards, lay, dtype, backend="jax")
+
+
+def reduce_scatter(grads, lay: Layout, dtype=jnp.float32):
+    """Pure-JAX `tide_jax.reduce_scatter` (fp32 accumulate)."""
+    return _ops.reduce_scatter(grads, lay, dtype, backend="jax")
+
+
+def gather_params(shards, lay: Layout, dtype=jnp.bfloat16):
+    """Pure-JAX `tide_jax.gather_params`."""
+    return _ops.gather_params(shards, lay, dtype, backend="jax")

@@ -1,0 +1,51 @@
+"""Builds the Rust cdylib `libtide` (release) and installs it inside the `tide_jax` package.
+
+Everything else is in pyproject.toml; setuptools-rust needs its RustExtension declared here.
+`binding=NoBinding`: the library is not a Python extension module, it is loaded with ctypes and
+registered as XLA FFI targets (python/tide_jax/_lib.py). It lands as
+tide_jax/libtide.<python-tag>.so, which _lib.py finds by the glob libtide*.so.
+
+XLA FFI headers: build.rs takes them from TIDE_XLA_FFI_INCLUDE, else asks $PYO3_PYTHON (which
+setuptools-rust sets to this interpreter) for `import jaxlib`. Under `pip install .` this interpreter
+runs in pip's isolated build environment, whose jaxlib is the pinned 0.10.2 of pyproject.toml; we
+set TIDE_XLA_FFI_INCLUDE from it explicitly so the choice never depends on what else is installed.
+"""
+
+import os
+import sys
+
+from setuptools import setup
+from setuptools_rust import Binding, RustExtension
+
+
+def _pin_xla_ffi_headers():
+    if os.environ.get("TIDE_XLA_FFI_INCLUDE"):
+        return
+    try:
+        import jaxlib
+        import jaxlib.version
+    except ImportError:
+        return  # build.rs reports what is missing
+    include = os.path.join(os.path.dirname(jaxlib.__file__), "include")
+    if os.path.isfile(os.path.join(include, "xla", "ffi", "api", "ffi.h")):
+        os.environ["TIDE_XLA_FFI_INCLUDE"] = include
+        print(f"tide: XLA FFI headers from jaxlib {jaxlib.version.__version__} at {include}", file=sys.stderr)
+        if jaxlib.version.__version__ != "0.10.2":
+            print(
+                "tide: warning: headers are not jaxlib 0.10.2's; the library may be rejected by older jaxlibs",
+                file=sys.stderr,
+            )
+
+
+_pin_xla_ffi_headers()
+
+setup(
+    rust_extensions=[
+        RustExtension(
+            "tide_jax.libtide",
+            path="Cargo.toml",
+            binding=Binding.NoBinding,
+            debug=False,
+        )
+    ],
+)

@@ -1,0 +1,55 @@
+"""pytest setup for tide_jax: 8 forced CPU devices, set before jax is imported anywhere.
+
+JAX_PLATFORMS defaults to cpu (an explicit setting wins, e.g. on the GPU machine). Tests that use
+the native library fail, not skip, when it is missing: CI installs it (`pip install .`).
+"""
+
+import os
+import sys
+
+_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+os.environ["XLA_FLAGS"] = " ".join(_flags + ["--xla_force_host_platform_device_count=8"])
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Test this checkout's package (python/), not a copy installed earlier; its native library is found
+# by tide_jax._lib: $TIDE_LIBRARY, else target/release/libtide.so (which `pip install .` and
+# `cargo build --release` both write). scripts/test checks the installed copy separately.
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(_here)), "python"))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import tide_jax  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA GPUs (skipped where none are present)")
+
+
+def cpu_devices(n):
+    devices = jax.devices("cpu")
+    if len(devices) < n:
+        pytest.fail(f"need {n} CPU devices, have {len(devices)}: XLA_FLAGS was not applied before jax was imported")
+    return devices[:n]
+
+
+def make_mesh(shape, names):
+    n = int(np.prod(shape))
+    return Mesh(np.array(cpu_devices(n)).reshape(shape), names)
+
+
+@pytest.fixture(params=["tide", "jax"])
+def backend(request):
+    """Runs a test on the native library and on the pure-JAX twin."""
+    previous = tide_jax.set_backend(request.param)
+    yield request.param
+    tide_jax.set_backend(previous)
+
+
+@pytest.fixture
+def tide_backend():
+    previous = tide_jax.set_backend("tide")
+    yield "tide"
+    tide_jax.set_backend(previous)

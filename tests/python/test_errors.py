@@ -1,0 +1,183 @@
+"""Bad input raises a Python exception that names the problem, before anything reaches the library."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import tide_jax
+from conftest import make_mesh
+
+AXIS = "fsdp"
+
+
+@pytest.fixture
+def setup():
+    mesh = make_mesh((8,), (AXIS,))
+    params = {"w": np.ones((7, 5), np.float32), "b": np.ones((3,), np.float32)}
+    lay = tide_jax.layout(params, mesh, AXIS)
+    return mesh, params, lay
+
+
+def smap(f, mesh, in_specs, out_specs=P(AXIS)):
+    return jax.jit(tide_jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
+
+
+def test_shard_shape_mismatch_names_parameter(backend, setup):
+    mesh, params, lay = setup
+    bad = {"w": jnp.ones((16, 5), jnp.float32), "b": jnp.ones((8,), jnp.float32)}  # w should be (8, 5)
+    sharded = jax.device_put(bad, NamedSharding(mesh, P(AXIS)))
+    with pytest.raises(ValueError, match=r"all_gather: parameter \['w'\].*\(2, 5\).*wants \(1, 5\)"):
+        smap(lambda s: tide_jax.all_gather(s, lay)["w"], mesh, (lay.spec,))(sharded)
+
+
+def test_shard_structure_mismatch(backend, setup):
+    mesh, params, lay = setup
+    sharded = lay.shard(params)
+    with pytest.raises(ValueError, match="structure"):
+        smap(lambda s: tide_jax.all_gather({"w": s["w"]}, lay["w"] if False else lay)["w"], mesh, (lay.spec,))(
+            sharded
+        )
+
+
+def test_full_params_instead_of_shards_hint(backend, setup):
+    mesh, params, lay = setup
+    with pytest.raises(ValueError, match=r"\['b'\].*full parameter"):
+        smap(lambda p: tide_jax.all_gather(p, lay)["w"], mesh, (P(),))(params)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.float64 if jax.config.jax_enable_x64 else jnp.int8])
+def test_reduce_scatter_wrong_dtype(backend, setup, dtype):
+    mesh, params, lay = setup
+    grads = {"w": jnp.ones((7, 5), dtype), "b": jnp.ones((3,), jnp.float32)}
+    with pytest.raises(TypeError, match=r"reduce_scatter: parameter \['w'\].*gradient dtype.*bfloat16, float16 or float32"):
+        smap(lambda g: tide_jax.reduce_scatter(g, lay)["w"], mesh, (P(),))(grads)
+
+
+def test_reduce_scatter_wrong_shape(backend, setup):
+    mesh, params, lay = setup
+    grads = {"w": jnp.ones((8, 5), jnp.float32), "b": jnp.ones((3,), jnp.float32)}
+    with pytest.raises(ValueError, match=r"\['w'\].*gradient has shape \(8, 5\).*\(7, 5\)"):
+        smap(lambda g: tide_jax.reduce_scatter(g, lay)["w"], mesh, (P(),))(grads)
+
+
+def test_layout_from_another_mesh(backend, setup):
+    mesh, params, lay = setup
+    other = make_mesh((4,), (AXIS,))
+    lay4 = tide_jax.layout(params, other, AXIS)
+    sharded = lay.shard(params)
+    # shapes happen to differ too; the mesh check must come first and say so
+    with pytest.raises(ValueError, match="another mesh"):
+        smap(lambda s: tide_jax.all_gather(jax.tree.map(lambda t: t, s), lay4)["w"], mesh, (lay.spec,))(sharded)
+    # same shapes, other axis name
+    renamed = tide_jax.layout(params, make_mesh((8,), ("data",)), "data")
+    with pytest.raises(ValueError, match=r"another mesh.*'data'"):
+        smap(lambda s: tide_jax.all_gather(s, renamed)["w"], mesh, (lay.spec,))(sharded)
+
+
+def test_layout_from_another_mesh_shape(backend):
+    mesh = make_mesh((2, 4), ("dp", AXIS))
+    params = {"w": np.ones((8, 2), np.float32)}
+    lay_2d = tide_jax.layout(params, mesh, AXIS)
+    flat = make_mesh((4,), (AXIS,))
+    lay_1d = tide_jax.layout(params, flat, AXIS)
+    with pytest.raises(ValueError, match="another mesh"):
+        smap(lambda s: tide_jax.all_gather(s, lay_1d)["w"], mesh, (lay_2d.spec,))(lay_2d.shard(params))
+
+
+def test_outside_shard_map(backend, setup):
+    mesh, params, lay = setup
+    sharded = lay.shard(params)
+    with pytest.raises(RuntimeError, match="outside shard_map"):
+        jax.jit(lambda s: tide_jax.all_gather(s, lay))(sharded)
+    with pytest.raises(RuntimeError, match="outside shard_map"):
+        tide_jax.reduce_scatter(params, lay)
+
+
+def test_gather_params_needs_floats(backend):
+    mesh = make_mesh((8,), (AXIS,))
+    params = {"w": np.ones((7, 5), np.float32), "n": np.arange(9, dtype=np.int32)}
+    lay = tide_jax.layout(params, mesh, AXIS)
+    with pytest.raises(TypeError, match=r"gather_params: parameter \['n'\].*int32"):
+        smap(lambda s: tide_jax.gather_params(s, lay)["w"], mesh, (lay.spec,))(lay.shard(params))
+
+
+def test_not_a_layout(setup):
+    mesh, params, lay = setup
+    with pytest.raises(TypeError, match="Layout"):
+        smap(lambda s: tide_jax.all_gather(s, {"w": None})["w"], mesh, (lay.spec,))(lay.shard(params))
+
+
+def test_backend_switch():
+    previous = tide_jax.set_backend("jax")
+    try:
+        assert tide_jax.get_backend() == "jax"
+        with pytest.raises(ValueError, match="unknown backend"):
+            tide_jax.set_backend("nccl")
+    finally:
+        tide_jax.set_backend(previous)
+
+
+def _run_python(code, **env):
+    full_env = dict(os.environ, **env)
+    return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=300)
+
+
+def test_bad_backend_env():
+    r = _run_python("import tide_jax", TIDE_BACKEND="nccl", PYTHONPATH=os.path.dirname(tide_jax.__path__[0]))
+    assert r.returncode != 0 and "TIDE_BACKEND" in r.stderr
+
+
+def test_missing_library_is_a_clear_error():
+    code = (
+        "import jax, numpy as np, tide_jax\n"
+        "from jax.sharding import PartitionSpec as P\n"
+        "mesh = jax.make_mesh((2,), ('x',), devices=jax.devices()[:2])\n"
+        "lay = tide_jax.layout({'w': np.ones(3, np.float32)}, mesh, 'x')\n"
+        "f = jax.jit(tide_jax.shard_map(lambda s: tide_jax.all_gather(s, lay)['w'][None], mesh=mesh,"
+        " in_specs=(lay.spec,), out_specs=P('x')))\n"
+        "try:\n"
+        "    f(lay.shard({'w': np.ones(3, np.float32)}))\n"
+        "except tide_jax.LibraryNotFoundError as e:\n"
+        "    print('MSG', e)\n"
+    )
+    r = _run_python(code, TIDE_LIBRARY="/nonexistent/libtide.so", PYTHONPATH=os.path.dirname(tide_jax.__path__[0]))
+    assert r.returncode == 0, r.stderr
+    assert "MSG" in r.stdout and "/nonexistent/libtide.so" in r.stdout and "pip install ." in r.stdout
+
+
+def test_library_is_present():
+    """CI installs the native library; its absence must fail the run, not skip the native tests."""
+    path = tide_jax.library_path()
+    assert os.path.isfile(path)
+
+
+def test_native_error_surfaces_naming_the_parameter(tide_backend):
+    """Bypassing tide_jax's checks: the library itself rejects a call that contradicts the layout, and
+    the error reaches Python as an exception naming the parameter, without killing the process."""
+    from tide_jax import _lib, _ops
+
+    mesh = make_mesh((8,), (AXIS,))
+    params = {"w": np.ones((9, 5), np.float32)}  # shard_rows = 2
+    lay = tide_jax.layout(params, mesh, AXIS)
+    _lib.ensure_registered("cpu")
+
+    def bad_call(s):
+        # a (1, 5) operand where the layout over 8 ranks wants (2, 5)
+        out = jax.ffi.ffi_call("tide_all_gather", [jax.ShapeDtypeStruct((9, 5), jnp.float32)])(
+            s["w"][:1], **_ops._attrs(lay, _ops._new_site())
+        )
+        return out[0][None]
+
+    f = smap(bad_call, mesh, (lay.spec,))
+    with pytest.raises(Exception, match=r"(?s)tide.*'w'"):
+        jax.block_until_ready(f(lay.shard(params)))
+    # the process and the library still work afterwards
+    ok = smap(lambda s: tide_jax.all_gather(s, lay)["w"][None], mesh, (lay.spec,))(lay.shard(params))
+    assert (np.asarray(ok) == 1).all()

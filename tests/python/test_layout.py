@@ -1,0 +1,131 @@
+"""Layout arithmetic (FSDP2 dim-0 rule), shard/unshard, specs, sub-layouts, device map, topology."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import tide_jax
+from conftest import make_mesh
+
+
+def _params(rng):
+    return {
+        "w": rng.standard_normal((7, 5)).astype(np.float32),
+        "b": rng.standard_normal((13,)).astype(jnp.bfloat16),
+        "s": np.float32(2.5),
+        "t": rng.standard_normal((3, 4, 2)).astype(np.float16),
+        "i": np.arange(10, dtype=np.int32),
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_shard_arithmetic(world):
+    mesh = make_mesh((world,), ("fsdp",))
+    params = _params(np.random.default_rng(0))
+    lay = tide_jax.layout(params, mesh, "fsdp")
+    info = {p.path: p for p in lay.params}
+    for name, x in params.items():
+        p = info[f"['{name}']"]
+        rows = x.shape[0] if np.ndim(x) else 1
+        assert p.rows == rows
+        assert p.shard_rows == -(-rows // world)
+        assert p.shard_shape == (p.shard_rows, *np.shape(x)[1:])
+        assert p.global_shape == (world * p.shard_rows, *np.shape(x)[1:])
+        covered = [r for rank in range(world) for r in range(*p.owned_rows(rank))]
+        assert covered == list(range(rows))
+    assert lay.world == world and (lay.nodes, lay.gpus_per_node) == (1, world)
+
+
+@pytest.mark.parametrize("world", [1, 3, 8])
+def test_shard_unshard_roundtrip(world):
+    mesh = make_mesh((world,), ("fsdp",))
+    params = _params(np.random.default_rng(1))
+    lay = tide_jax.layout(params, mesh, "fsdp")
+    sharded = lay.shard(params)
+    for p, x in zip(lay.params, jax.tree.leaves(sharded)):
+        assert x.shape == p.global_shape
+        assert x.sharding.spec == P("fsdp")
+        host = np.asarray(x)
+        assert not host[p.rows :].any(), f"{p.path}: padding rows not zero"
+        for shard in x.addressable_shards:
+            assert shard.data.shape == p.shard_shape
+    back = lay.unshard(sharded)
+    for name in params:
+        np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(params[name]))
+        assert back[name].dtype == np.asarray(params[name]).dtype
+
+
+def test_layout_from_shape_dtype_structs_and_spec():
+    mesh = make_mesh((8,), ("fsdp",))
+    abstract = {"a": jax.ShapeDtypeStruct((9, 3), jnp.float32), "b": [jax.ShapeDtypeStruct((), jnp.bfloat16)]}
+    lay = tide_jax.layout(abstract, mesh, "fsdp")
+    assert lay.spec == {"a": P("fsdp"), "b": [P("fsdp")]}
+    assert [p.path for p in lay.params] == ["['a']", "['b'][0]"]
+    assert lay.names == "['a']\n['b'][0]"
+    shapes = lay.global_shapes
+    assert shapes["a"].shape == (16, 3) and shapes["b"][0].shape == (8,)
+    assert lay.shard_shapes["a"].shape == (2, 3)
+
+
+def test_sub_layouts():
+    mesh = make_mesh((4,), ("fsdp",))
+    params = {"layers": [{"wq": np.zeros((6, 2), np.float32)}, {"wq": np.zeros((5, 2), np.float32)}]}
+    lay = tide_jax.layout(params, mesh, "fsdp")
+    sub = lay["layers"][1]
+    assert [p.path for p in sub.params] == ["['layers'][1]['wq']"]
+    assert sub.params[0].shard_rows == 2
+    direct = tide_jax.layout(params["layers"][1], mesh, "fsdp")
+    assert direct.treedef == sub.treedef and direct.params[0].shape == sub.params[0].shape
+
+
+@pytest.mark.parametrize("names,axis", [(("dp", "fsdp"), "fsdp"), (("fsdp", "dp"), "fsdp")])
+def test_device_map_two_axes(names, axis):
+    shape = (2, 4) if names[0] == "dp" else (4, 2)
+    mesh = make_mesh(shape, names)
+    lay = tide_jax.layout({"w": np.zeros((5,), np.float32)}, mesh, axis)
+    assert lay.world == 4
+    ordinals, ranks, groups = lay.device_ordinals, lay.device_ranks, lay.device_groups
+    assert ordinals.dtype == ranks.dtype == groups.dtype == np.int64
+    assert len(ordinals) == len(ranks) == len(groups) == 8
+    axis_pos = names.index(axis)
+    for idx in np.ndindex(*shape):
+        d = mesh.devices[idx]
+        k = list(ordinals).index(d.id)
+        assert ranks[k] == idx[axis_pos]
+        assert groups[k] == idx[1 - axis_pos]
+    # every group has every rank exactly once
+    for g in range(2):
+        assert sorted(ranks[groups == g]) == [0, 1, 2, 3]
+
+
+def test_topology_env(monkeypatch):
+    mesh = make_mesh((8,), ("fsdp",))
+    params = {"w": np.zeros((5,), np.float32)}
+    monkeypatch.setenv("TIDE_TOPOLOGY", "2x4")
+    lay = tide_jax.layout(params, mesh, "fsdp")
+    assert (lay.nodes, lay.gpus_per_node) == (2, 4)
+    monkeypatch.setenv("TIDE_TOPOLOGY", "3x4")
+    with pytest.raises(ValueError, match="TIDE_TOPOLOGY.*12 ranks.*8 devices"):
+        tide_jax.layout(params, mesh, "fsdp")
+    monkeypatch.setenv("TIDE_TOPOLOGY", "two by four")
+    with pytest.raises(ValueError, match="NODESxGPUS"):
+        tide_jax.layout(params, mesh, "fsdp")
+    monkeypatch.delenv("TIDE_TOPOLOGY")
+    assert tide_jax.layout(params, mesh, "fsdp", topology=(4, 2)).nodes == 4
+
+
+def test_layout_errors():
+    mesh = make_mesh((4,), ("fsdp",))
+    with pytest.raises(ValueError, match="no axis 'x'"):
+        tide_jax.layout({"w": np.zeros(3)}, mesh, "x")
+    with pytest.raises(ValueError, match=r"\['w'\].*zero-size"):
+        tide_jax.layout({"w": np.zeros((0, 3))}, mesh, "fsdp")
+    with pytest.raises(ValueError, match="empty"):
+        tide_jax.layout({}, mesh, "fsdp")
+    lay = tide_jax.layout({"w": np.zeros((5, 3), np.float32)}, mesh, "fsdp")
+    with pytest.raises(ValueError, match=r"\['w'\].*shape \(5, 2\)"):
+        lay.shard({"w": np.zeros((5, 2), np.float32)})
+    with pytest.raises(ValueError, match="structure"):
+        lay.shard([np.zeros((5, 3), np.float32)])
