@@ -113,7 +113,7 @@ def worker(out_dir: str, die: int | None) -> None:
             assert not got[hi - lo :].any(), f"padding rows of {k} rank {r} not zero"
             results[f"rs_{k}_{r}"] = got
     os.makedirs(out_dir, exist_ok=True)
-    np.savez(os.path.join(out_dir, f"p{jax.process_index()}.npz"), **{k: v.view(np.uint8) for k, v in results.items()})
+    np.savez(os.path.join(out_dir, f"p{jax.process_index()}.npz"), **{k: np.ascontiguousarray(v).reshape(-1).view(np.uint8) for k, v in results.items()})
     print(f"worker {jax.process_index()}: ok ({len(results)} arrays, job {lay.job}, topology {lay.nodes}x{lay.gpus_per_node})", flush=True)
 
     if die is not None:
