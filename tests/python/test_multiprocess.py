@@ -117,12 +117,18 @@ def worker(out_dir: str, die: int | None) -> None:
     print(f"worker {jax.process_index()}: ok ({len(results)} arrays, job {lay.job}, topology {lay.nodes}x{lay.gpus_per_node})", flush=True)
 
     if die is not None:
-        # Second call: process `die` is killed before it; the others must fail, not hang.
+        # Process `die` is killed before a call; the others must fail, not hang.
+        def tide_only(sh, gr):  # no jax.lax collective: its failure must come from tide
+            gr = {k: v.reshape(params[k].shape) for k, v in gr.items()}
+            return {k: v[None] for k, v in tide_jax.all_gather(sh, lay).items()}, tide_jax.reduce_scatter(gr, lay)
+
+        fn2 = jax.jit(tide_jax.shard_map(tide_only, mesh=mesh, in_specs=(P("fsdp"), P("fsdp")), out_specs=(P("fsdp"), P("fsdp"))))
+        jax.block_until_ready(fn2(shards, gstack))  # compiled and run once by everyone
         if jax.process_index() == die:
             os.kill(os.getpid(), 9)
         t0 = time.monotonic()
         try:
-            jax.block_until_ready(fn(shards, gstack))
+            jax.block_until_ready(fn2(shards, gstack))
         except Exception as e:  # XlaRuntimeError carrying tide's message
             msg = str(e).splitlines()
             line = next((m for m in msg if "died" in m or "failed" in m), msg[0] if msg else "")
