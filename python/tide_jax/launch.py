@@ -63,6 +63,16 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the launcher dies (Linux), so no orphan is left."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
@@ -137,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: we can stop its whole tree
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
         procs.append(proc)
+    for rank, proc in enumerate(procs):  # threads only after every fork (preexec_fn)
         t = threading.Thread(target=_pump, args=(proc.stdout, f"[rank {rank}] ", sys.stdout, lock), daemon=True)
         t.start()
         pumps.append(t)

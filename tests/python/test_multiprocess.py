@@ -226,7 +226,7 @@ def test_killed_process_fails_the_others_in_bounded_time(tmp_path):
 
 def test_launcher_reports_failing_rank(tmp_path):
     cmd = [sys.executable, "-m", "tide_jax.launch", "-n", "2", "--cpu-devices", "1", "--grace", "2", "--",
-           sys.executable, "-c", "import os,time; r=int(os.environ['TIDE_LOCAL_RANK']); print('hello', r, os.environ['JAX_NUM_PROCESSES']); time.sleep(0 if r else 600); raise SystemExit(5 if r == 0 else 0)"]
+           sys.executable, "-c", "import os,time; r=int(os.environ['TIDE_LOCAL_RANK']); print('hello', r, os.environ['JAX_NUM_PROCESSES']); time.sleep(600 if r else 0); raise SystemExit(5 if r == 0 else 0)"]
     t0 = time.monotonic()
     r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 5, r.stdout + r.stderr
