@@ -13,6 +13,8 @@
 //   device_ranks    int64 array: its rank along the axis
 //   device_groups   int64 array: its group over the other mesh axes
 //   names           string: parameter names joined by '\n' (for error messages)
+//   job             int64 scalar: multi-process job id, 0 when every rank is in this process
+//                   (docs/multiprocess.md)
 //   DeviceOrdinal   context: the executing device (CPU: global device id; GPU: local hardware id)
 //   PlatformStream  context, CUDA only: XLA's stream, as void*
 //
@@ -61,7 +63,7 @@ FfiBuffer ToBuffer(const ::ffi::AnyBuffer& buf) {
 ::ffi::Error Run(Op op, Platform platform, ::ffi::RemainingArgs args, ::ffi::RemainingRets rets,
                  int64_t site, int64_t world, int64_t nodes, int64_t gpus_per_node,
                  ::ffi::Span<const int64_t> device_ordinals, ::ffi::Span<const int64_t> device_ranks,
-                 ::ffi::Span<const int64_t> device_groups, std::string_view names,
+                 ::ffi::Span<const int64_t> device_groups, std::string_view names, int64_t job,
                  int32_t device_ordinal, ::ffi::RunId run_id, void* stream) {
   // Nothing may escape a handler: a C++ exception (allocation failure, a cxx conversion) becomes
   // an internal error; Rust catches its own panics (src/ffi/mod.rs).
@@ -81,6 +83,7 @@ FfiBuffer ToBuffer(const ::ffi::AnyBuffer& buf) {
     for (char c : names) call.names.push_back(static_cast<uint8_t>(c));
     call.stream = reinterpret_cast<size_t>(stream);
     call.run_id = run_id.run_id;
+    call.job = job;
 
     call.inputs.reserve(args.size());
     for (size_t i = 0; i < args.size(); ++i) {
@@ -133,9 +136,9 @@ template <Op op>
                     ::ffi::Span<const int64_t> device_ordinals,
                     ::ffi::Span<const int64_t> device_ranks,
                     ::ffi::Span<const int64_t> device_groups, std::string_view names,
-                    int32_t device_ordinal, ::ffi::RunId run_id) {
+                    int64_t job, int32_t device_ordinal, ::ffi::RunId run_id) {
   return Run(op, Platform::kCpu, args, rets, site, world, nodes, gpus_per_node, device_ordinals,
-             device_ranks, device_groups, names, device_ordinal, run_id, nullptr);
+             device_ranks, device_groups, names, job, device_ordinal, run_id, nullptr);
 }
 
 template <Op op>
@@ -144,9 +147,9 @@ template <Op op>
                      ::ffi::Span<const int64_t> device_ordinals,
                      ::ffi::Span<const int64_t> device_ranks,
                      ::ffi::Span<const int64_t> device_groups, std::string_view names,
-                     int32_t device_ordinal, ::ffi::RunId run_id, void* stream) {
+                     int64_t job, int32_t device_ordinal, ::ffi::RunId run_id, void* stream) {
   return Run(op, Platform::kCuda, args, rets, site, world, nodes, gpus_per_node, device_ordinals,
-             device_ranks, device_groups, names, device_ordinal, run_id, stream);
+             device_ranks, device_groups, names, job, device_ordinal, run_id, stream);
 }
 
 // The binding shared by every handler, up to the platform-specific context.
@@ -162,6 +165,7 @@ auto Bind() {
       .Attr<::ffi::Span<const int64_t>>("device_ranks")
       .Attr<::ffi::Span<const int64_t>>("device_groups")
       .Attr<std::string_view>("names")
+      .Attr<int64_t>("job")
       .Ctx<::ffi::DeviceOrdinal>()
       .Ctx<::ffi::RunId>();
 }

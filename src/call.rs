@@ -28,6 +28,9 @@ pub struct CallInfo {
     /// XLA's RunId of this launch (the same on every device of one execution); 0 where unknown.
     /// Rendezvous keys use it so one rank's failure cannot leave later runs out of step.
     pub run_id: i64,
+    /// Multi-process job id agreed through jax.distributed's key-value store; 0 when every rank of
+    /// the mesh lives in this process (docs/multiprocess.md).
+    pub job: u64,
     /// XLA's device ordinal of the executing device.
     pub device_ordinal: i64,
     /// This device's rank along the sharded mesh axis, and which group (the other mesh axes) it is in.

@@ -237,6 +237,7 @@ fn run_and_check(devs: &[Dev], op: Op, site: i64, world: usize, seed: u64, reps:
             op,
             site,
             run_id: 0,
+            job: 0,
             device_ordinal: d.ordinal,
             rank: r,
             group: 0,

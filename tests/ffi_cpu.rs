@@ -43,6 +43,7 @@ fn call(
         outputs,
         stream: 0,
         run_id: 0,
+        job: 0,
     }
 }
 

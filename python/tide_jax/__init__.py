@@ -18,6 +18,7 @@ from ._layout import Layout, ParamInfo, layout
 from ._lib import LibraryNotFoundError, library_path
 from ._ops import BACKENDS, all_gather, gather_params, get_backend, reduce_scatter, set_backend
 from ._compat import shard_map
+from ._distributed import initialize
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,7 @@ __all__ = [
     "ParamInfo",
     "all_gather",
     "gather_params",
+    "initialize",
     "get_backend",
     "layout",
     "library_path",

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from . import _distributed
+
 __all__ = ["Layout", "ParamInfo", "layout", "topology_from_env"]
 
 
@@ -123,11 +125,15 @@ class Layout:
         self.axis = axis
         self.world = int(mesh.shape[axis])
         self._topology_arg = topology
-        if topology is None:
+        if topology is None and _distributed.is_multiprocess(mesh):
+            # TIDE_TOPOLOGY, else one node per host (docs/multiprocess.md).
+            self.nodes, self.gpus_per_node = _distributed.topology(mesh, axis)
+        elif topology is None:
             self.nodes, self.gpus_per_node = topology_from_env(self.world)
         else:
             self.nodes, self.gpus_per_node = parse_topology(topology, self.world)
         self._prefix = _prefix
+        self._job: int | None = None
 
         leaves_with_path, self.treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
         if not leaves_with_path:
@@ -196,6 +202,14 @@ class Layout:
     @property
     def device_groups(self) -> np.ndarray:
         return self._device_map[2]
+
+    @property
+    def job(self) -> int:
+        """The FFI attribute `job`: 0 if every device of the mesh is in this process, else the
+        multi-process job id (docs/multiprocess.md)."""
+        if self._job is None:
+            self._job = _distributed.job_id(self.mesh)
+        return self._job
 
     @property
     def platform(self) -> str:

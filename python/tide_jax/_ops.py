@@ -167,6 +167,7 @@ def _attrs(lay: Layout, site: int) -> dict[str, Any]:
         device_ranks=lay.device_ranks,
         device_groups=lay.device_groups,
         names=lay.names,
+        job=np.int64(lay.job),
     )
 
 

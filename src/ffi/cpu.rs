@@ -194,3 +194,37 @@ pub fn execute(call: &CallInfo, run_id: i64) -> Result<()> {
     }
     run.and(left)
 }
+
+/// Runs `call` as one rank of a CPU collective whose ranks live in several processes of this host
+/// (attribute `job` != 0; docs/multiprocess.md): the plan as in `execute`, the data path and the
+/// barriers through `crate::transport` (shared memory) instead of the in-process rendezvous.
+pub fn execute_multiprocess(call: &CallInfo, job: u64) -> Result<()> {
+    let what = format!("{} site {}", op_name(call.op), call.site);
+    let rank = call.rank;
+    let prepared = catch_unwind(AssertUnwindSafe(|| -> Result<Arc<Plan>> {
+        let layout = call.layout()?;
+        let inputs = PlanInputs { op: call.op, topology: call.topology, layout, rs: rs_options() };
+        plan_for(call.site, inputs)
+    }))
+    .unwrap_or_else(|payload| {
+        Err(TideError::Internal(format!(
+            "{what} on rank {rank}: panic while preparing the call: {}",
+            super::panic_message(&*payload)
+        )))
+    });
+    let plan = match prepared {
+        Ok(p) => p,
+        Err(err) => {
+            crate::transport::fail_cpu_multiprocess(call, job, &err);
+            return Err(err);
+        }
+    };
+    catch_unwind(AssertUnwindSafe(|| crate::transport::run_cpu_multiprocess(call, &plan, job))).unwrap_or_else(|payload| {
+        let err = TideError::Internal(format!(
+            "{what} on rank {rank}: panic in the multi-process CPU path: {}",
+            super::panic_message(&*payload)
+        ));
+        crate::transport::fail_cpu_multiprocess(call, job, &err);
+        Err(err)
+    })
+}

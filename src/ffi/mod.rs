@@ -52,6 +52,8 @@ mod bridge {
         /// XLA's RunId of this execution (FFI context `RunId`): the same on every device of one
         /// launch; keys the rendezvous (`rendezvous::run_seq`).
         run_id: i64,
+        /// Multi-process job id (attribute `job`); 0: every rank of the call is in this process.
+        job: i64,
     }
 
     /// How a call ended; the C++ maps it onto `xla::ffi::ErrorCode`.
@@ -166,6 +168,7 @@ fn entry(op: Op, platform: Platform, call: &FfiCall) -> FfiStatus {
     let result = catch_unwind(AssertUnwindSafe(|| {
         let info = decode(op, call)?;
         match platform {
+            Platform::Cpu if info.job != 0 => cpu::execute_multiprocess(&info, info.job),
             Platform::Cpu => cpu::execute(&info, info.run_id),
             // The CUDA engine validates the layout itself, after taking its rendezvous sequence
             // number, so a rank that fails validation still tells its peers.
@@ -307,6 +310,7 @@ pub fn decode(op: Op, call: &FfiCall) -> Result<CallInfo> {
         op,
         site: call.site,
         run_id: call.run_id,
+        job: call.job as u64,
         device_ordinal: device,
         rank,
         group,
