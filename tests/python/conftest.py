@@ -7,8 +7,12 @@ the native library fail, not skip, when it is missing: CI installs it (`pip inst
 import os
 import sys
 
-_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-os.environ["XLA_FLAGS"] = " ".join(_flags + ["--xla_force_host_platform_device_count=8"])
+_flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+          if "xla_force_host_platform_device_count" not in f and "xla_allow_excess_precision" not in f]
+# Excess precision off: XLA:GPU may otherwise skip a bf16 rounding that the pure-JAX references
+# write (convert to bf16 and back), so a reference would not compute what it says (seen on H200).
+os.environ["XLA_FLAGS"] = " ".join(
+    _flags + ["--xla_force_host_platform_device_count=8", "--xla_allow_excess_precision=false"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Test this checkout's package (python/), not a copy installed earlier; its native library is found
 # by tide_jax._lib: $TIDE_LIBRARY, else target/release/libtide.so (which `pip install .` and
