@@ -11,12 +11,14 @@ pub struct Config {
     pub timeout_s: f64,
     /// TIDE_RS_MAX_CTAS (default 16): upper bound on CTAs of one fp32 reduction kernel launch.
     pub rs_max_ctas: u32,
-    /// TIDE_RS_STAGE_SLOTS (default 2): number of staging slots in the reduce-scatter pipeline.
+    /// TIDE_RS_STAGE_SLOTS (default 3): number of staging slots in the reduce-scatter pipeline
+    /// (3 beat 2 on 2 H200s: bench/results/2026-11-30-cuda-bench.md).
     pub rs_stage_slots: usize,
     /// TIDE_RS_SLOT_BYTES (default 32 MiB): bytes of one staging slot. The reduce-scatter's scratch per
     /// rank is rs_stage_slots * rs_slot_bytes, independent of the group size.
     pub rs_slot_bytes: usize,
-    /// TIDE_AG_STREAMS (default 4): copy streams the CUDA all-gather spreads peer copies over (its
+    /// TIDE_AG_STREAMS (default 1; 1 was fastest on 2 H200s, more streams only add event and host
+    /// overhead: bench/results/2026-11-30-cuda-bench.md): copy streams the CUDA all-gather spreads peer copies over (its
     /// local copy-engine copies go on one more stream of their own, overlapping them).
     pub ag_streams: usize,
     /// TIDE_MULTICAST (default off): allow the NVLink multicast all-gather (`cuda::multicast`) when
@@ -24,7 +26,7 @@ pub struct Config {
     /// etc.), single node, at least 3 GPUs, 16-byte shards, and the device reports
     /// CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED. Never set on shared machines.
     pub multicast: bool,
-    /// TIDE_RS_COPY_STREAMS (default 2): copy streams the CUDA reduce-scatter spreads each chunk's
+    /// TIDE_RS_COPY_STREAMS (default 1, fastest on 2 H200s): copy streams the CUDA reduce-scatter spreads each chunk's
     /// staging copies over (pieces of at least 1 MiB).
     pub rs_copy_streams: usize,
     /// TIDE_LOCAL_COPY (default `ce`): how the CUDA engine copies between two buffers of the same GPU
@@ -34,9 +36,10 @@ pub struct Config {
     /// TIDE_NVRTC_LIB_DIR (default unset): a folder holding libnvrtc.so.* (and libnvrtc-builtins),
     /// e.g. site-packages/nvidia/cu13/lib of the nvidia-cuda-nvrtc wheel; loaded before the system's.
     pub nvrtc_lib_dir: Option<String>,
-    /// TIDE_COPY_BATCH (default 0): when 1, the CUDA engine issues consecutive copy-engine copies of
+    /// TIDE_COPY_BATCH (default 1): when 1, the CUDA engine issues consecutive copy-engine copies of
     /// one stream as one cuMemcpyBatchAsync (CUDA 13 drivers) instead of one cuMemcpyAsync each.
-    /// Off until measured faster.
+    /// On: 1.2-1.6x faster all-gathers on 2 H200s (bench/results/2026-11-30-cuda-bench.md); the engine
+    /// falls back to single copies where the driver lacks the symbol.
     pub copy_batch: bool,
 }
 
@@ -76,13 +79,13 @@ impl Config {
         Config {
             timeout_s: env_parse("TIDE_TIMEOUT_S", 120.0),
             rs_max_ctas: env_parse("TIDE_RS_MAX_CTAS", 16u32).max(1),
-            rs_stage_slots: env_parse("TIDE_RS_STAGE_SLOTS", 2usize).max(1),
+            rs_stage_slots: env_parse("TIDE_RS_STAGE_SLOTS", 3usize).max(1),
             rs_slot_bytes: env_parse("TIDE_RS_SLOT_BYTES", 32usize << 20).max(4096),
-            ag_streams: env_parse("TIDE_AG_STREAMS", 4usize).clamp(1, 16),
+            ag_streams: env_parse("TIDE_AG_STREAMS", 1usize).clamp(1, 16),
             multicast: env_parse("TIDE_MULTICAST", 0u32) != 0,
-            rs_copy_streams: env_parse("TIDE_RS_COPY_STREAMS", 2usize).clamp(1, 16),
+            rs_copy_streams: env_parse("TIDE_RS_COPY_STREAMS", 1usize).clamp(1, 16),
             local_copy: env_parse("TIDE_LOCAL_COPY", LocalCopy::CopyEngine),
-            copy_batch: env_parse("TIDE_COPY_BATCH", 0u32) != 0,
+            copy_batch: env_parse("TIDE_COPY_BATCH", 1u32) != 0,
             nvrtc_lib_dir: std::env::var("TIDE_NVRTC_LIB_DIR")
                 .ok()
                 .filter(|s| !s.trim().is_empty()),

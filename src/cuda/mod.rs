@@ -769,6 +769,19 @@ struct BatchCopy {
     src_dev: i64,
 }
 
+/// Whether the driver exports cuMemcpyBatchAsync_v2 (CUDA 12.8+ drivers); older drivers get one
+/// cuMemcpyAsync per copy instead of failing (cudarc's lazy loader would panic on the call).
+fn batch_copy_supported() -> bool {
+    static SUPPORTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SUPPORTED.get_or_init(|| {
+        // SAFETY: only looks the symbol up; the library is the one the engine already loaded.
+        std::panic::catch_unwind(|| unsafe {
+            sys::culib().get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync_v2\0").is_ok()
+        })
+        .unwrap_or(false)
+    })
+}
+
 /// Issues the copies pending on stream `s`: one cuMemcpyAsync, or one cuMemcpyBatchAsync for
 /// several (source order: stream; hints: the devices holding source and destination).
 fn flush_batch(
@@ -795,14 +808,16 @@ fn flush_batch(
             copies.iter().map(|c| c.bytes).sum::<usize>()
         )
     };
-    if copies.len() == 1 {
-        let c = copies[0];
-        // SAFETY: addresses bounds-checked by `address`; ordering per the module header.
-        return check(
-            unsafe { sys::cuMemcpyAsync(c.dst, c.src, c.bytes, stream) },
-            "cuMemcpyAsync",
-            what,
-        );
+    if copies.len() == 1 || !batch_copy_supported() {
+        for c in &copies {
+            // SAFETY: addresses bounds-checked by `address`; ordering per the module header.
+            check(
+                unsafe { sys::cuMemcpyAsync(c.dst, c.src, c.bytes, stream) },
+                "cuMemcpyAsync",
+                what,
+            )?;
+        }
+        return Ok(());
     }
     let loc = |dev: i64| sys::CUmemLocation {
         type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
