@@ -17,6 +17,7 @@ pub mod layout;
 pub mod plan;
 pub mod rendezvous;
 pub mod topology;
+pub mod transport;
 
 pub use error::{Result, TideError};
 pub use layout::{DType, GroupLayout, ParamLayout, ParamSpec};

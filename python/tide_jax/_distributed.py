@@ -1,0 +1,225 @@
+"""Multi-process support: what tide needs from `jax.distributed` (docs/multiprocess.md).
+
+When the devices of a mesh belong to more than one process, the ranks of a tide call cannot meet
+in one address space. The native library then runs the call through its cross-process transport
+(CPU: POSIX shared memory between the processes of one host), keyed by a *job id* that every
+process of the job agrees on through JAX's key-value store. This module:
+
+- `initialize()`: `jax.distributed.initialize` from the environment `tide_jax.launch` (or SLURM,
+  Open MPI, ... through JAX's own cluster detection) sets up;
+- `is_multiprocess(mesh)`: whether the mesh has devices of more than one process;
+- `job_id(mesh)`: the FFI attribute `job` (int64): 0 for a single-process mesh, else the job's id
+  (the same non-zero value in every process);
+- `topology(mesh, axis)`: `(nodes, gpus_per_node)` along `axis`: `TIDE_TOPOLOGY` if set, else one
+  node per host (hosts exchanged through the key-value store), checked against the mesh order
+  (ranks node-major: rank = node * gpus_per_node + local).
+
+Key-value store keys (all under `tide/`): `tide/job_id` (first writer wins, everyone reads it),
+`tide/host/<process_index>` (host identity: hostname and boot id).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "initialize",
+    "is_multiprocess",
+    "job_id",
+    "topology",
+    "process_hosts",
+    "ffi_attrs",
+    "KV_TIMEOUT_MS",
+]
+
+#: How long a process waits for its peers' keys (TIDE_KV_TIMEOUT_S, default 300 s).
+KV_TIMEOUT_MS = int(float(os.environ.get("TIDE_KV_TIMEOUT_S", "300")) * 1000)
+
+_lock = threading.Lock()
+_job_id: int | None = None
+_hosts: dict[int, str] | None = None
+
+
+def _client():
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError(
+            "tide: the mesh spans several processes but jax.distributed is not initialized here; "
+            "call tide_jax.initialize() (or jax.distributed.initialize()) first"
+        )
+    return client
+
+
+def initialize(**kwargs: Any) -> None:
+    """`jax.distributed.initialize` from the environment, once.
+
+    `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` (set by
+    `python -m tide_jax.launch`, or by hand for mpirun / other launchers) are passed explicitly;
+    without them JAX's cluster detection (SLURM, Open MPI, Kubernetes, ...) takes over. A single
+    process (`JAX_NUM_PROCESSES=1` or nothing set and no cluster) is left uninitialized. Keyword
+    arguments go to `jax.distributed.initialize` unchanged and win over the environment.
+    """
+    import jax
+    from jax._src import distributed
+
+    if distributed.global_state.client is not None:
+        return
+    env = os.environ
+    args: dict[str, Any] = {}
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        args["coordinator_address"] = env["JAX_COORDINATOR_ADDRESS"]
+    if env.get("JAX_NUM_PROCESSES"):
+        args["num_processes"] = int(env["JAX_NUM_PROCESSES"])
+    if env.get("JAX_PROCESS_ID"):
+        args["process_id"] = int(env["JAX_PROCESS_ID"])
+    args.update(kwargs)
+    if args.get("num_processes") == 1:
+        return
+    if not args and not _cluster_detected():
+        return
+    jax.distributed.initialize(**args)
+
+
+def _cluster_detected() -> bool:
+    env = os.environ
+    return any(k in env for k in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "JAX_COORDINATOR_ADDRESS"))
+
+
+def _processes(mesh) -> set[int]:
+    return {int(getattr(d, "process_index", 0)) for d in np.asarray(mesh.devices).flat}
+
+
+def is_multiprocess(mesh) -> bool:
+    """Whether `mesh` holds devices of more than one process."""
+    return len(_processes(mesh)) > 1
+
+
+def job_id(mesh=None) -> int:
+    """The FFI attribute `job`: 0 for a single-process mesh, else the job's non-zero id.
+
+    Agreed once per job through the key-value store: every process proposes one (`TIDE_JOB_ID` if
+    set, as `tide_jax.launch` does, else a random one); the first write wins and all read it.
+    """
+    global _job_id
+    if mesh is not None and not is_multiprocess(mesh):
+        return 0
+    with _lock:
+        if _job_id is None:
+            client = _client()
+            proposal = os.environ.get("TIDE_JOB_ID", "").strip()
+            value = int(proposal, 0) if proposal else secrets.randbits(62) | 1
+            if value <= 0 or value >= 1 << 63:
+                raise ValueError(f"tide: TIDE_JOB_ID={proposal!r}: must be in 1..2**63-1")
+            try:
+                client.key_value_set("tide/job_id", str(value), allow_overwrite=False)
+            except Exception:  # another process wrote it first
+                pass
+            _job_id = int(client.blocking_key_value_get("tide/job_id", KV_TIMEOUT_MS))
+        return _job_id
+
+
+def _host_identity() -> str:
+    boot = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        pass
+    return f"{socket.gethostname()}/{boot}"
+
+
+def process_hosts() -> dict[int, str]:
+    """Host identity of every process of the job (hostname and boot id), by process index."""
+    global _hosts
+    import jax
+
+    with _lock:
+        if _hosts is None:
+            n = jax.process_count()
+            if n == 1:
+                _hosts = {0: _host_identity()}
+            else:
+                client = _client()
+                client.key_value_set(f"tide/host/{jax.process_index()}", _host_identity(), allow_overwrite=True)
+                _hosts = {p: client.blocking_key_value_get(f"tide/host/{p}", KV_TIMEOUT_MS) for p in range(n)}
+        return dict(_hosts)
+
+
+def _parse(spec: str, world: int) -> tuple[int, int]:
+    parts = spec.lower().split("x")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        nodes, gpus = int(parts[0]), int(parts[1])
+    except ValueError:
+        raise ValueError(f"tide: TIDE_TOPOLOGY={spec!r}: expected NODESxGPUS, e.g. 2x4") from None
+    if nodes < 1 or gpus < 1 or nodes * gpus != world:
+        raise ValueError(
+            f"tide: TIDE_TOPOLOGY={spec!r} does not describe the {world} devices of the mesh axis "
+            "(nodes and gpus_per_node at least 1, nodes * gpus_per_node == axis size)"
+        )
+    return nodes, gpus
+
+
+def topology(mesh, axis: str) -> tuple[int, int]:
+    """(nodes, gpus_per_node) of `axis` of `mesh`: TIDE_TOPOLOGY if set, else from the hosts.
+
+    From the hosts: along the axis (in every group of the other axes alike) the devices of one host
+    must be consecutive and every host must hold the same number, so that rank = node *
+    gpus_per_node + local. A CPU mesh whose processes span several hosts is refused: tide's CPU
+    multi-process path moves data through shared memory of one host.
+    """
+    names = list(mesh.axis_names)
+    if axis not in names:
+        raise ValueError(f"tide: mesh has axes {tuple(names)}, no axis {axis!r}")
+    world = int(mesh.shape[axis])
+    spec = os.environ.get("TIDE_TOPOLOGY", "").strip()
+    devices = np.moveaxis(np.asarray(mesh.devices), names.index(axis), -1).reshape(-1, world)
+    multi = is_multiprocess(mesh)
+    if multi:
+        hosts = process_hosts()
+        all_hosts = {hosts[int(d.process_index)] for d in devices.flat}
+        if devices.flat[0].platform == "cpu" and len(all_hosts) > 1:
+            raise ValueError(
+                f"tide: the mesh's processes run on {len(all_hosts)} hosts; tide's CPU multi-process "
+                "path needs them all on one host (it shares memory through /dev/shm)"
+            )
+    if spec:
+        return _parse(spec, world)
+    if not multi:
+        return 1, world
+    layouts = set()
+    for row in devices:
+        seq = [hosts[int(d.process_index)] for d in row]
+        blocks: list[tuple[str, int]] = []
+        for h in seq:
+            if blocks and blocks[-1][0] == h:
+                blocks[-1] = (h, blocks[-1][1] + 1)
+            else:
+                blocks.append((h, 1))
+        names_seen = [b[0] for b in blocks]
+        sizes = {b[1] for b in blocks}
+        if len(set(names_seen)) != len(names_seen) or len(sizes) != 1:
+            raise ValueError(
+                f"tide: along mesh axis {axis!r} the devices of one host are not consecutive in equal "
+                f"numbers (hosts in axis order: {[b[0].split('/')[0] + f' x{b[1]}' for b in blocks]}); "
+                "build the mesh with devices sorted by process (jax.make_mesh does) or set "
+                "TIDE_TOPOLOGY=NODESxGPUS"
+            )
+        layouts.add((len(blocks), sizes.pop()))
+    if len(layouts) != 1:
+        raise ValueError(f"tide: groups of mesh axis {axis!r} have different host layouts {sorted(layouts)}")
+    return layouts.pop()
+
+
+def ffi_attrs(mesh) -> dict[str, np.int64]:
+    """The multi-process FFI attributes of a call over `mesh` (docs/multiprocess.md)."""
+    return {"job": np.int64(job_id(mesh))}

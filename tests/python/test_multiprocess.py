@@ -1,0 +1,246 @@
+"""tide across processes on CPU (docs/multiprocess.md), under `python -m tide_jax.launch`.
+
+Every test starts real processes: 2 or 3 JAX processes with 1 or 2 CPU devices each, meeting
+through jax.distributed, running tide's all_gather / reduce_scatter through its shared-memory
+transport. Checked: against jax.lax.all_gather / an fp64 sum (inside the workers), bitwise equal
+to the single-process run of the same data (here), and a process killed mid-run makes the others
+fail with tide's error naming the dead rank, in bounded time.
+
+This file is also the worker: `python test_multiprocess.py worker --out DIR [--die RANK]`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+WORKER = os.path.abspath(__file__)
+
+# (name, shape, dtype): odd row counts (fewer rows than ranks too), 0-d, 1-d, 3-d, mixed dtypes.
+PARAMS = [
+    ("w", (7, 3), "bfloat16"),
+    ("b", (5,), "float32"),
+    ("s", (), "bfloat16"),
+    ("e", (2, 4, 3), "float16"),
+    ("big", (1031, 17), "bfloat16"),
+]
+
+
+def _data(world: int):
+    """The same full parameters and per-rank gradients in every process (seeded)."""
+    import ml_dtypes  # noqa: F401  (numpy bfloat16)
+
+    rng = np.random.default_rng(1234 + world)
+    params, grads = {}, {}
+    for name, shape, dtype in PARAMS:
+        dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+        params[name] = rng.standard_normal(shape).astype(np.float32).astype(dt)
+        grads[name] = rng.standard_normal((world, *shape)).astype(np.float32).astype(dt)
+    return params, grads
+
+
+def worker(out_dir: str, die: int | None) -> None:
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    import tide_jax
+
+    tide_jax.initialize()
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    world = len(devices)
+    mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
+    params, grads = _data(world)
+    lay = tide_jax.layout(params, mesh, "fsdp")
+    rank_of = {d: r for r, d in enumerate(devices)}
+
+    def global_array(full: np.ndarray, shape, spec=P("fsdp")):
+        sharding = NamedSharding(mesh, spec)
+        return jax.make_array_from_callback(shape, sharding, lambda idx: full[idx])
+
+    # Shards (padded, rank-major) and gradients (rank r's full gradient is block r).
+    shards, gstack = {}, {}
+    for p in lay.params:
+        x = params[p.path.strip("[]'")].reshape(p.rows, *p.rest)
+        pad = np.zeros((p.padded_rows, *p.rest), x.dtype)
+        pad[: p.rows] = x
+        shards[p.path.strip("[]'")] = global_array(pad, p.global_shape)
+        g = grads[p.path.strip("[]'")].reshape(world * p.rows, *p.rest)
+        gstack[p.path.strip("[]'")] = global_array(g, (world * p.rows, *p.rest))
+
+    def step(sh, gr):
+        full = tide_jax.all_gather(sh, lay)
+        ref = {k: jax.lax.all_gather(v, "fsdp", tiled=True) for k, v in sh.items()}
+        gr = {k: v.reshape(params[k].shape) for k, v in gr.items()}
+        rs = tide_jax.reduce_scatter(gr, lay)
+        stacked = lambda t: {k: v[None] for k, v in t.items()}  # noqa: E731  one copy per rank
+        return stacked(full), stacked(ref), rs
+
+    fn = jax.jit(
+        tide_jax.shard_map(step, mesh=mesh, in_specs=(P("fsdp"), P("fsdp")), out_specs=(P("fsdp"), P("fsdp"), P("fsdp")))
+    )
+    full, ref, rs = fn(shards, gstack)
+    jax.block_until_ready((full, ref, rs))
+
+    results = {}
+    for k in params:
+        p = next(q for q in lay.params if q.path.strip("[]'") == k)
+        for s_full, s_ref in zip(full[k].addressable_shards, ref[k].addressable_shards):
+            r = rank_of[s_full.device]
+            got = np.asarray(s_full.data)[0]
+            want = np.asarray(s_ref.data)[0][: p.rows].reshape(params[k].shape)
+            assert got.dtype == params[k].dtype and got.tobytes() == want.tobytes(), f"all_gather {k} rank {r}"
+            assert got.tobytes() == params[k].tobytes()
+            results[f"ag_{k}_{r}"] = got
+        exact = grads[k].astype(np.float64).sum(axis=0).reshape(p.rows, p.row_elems)
+        for s in rs[k].addressable_shards:
+            r = rank_of[s.device]
+            got = np.asarray(s.data).reshape(p.shard_rows, p.row_elems)
+            lo, hi = p.owned_rows(r)
+            want = np.zeros((p.shard_rows, p.row_elems))
+            want[: hi - lo] = exact[lo:hi]
+            tol = 1e-5 * world * np.abs(grads[k].astype(np.float64)).max() + 1e-30
+            assert got.dtype == np.float32 and np.abs(got - want).max() <= tol, f"reduce_scatter {k} rank {r}"
+            assert not got[hi - lo :].any(), f"padding rows of {k} rank {r} not zero"
+            results[f"rs_{k}_{r}"] = got
+    os.makedirs(out_dir, exist_ok=True)
+    np.savez(os.path.join(out_dir, f"p{jax.process_index()}.npz"), **{k: np.ascontiguousarray(v).reshape(-1).view(np.uint8) for k, v in results.items()})
+    print(f"worker {jax.process_index()}: ok ({len(results)} arrays, job {lay.job}, topology {lay.nodes}x{lay.gpus_per_node})", flush=True)
+
+    if die is not None:
+        # Process `die` is killed before a call; the others must fail, not hang.
+        def tide_only(sh, gr):  # no jax.lax collective: its failure must come from tide
+            gr = {k: v.reshape(params[k].shape) for k, v in gr.items()}
+            return {k: v[None] for k, v in tide_jax.all_gather(sh, lay).items()}, tide_jax.reduce_scatter(gr, lay)
+
+        fn2 = jax.jit(tide_jax.shard_map(tide_only, mesh=mesh, in_specs=(P("fsdp"), P("fsdp")), out_specs=(P("fsdp"), P("fsdp"))))
+        jax.block_until_ready(fn2(shards, gstack))  # compiled and run once by everyone
+        if jax.process_index() == die:
+            os.kill(os.getpid(), 9)
+        t0 = time.monotonic()
+        try:
+            jax.block_until_ready(fn2(shards, gstack))
+        except Exception as e:  # XlaRuntimeError carrying tide's message
+            msg = str(e).splitlines()
+            line = next((m for m in msg if "died" in m or "failed" in m), msg[0] if msg else "")
+            print(f"TIDE_ERROR after {time.monotonic() - t0:.1f}s: {line}", flush=True)
+            os._exit(3)
+        print("NO_ERROR", flush=True)
+        os._exit(4)
+    sys.stdout.flush()
+    os._exit(0)  # skip jax.distributed's shutdown barrier
+
+
+# ----- the tests -----
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "python"), env.get("PYTHONPATH", "")])
+    env.setdefault("TIDE_TIMEOUT_S", "60")
+    env.update(extra)
+    return env
+
+
+def _native_available() -> bool:
+    env = _env()
+    code = "import tide_jax, sys; tide_jax.library_path(); import tide_jax._distributed"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True).returncode == 0
+
+
+pytestmark = pytest.mark.skipif(not _native_available(), reason="tide_jax native library not built")
+
+
+def _launch(n, devs, out, *extra, timeout=300, env=None):
+    cmd = [sys.executable, "-m", "tide_jax.launch", "-n", str(n), "--cpu-devices", str(devs), *extra, "--",
+           sys.executable, WORKER, "worker", "--out", str(out)]
+    return subprocess.run(cmd, env=env or _env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _single(world, out, **extra):
+    env = _env(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={world}", **extra)
+    for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        env.pop(k, None)
+    r = subprocess.run([sys.executable, WORKER, "worker", "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return _load(out)
+
+
+def _load(out):
+    merged = {}
+    for name in sorted(os.listdir(out)):
+        with np.load(os.path.join(out, name)) as z:
+            merged.update({k: z[k] for k in z.files})
+    return merged
+
+
+@pytest.mark.parametrize("nprocs,devs", [(2, 1), (3, 1), (2, 2), (3, 2)])
+def test_multiprocess_matches_jax_and_single_process(tmp_path, nprocs, devs):
+    r = _launch(nprocs, devs, tmp_path / "multi")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count(": ok (") == nprocs, r.stdout
+    multi = _load(tmp_path / "multi")
+    single = _single(nprocs * devs, tmp_path / "single")
+    assert multi.keys() == single.keys()
+    for k in single:
+        assert np.array_equal(multi[k], single[k]), f"{k}: multi-process result differs from the single-process run"
+
+
+def test_forced_two_node_topology(tmp_path):
+    """TIDE_TOPOLOGY=2x2 runs the hierarchical plans across 2 processes x 2 devices of one host."""
+    r = _launch(2, 2, tmp_path / "multi", env=_env(TIDE_TOPOLOGY="2x2"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "topology 2x2" in r.stdout
+    multi = _load(tmp_path / "multi")
+    single = _single(4, tmp_path / "single", TIDE_TOPOLOGY="2x2")
+    assert multi.keys() == single.keys()
+    for k in single:
+        assert np.array_equal(multi[k], single[k]), k
+
+
+def test_killed_process_fails_the_others_in_bounded_time(tmp_path):
+    t0 = time.monotonic()
+    cmd = [sys.executable, "-m", "tide_jax.launch", "-n", "3", "--cpu-devices", "1", "--grace", "60", "--",
+           sys.executable, WORKER, "worker", "--out", str(tmp_path), "--die", "1"]
+    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+    took = time.monotonic() - t0
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert "tide.launch: failed: rank 1" in out and "SIGKILL" in out, out
+    for survivor in (0, 2):
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith(f"[rank {survivor}] TIDE_ERROR")]
+        assert lines, out
+        assert "rank 1 (pid" in lines[0] and "died" in lines[0], lines[0]
+    assert "NO_ERROR" not in out
+    assert took < 120, f"took {took:.0f}s"
+
+
+def test_launcher_reports_failing_rank(tmp_path):
+    cmd = [sys.executable, "-m", "tide_jax.launch", "-n", "2", "--cpu-devices", "1", "--grace", "2", "--",
+           sys.executable, "-c", "import os,time; r=int(os.environ['TIDE_LOCAL_RANK']); print('hello', r, os.environ['JAX_NUM_PROCESSES']); time.sleep(600 if r else 0); raise SystemExit(5 if r == 0 else 0)"]
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 5, r.stdout + r.stderr
+    assert "[rank 0] hello 0 2" in r.stdout and "[rank 1] hello 1 2" in r.stdout
+    assert "rank 0 (pid" in r.stderr and "exited with code 5" in r.stderr
+    assert time.monotonic() - t0 < 30
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "worker":
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("worker")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--die", type=int, default=None)
+    a = ap.parse_args()
+    worker(a.out, a.die)

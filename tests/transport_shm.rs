@@ -1,0 +1,352 @@
+//! The multi-process CPU transport (src/transport): ranks in separate processes (this test binary
+//! re-run as children) and ranks as threads with separate mappings of the same segments, against
+//! the single-process CPU engine (bitwise); timeouts, peer errors, mismatched calls, dead peers.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use tide::call::{BufferView, CallInfo};
+use tide::engine::cpu::{f32_to_bf16, run_threads};
+use tide::layout::{DType, GroupLayout, ParamSpec};
+use tide::plan::{self, Op, Plan, RsOptions};
+use tide::transport::{fail_cpu_multiprocess, run_cpu_multiprocess_with, ShmOptions, Timing};
+use tide::{TideError, Topology};
+
+fn opts(timeout_s: f64) -> ShmOptions {
+    ShmOptions {
+        timing: Timing {
+            timeout: Duration::from_secs_f64(timeout_s),
+            poll: Duration::from_millis(10),
+            liveness_interval: Duration::from_millis(50),
+        },
+    }
+}
+
+/// A job id no other test (or earlier run) uses.
+fn fresh_job(tag: u64) -> u64 {
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    (t ^ ((std::process::id() as u64) << 32) ^ tag.wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1
+}
+
+fn specs(scale: usize) -> Vec<ParamSpec> {
+    vec![
+        ParamSpec::new("w", &[7 * scale, 3], DType::BF16),
+        ParamSpec::new("b", &[5], DType::F32),
+        ParamSpec::new("s", &[], DType::BF16),
+        ParamSpec::new("e", &[2 * scale + 1, 2, 3], DType::F16),
+    ]
+}
+
+fn lcg(seed: &mut u64) -> u64 {
+    *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    *seed >> 33
+}
+
+/// Deterministic bytes for `rank`'s inputs of `plan` (finite values of each dtype).
+fn inputs_for(plan: &Plan, rank: usize, seed: u64) -> Vec<Vec<u8>> {
+    let mut s = seed ^ ((rank as u64 + 1) * 0x1234_5678_9abc);
+    plan.layout
+        .params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let bytes = plan.input_bytes(i);
+            let elems = bytes / p.dtype.size_bytes();
+            let mut out = Vec::with_capacity(bytes);
+            for _ in 0..elems {
+                let v = (lcg(&mut s) % 2001) as f32 / 97.0 - 10.0;
+                match p.dtype {
+                    DType::F32 => out.extend_from_slice(&v.to_le_bytes()),
+                    DType::BF16 => out.extend_from_slice(&f32_to_bf16(v).to_le_bytes()),
+                    DType::F16 => {
+                        // small integers are exact in f16
+                        let h: u16 = match (lcg(&mut s) % 9) as u16 {
+                            0 => 0,
+                            k => 0x3c00 + (k << 8),
+                        };
+                        out.extend_from_slice(&h.to_le_bytes())
+                    }
+                    _ => out.resize(out.len() + p.dtype.size_bytes(), (lcg(&mut s) & 0xff) as u8),
+                }
+            }
+            out
+        })
+        .collect()
+}
+
+fn build(op: Op, topo: Topology, scale: usize) -> Plan {
+    let layout = GroupLayout::new(&specs(scale), topo.world()).unwrap();
+    match op {
+        Op::AllGather => plan::all_gather(&layout, topo).unwrap(),
+        Op::ReduceScatter => {
+            plan::reduce_scatter(&layout, topo, RsOptions { stage_slots: 2, slot_bytes: if scale > 100 { 4096 } else { 96 } }).unwrap()
+        }
+    }
+}
+
+fn call_for(plan: &Plan, rank: usize, inputs: &[Vec<u8>], outputs: &mut [Vec<u8>]) -> CallInfo {
+    let p = &plan.layout;
+    let view = |ptr: usize, i: usize, full: bool, dtype: DType| {
+        let q = &p.params[i];
+        let mut dims: Vec<usize> = if full { q.shape.clone() } else { vec![q.shard_rows] };
+        if !full {
+            dims.extend(q.shape.iter().skip(1));
+        }
+        BufferView { ptr, dtype, dims }
+    };
+    let (ins, outs) = match plan.op {
+        Op::AllGather => (
+            (0..p.len()).map(|i| view(inputs[i].as_ptr() as usize, i, false, p.params[i].dtype)).collect(),
+            (0..p.len()).map(|i| view(outputs[i].as_mut_ptr() as usize, i, true, p.params[i].dtype)).collect(),
+        ),
+        Op::ReduceScatter => (
+            (0..p.len()).map(|i| view(inputs[i].as_ptr() as usize, i, true, p.params[i].dtype)).collect(),
+            (0..p.len()).map(|i| view(outputs[i].as_mut_ptr() as usize, i, false, DType::F32)).collect(),
+        ),
+    };
+    CallInfo {
+        op: plan.op,
+        site: 1 + plan.op as i64,
+        device_ordinal: rank as i64,
+        rank,
+        group: 0,
+        world: plan.world(),
+        topology: plan.topology,
+        names: Vec::new(),
+        inputs: ins,
+        outputs: outs,
+        stream: 0,
+    }
+}
+
+/// Runs one rank's call over the transport and returns its outputs.
+fn run_rank(plan: &Plan, rank: usize, seed: u64, job: u64, o: &ShmOptions) -> Result<Vec<Vec<u8>>, TideError> {
+    let inputs = inputs_for(plan, rank, seed);
+    let mut outputs: Vec<Vec<u8>> = (0..plan.layout.len()).map(|i| vec![0x5au8; plan.output_bytes(i)]).collect();
+    let call = call_for(plan, rank, &inputs, &mut outputs);
+    run_cpu_multiprocess_with(&call, plan, job, o)?;
+    Ok(outputs)
+}
+
+fn reference(plan: &Plan, seed: u64) -> Vec<Vec<Vec<u8>>> {
+    let inputs: Vec<_> = (0..plan.world()).map(|r| inputs_for(plan, r, seed)).collect();
+    run_threads(plan, &inputs).unwrap()
+}
+
+/// The sequence of calls every rank makes in the "same data" scenarios: both ops, a size class
+/// that grows, then shrinks back (reusing the bigger segment, whose stage slots hold stale data).
+fn scenario(topo: Topology) -> Vec<(Op, usize, u64)> {
+    vec![
+        (Op::AllGather, 1, 11),
+        (Op::ReduceScatter, 1, 12),
+        (Op::AllGather, 6000, 13),
+        (Op::ReduceScatter, 3000, 14),
+        (Op::ReduceScatter, 1, 15),
+        (Op::AllGather, 2, 16 + topo.world() as u64),
+    ]
+}
+
+fn check_rank(topo: Topology, ranks: &[usize], job: u64) {
+    let o = opts(60.0);
+    for (op, scale, seed) in scenario(topo) {
+        let plan = build(op, topo, scale);
+        let want = reference(&plan, seed);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = ranks
+                .iter()
+                .map(|&rank| {
+                    let (plan, o) = (&plan, &o);
+                    s.spawn(move || (rank, run_rank(plan, rank, seed, job, o)))
+                })
+                .collect();
+            for h in handles {
+                let (rank, got) = h.join().unwrap();
+                let got = got.unwrap_or_else(|e| panic!("{topo} {op:?} scale {scale} rank {rank}: {e}"));
+                assert!(got == want[rank], "{topo} {op:?} scale {scale}: rank {rank} differs from the single-process engine");
+            }
+        });
+    }
+}
+
+// ----- ranks as threads (each with its own mappings) -----
+
+#[test]
+fn threads_match_single_process_engine() {
+    for (k, topo) in [(1, 2), (1, 3), (1, 5), (2, 1), (3, 1), (5, 1), (2, 2)].into_iter().enumerate() {
+        let topo = Topology::new(topo.0, topo.1).unwrap();
+        let ranks: Vec<usize> = (0..topo.world()).collect();
+        check_rank(topo, &ranks, fresh_job(100 + k as u64));
+    }
+}
+
+// ----- ranks in separate processes: this binary re-run as children -----
+
+const CHILD_ENV: &str = "TIDE_TRANSPORT_TEST_CHILD";
+
+/// Child entry point: does nothing unless run by `spawn_children`.
+#[test]
+fn child_entry() {
+    let Ok(spec) = std::env::var(CHILD_ENV) else { return };
+    // scenario:nodes:gpus:job:ranks(comma separated)
+    let parts: Vec<&str> = spec.split(':').collect();
+    let (what, nodes, gpus, job) = (parts[0], parts[1].parse().unwrap(), parts[2].parse().unwrap(), parts[3].parse().unwrap());
+    let ranks: Vec<usize> = parts[4].split(',').map(|r| r.parse().unwrap()).collect();
+    let topo = Topology::new(nodes, gpus).unwrap();
+    match what {
+        "match" => check_rank(topo, &ranks, job),
+        "die" => {
+            let rank = ranks[0];
+            let plan = build(Op::AllGather, topo, 3);
+            let o = opts(60.0);
+            run_rank(&plan, rank, 1, job, &o).expect("first call");
+            if rank == 1 {
+                std::process::exit(7); // dies between calls: its peers wait for it in the next one
+            }
+            let start = Instant::now();
+            let err = run_rank(&plan, rank, 2, job, &o).expect_err("peer died: the call must fail");
+            let took = start.elapsed();
+            println!("rank {rank} error after {took:?}: {err}");
+            let msg = err.to_string();
+            assert!(msg.contains("rank 1 (pid") && msg.contains("died"), "unclear error: {msg}");
+            assert!(took < Duration::from_secs(10), "took {took:?} to notice the dead peer");
+            // Sticky: later calls fail at once.
+            let again = run_rank(&plan, rank, 3, job, &o).expect_err("sticky failure");
+            assert!(again.to_string().contains("earlier tide call"), "{again}");
+        }
+        other => panic!("unknown child scenario {other}"),
+    }
+}
+
+fn spawn_children(what: &str, topo: Topology, per_process: &[Vec<usize>], job: u64) -> Vec<(Vec<usize>, std::process::Output)> {
+    let exe = std::env::current_exe().unwrap();
+    let children: Vec<_> = per_process
+        .iter()
+        .map(|ranks| {
+            let list: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
+            let child = Command::new(&exe)
+                .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+                .env(CHILD_ENV, format!("{what}:{}:{}:{job}:{}", topo.nodes, topo.gpus_per_node, list.join(",")))
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            (ranks.clone(), child)
+        })
+        .collect();
+    children.into_iter().map(|(r, c)| (r, c.wait_with_output().unwrap())).collect()
+}
+
+fn report(out: &std::process::Output) -> String {
+    format!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+#[test]
+fn processes_match_single_process_engine() {
+    let cases: Vec<((usize, usize), Vec<Vec<usize>>)> = vec![
+        ((1, 2), vec![vec![0], vec![1]]),
+        ((1, 3), vec![vec![0], vec![1], vec![2]]),
+        ((1, 5), vec![vec![0], vec![1], vec![2], vec![3], vec![4]]),
+        ((5, 1), vec![vec![0], vec![1], vec![2], vec![3], vec![4]]),
+        // several ranks per process (several CPU devices per process), hierarchical plan
+        ((2, 2), vec![vec![0, 1], vec![2, 3]]),
+        ((1, 5), vec![vec![0, 3], vec![1, 2, 4]]),
+    ];
+    for (k, ((nodes, gpus), per_process)) in cases.into_iter().enumerate() {
+        let topo = Topology::new(nodes, gpus).unwrap();
+        for (ranks, out) in spawn_children("match", topo, &per_process, fresh_job(200 + k as u64)) {
+            assert!(out.status.success(), "{topo}: process with ranks {ranks:?} failed:\n{}", report(&out));
+            assert!(String::from_utf8_lossy(&out.stdout).contains("1 passed"), "{}", report(&out));
+        }
+    }
+}
+
+#[test]
+fn dead_peer_is_named_within_bounded_time() {
+    let topo = Topology::new(1, 3).unwrap();
+    let start = Instant::now();
+    let outs = spawn_children("die", topo, &[vec![0], vec![1], vec![2]], fresh_job(300));
+    for (ranks, out) in &outs {
+        if ranks[0] == 1 {
+            assert_eq!(out.status.code(), Some(7), "{}", report(out));
+        } else {
+            assert!(out.status.success(), "rank {ranks:?}:\n{}", report(out));
+        }
+    }
+    assert!(start.elapsed() < Duration::from_secs(30));
+}
+
+#[test]
+fn timeout_names_the_missing_rank() {
+    let topo = Topology::new(1, 2).unwrap();
+    let plan = build(Op::AllGather, topo, 1);
+    let job = fresh_job(400);
+    let o = opts(1.0);
+    std::thread::scope(|s| {
+        let late = s.spawn(|| run_rank(&plan, 1, 1, job, &o));
+        run_rank(&plan, 0, 1, job, &o).unwrap();
+        late.join().unwrap().unwrap();
+    });
+    // Rank 1 (alive, same process) never makes its second call.
+    let start = Instant::now();
+    let err = run_rank(&plan, 0, 2, job, &o).unwrap_err().to_string();
+    assert!(start.elapsed() >= Duration::from_millis(900) && start.elapsed() < Duration::from_secs(10));
+    assert!(err.contains("timed out") && err.contains("ranks [1 (pid"), "{err}");
+}
+
+#[test]
+fn peer_failure_propagates_fast() {
+    let topo = Topology::new(1, 3).unwrap();
+    let plan = build(Op::ReduceScatter, topo, 2);
+    let job = fresh_job(500);
+    let o = opts(60.0);
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        let waiters: Vec<_> = [0usize, 2].iter().map(|&r| s.spawn({
+            let (plan, o) = (&plan, &o);
+            move || run_rank(plan, r, 1, job, o)
+        })).collect();
+        std::thread::sleep(Duration::from_millis(100));
+        let inputs = inputs_for(&plan, 1, 1);
+        let mut outputs: Vec<Vec<u8>> = (0..plan.layout.len()).map(|i| vec![0; plan.output_bytes(i)]).collect();
+        let call = call_for(&plan, 1, &inputs, &mut outputs);
+        fail_cpu_multiprocess(&call, job, &TideError::InvalidArgument("gradient 'w' has the wrong shape".into()));
+        for w in waiters {
+            let err = w.join().unwrap().unwrap_err().to_string();
+            assert!(err.contains("peer rank 1") && err.contains("wrong shape"), "{err}");
+        }
+    });
+    assert!(start.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn different_calls_are_an_error_not_garbage() {
+    let topo = Topology::new(1, 2).unwrap();
+    let ag = build(Op::AllGather, topo, 1);
+    let rs = build(Op::ReduceScatter, topo, 1);
+    let job = fresh_job(600);
+    let o = opts(20.0);
+    std::thread::scope(|s| {
+        let other = s.spawn(|| run_rank(&rs, 1, 1, job, &o));
+        let err = run_rank(&ag, 0, 1, job, &o).unwrap_err().to_string();
+        assert!(err.contains("different call"), "{err}");
+        let err1 = other.join().unwrap().unwrap_err().to_string();
+        assert!(err1.contains("different call"), "{err1}");
+    });
+}
+
+#[test]
+fn segments_are_unlinked_once_joined() {
+    let topo = Topology::new(1, 2).unwrap();
+    let plan = build(Op::AllGather, topo, 1);
+    let job = fresh_job(700);
+    let o = opts(20.0);
+    std::thread::scope(|s| {
+        let h = s.spawn(|| run_rank(&plan, 1, 1, job, &o));
+        run_rank(&plan, 0, 1, job, &o).unwrap();
+        h.join().unwrap().unwrap();
+    });
+    let prefix = format!("tide-{job:016x}-");
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(&prefix)).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "segments left in /dev/shm: {left:?}");
+}
