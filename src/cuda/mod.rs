@@ -59,6 +59,7 @@
 
 pub mod device;
 pub mod driver;
+pub mod ipc;
 pub mod kernels;
 pub mod nvrtc;
 pub mod schedule;
