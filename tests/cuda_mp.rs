@@ -76,6 +76,11 @@ fn ck(r: sys::CUresult, call: &str) {
 }
 
 /// A VMM pool like XLA's (one cuMemCreate allocation, POSIX-fd exportable), bump-allocated.
+fn set_ctx(c: &Child) {
+    // SAFETY: retained primary context.
+    ck(unsafe { sys::cuCtxSetCurrent(c.ctx) }, "cuCtxSetCurrent");
+}
+
 struct Pool {
     base: u64,
     size: usize,
@@ -83,13 +88,13 @@ struct Pool {
 }
 
 impl Pool {
-    fn new(bytes: usize) -> Pool {
+    fn new(bytes: usize, device: i32) -> Pool {
         // SAFETY: plain driver calls with valid arguments; device 0 of this process.
         unsafe {
             let mut prop: sys::CUmemAllocationProp = std::mem::zeroed();
             prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
             prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-            prop.location = sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: 0 };
+            prop.location = sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: device };
             let mut gran = 0usize;
             ck(
                 sys::cuMemGetAllocationGranularity(&mut gran, &prop, sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM),
@@ -144,7 +149,26 @@ struct Child {
     topo: Topology,
     job: u64,
     rank: usize,
+    device: i64,
+    ctx: sys::CUcontext,
     stream: sys::CUstream,
+}
+// SAFETY: raw CUDA handles, usable from any thread.
+unsafe impl Send for Child {}
+unsafe impl Sync for Child {}
+
+fn open_device(ordinal: i32) -> (sys::CUcontext, sys::CUstream) {
+    let mut dev = 0;
+    let mut ctx = std::ptr::null_mut();
+    let mut stream = std::ptr::null_mut();
+    // SAFETY: plain driver calls with valid out-pointers.
+    unsafe {
+        ck(sys::cuDeviceGet(&mut dev, ordinal), "cuDeviceGet");
+        ck(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain");
+        ck(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
+        ck(sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32), "cuStreamCreate");
+    }
+    (ctx, stream)
 }
 
 fn setup_child(spec: &str) -> (String, Child) {
@@ -154,22 +178,20 @@ fn setup_child(spec: &str) -> (String, Child) {
     let job: u64 = p[3].parse().unwrap();
     let rank: usize = p[4].parse().unwrap();
     tide::cuda::driver::init().unwrap();
-    let mut dev = 0;
-    let mut ctx = std::ptr::null_mut();
-    let mut stream = std::ptr::null_mut();
-    // SAFETY: device 0 of this process (CUDA_VISIBLE_DEVICES picks the GPU).
-    unsafe {
-        ck(sys::cuDeviceGet(&mut dev, 0), "cuDeviceGet");
-        ck(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain");
-        ck(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
-        ck(sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32), "cuStreamCreate");
-    }
-    (p[0].to_string(), Child { topo, job, rank, stream })
+    // Device 0 of this process (CUDA_VISIBLE_DEVICES picks the GPU).
+    let (ctx, stream) = open_device(0);
+    (p[0].to_string(), Child { topo, job, rank, device: 0, ctx, stream })
 }
 
 /// Runs `op` over the child's topology `reps` times back to back (no host sync in between), then
 /// checks this rank's outputs bitwise against the CPU engine. Returns the call's error, if any.
 fn run_case(c: &Child, pool: &mut Pool, op: Op, site: i64, seed: u64, reps: usize) -> Result<(), String> {
+    run_case_with(c, pool, op, site, seed, reps, true)
+}
+
+/// `run_case`; `check: false` only enqueues (no host synchronization, no comparison).
+fn run_case_with(c: &Child, pool: &mut Pool, op: Op, site: i64, seed: u64, reps: usize, check: bool) -> Result<(), String> {
+    set_ctx(c);
     let world = c.topo.world();
     let layout = GroupLayout::new(&specs(), world).unwrap();
     let plan: Plan = match op {
@@ -214,7 +236,7 @@ fn run_case(c: &Child, pool: &mut Pool, op: Op, site: i64, seed: u64, reps: usiz
         op,
         site,
         run_id: 0,
-        device_ordinal: 0,
+        device_ordinal: c.device,
         rank: c.rank,
         group: 0,
         world,
@@ -226,6 +248,9 @@ fn run_case(c: &Child, pool: &mut Pool, op: Op, site: i64, seed: u64, reps: usiz
     };
     for rep in 0..reps {
         tide::cuda::execute_job(&call, c.job).map_err(|e| format!("{op:?} {} rank {} rep {rep}: {e}", c.topo, c.rank))?;
+    }
+    if !check {
+        return Ok(());
     }
     // SAFETY: our stream.
     ck(unsafe { sys::cuStreamSynchronize(c.stream) }, "cuStreamSynchronize");
@@ -251,7 +276,7 @@ fn run_case(c: &Child, pool: &mut Pool, op: Op, site: i64, seed: u64, reps: usiz
 fn child_entry() {
     let Ok(spec) = std::env::var(CHILD_ENV) else { return };
     let (what, c) = setup_child(&spec);
-    let mut pool = Pool::new(64 << 20);
+    let mut pool = Pool::new(if what == "kill" { 1 << 30 } else { 64 << 20 }, 0);
     match what.as_str() {
         "match" => {
             let mut site = 100;
@@ -260,6 +285,15 @@ fn child_entry() {
                 run_case(&c, &mut pool, op, site, 17 + k as u64, 1).unwrap();
                 site += 1;
                 run_case(&c, &mut pool, op, site, 99 + k as u64, 20).unwrap();
+            }
+            let st = tide::cuda::ipc::stats();
+            println!("cuda_mp: rank {} ipc {st:?}", c.rank);
+            if c.topo.nodes == 1 {
+                // Peers read our inputs from the VMM pool: mapped once, whatever the call count.
+                assert_eq!(st.vmm_imports, 1, "{st:?}");
+                assert!(st.event_opens >= 2 && st.event_opens < 20, "{st:?}");
+            } else {
+                assert_eq!(st.vmm_imports + st.legacy_opens + st.event_opens, 0, "{st:?}");
             }
             println!("cuda_mp child rank {} done", c.rank);
         }
@@ -279,6 +313,46 @@ fn child_entry() {
             let again = run_case(&c, &mut pool, Op::AllGather, 3, 7, 1).expect_err("sticky failure");
             assert!(again.contains("earlier tide call"), "{again}");
             println!("cuda_mp child rank 0 saw the dead peer");
+        }
+        "kill" => {
+            // Rank 1 is SIGKILLed at a random point of a stream of calls; rank 0 must fail soon,
+            // naming it. Then: does rank 0's stream drain (GPU waits on the dead peer's events)?
+            if c.rank == 1 {
+                std::thread::spawn(|| {
+                    std::thread::sleep(Duration::from_millis(400));
+                    // SAFETY: signalling ourselves.
+                    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+                });
+            }
+            let start = Instant::now();
+            let mut site = 0;
+            let err = loop {
+                site += 1;
+                let op = if site % 2 == 0 { Op::AllGather } else { Op::ReduceScatter };
+                if let Err(e) = run_case_with(&c, &mut pool, op, site, site as u64, 3, false) {
+                    break e;
+                }
+                assert!(start.elapsed() < Duration::from_secs(60), "rank {} never failed", c.rank);
+            };
+            let took = start.elapsed();
+            println!("rank {} error after {took:?} ({site} calls): {err}", c.rank);
+            assert!(err.contains("rank 1 (pid") && err.contains("died"), "unclear error: {err}");
+            assert!(took < Duration::from_secs(15), "took {took:?}");
+            let (tx, rx) = std::sync::mpsc::channel();
+            let (ctx, stream) = (c.ctx as usize, c.stream as usize);
+            std::thread::spawn(move || {
+                // SAFETY: our context and stream.
+                unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) };
+                let r = unsafe { sys::cuStreamSynchronize(stream as sys::CUstream) };
+                let _ = tx.send(r);
+            });
+            match rx.recv_timeout(Duration::from_secs(10)) {
+                Ok(r) => println!("cuda_mp kill: rank 0's stream drained after the failure ({r:?})"),
+                Err(_) => println!("cuda_mp kill: rank 0's stream still busy 10 s after the failure (GPU waits on the dead peer)"),
+            }
+            println!("cuda_mp child rank 0 saw the killed peer");
+            let _ = std::io::stdout().flush();
+            std::process::exit(0);
         }
         other => panic!("unknown scenario {other}"),
     }
@@ -369,4 +443,51 @@ fn dead_peer_fails_fast() {
     say(&format!("cuda_mp dead peer: {}", text.lines().find(|l| l.contains("error after")).unwrap_or("?")));
     assert!(outs[0].status.success(), "rank 0:\n{text}");
     assert!(text.contains("saw the dead peer"), "{text}");
+}
+
+#[test]
+fn dead_peer_mid_stream_fails_fast() {
+    if std::env::var(CHILD_ENV).is_ok() || gpu_count().is_none() {
+        return;
+    }
+    let topo = Topology::new(1, 2).unwrap();
+    let outs = spawn("kill", topo, fresh_job(78));
+    let text = report(&outs[0]);
+    for line in text.lines().filter(|l| l.starts_with("cuda_mp kill") || l.contains("error after")) {
+        say(&format!("cuda_mp killed peer: {line}"));
+    }
+    assert!(outs[0].status.success(), "rank 0:\n{text}");
+    assert!(text.contains("saw the killed peer"), "{text}");
+}
+
+/// Two ranks of one multi-process job in the same process (e.g. 2 processes x 2 GPUs with the
+/// sharded axis inside a process): raw addresses and events, peer access, no IPC.
+#[test]
+fn same_process_ranks_of_a_job() {
+    if std::env::var(CHILD_ENV).is_ok() || gpu_count().is_none() {
+        return;
+    }
+    let topo = Topology::new(1, 2).unwrap();
+    let job = fresh_job(79);
+    let children: Vec<Child> = (0..2)
+        .map(|r| {
+            let (ctx, stream) = open_device(r as i32);
+            Child { topo, job, rank: r, device: r as i64, ctx, stream }
+        })
+        .collect();
+    let before = tide::cuda::ipc::stats();
+    std::thread::scope(|s| {
+        for c in &children {
+            s.spawn(move || {
+                set_ctx(c);
+                let mut pool = Pool::new(32 << 20, c.device as i32);
+                for (k, op) in [Op::AllGather, Op::ReduceScatter].into_iter().enumerate() {
+                    run_case(c, &mut pool, op, 1 + k as i64, 31 + k as u64, 5).unwrap();
+                }
+            });
+        }
+    });
+    let after = tide::cuda::ipc::stats();
+    assert_eq!((after.vmm_imports, after.legacy_opens, after.event_opens), (before.vmm_imports, before.legacy_opens, before.event_opens));
+    say("cuda_mp: two ranks of a job in one process: bitwise equal to the CPU engine");
 }

@@ -32,7 +32,32 @@ use crate::error::{Result, TideError};
 use cudarc::driver::sys;
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+static VMM_EXPORTS: AtomicU64 = AtomicU64::new(0);
+static VMM_IMPORTS: AtomicU64 = AtomicU64::new(0);
+static LEGACY_OPENS: AtomicU64 = AtomicU64::new(0);
+static EVENT_OPENS: AtomicU64 = AtomicU64::new(0);
+
+/// What this process did so far (for tests and logs): VMM exports, VMM imports, legacy
+/// `cuIpcOpenMemHandle`s, `cuIpcOpenEventHandle`s. Each is once per allocation / event, not per call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stats {
+    pub vmm_exports: u64,
+    pub vmm_imports: u64,
+    pub legacy_opens: u64,
+    pub event_opens: u64,
+}
+
+pub fn stats() -> Stats {
+    Stats {
+        vmm_exports: VMM_EXPORTS.load(Ordering::Relaxed),
+        vmm_imports: VMM_IMPORTS.load(Ordering::Relaxed),
+        legacy_opens: LEGACY_OPENS.load(Ordering::Relaxed),
+        event_opens: EVENT_OPENS.load(Ordering::Relaxed),
+    }
+}
 
 pub const KIND_VMM: u32 = 1;
 pub const KIND_LEGACY: u32 = 2;
@@ -145,6 +170,7 @@ impl Exporter {
                 return Err(e);
             }
             self.next_gen += 1;
+            VMM_EXPORTS.fetch_add(1, Ordering::Relaxed);
             let e = Exported {
                 size: size as u64,
                 gen: self.next_gen,
@@ -327,6 +353,7 @@ impl Importer {
                     || who("legacy IPC"),
                 )?;
                 self.legacy.insert(a.legacy, p);
+                LEGACY_OPENS.fetch_add(1, Ordering::Relaxed);
                 Ok(p)
             }
             KIND_VMM => {
@@ -386,6 +413,8 @@ impl Importer {
                     return Err(e);
                 }
                 self.vmm.insert(key, p);
+                VMM_IMPORTS.fetch_add(1, Ordering::Relaxed);
+                log::info!("tide: rank {me} mapped rank {q}'s (pid {pid}) VMM allocation {:#x} ({} bytes) at {p:#x}", a.base, a.size);
                 Ok(p)
             }
             k => Err(TideError::Internal(format!("{}: unknown allocation kind {k}", who("describe")))),
@@ -428,6 +457,7 @@ impl Importer {
             format!("rank {me} (device {}) opening rank {q}'s (pid {pid}) {what} event", self.device)
         })?;
         self.events.insert(*handle, e);
+        EVENT_OPENS.fetch_add(1, Ordering::Relaxed);
         Ok(e)
     }
 }

@@ -212,10 +212,14 @@ fn execute_inner(call: &CallInfo, job: u64, what_base: &str) -> Result<()> {
 #[derive(Debug)]
 struct Mail {
     device: i64,
+    pid: u64,
     allocs: Vec<AllocDesc>,
     ready: [u8; 64],
     done: [u8; 64],
     phases: Vec<[u8; 64]>,
+    /// The raw CUevent values of ready, done and the phases (for peers in the same process, which
+    /// cannot open this process's IPC handles).
+    raw_events: Vec<u64>,
     /// (allocation index, offset, bytes)
     inputs: Vec<(usize, u64, usize)>,
     stages: Vec<(usize, u64, usize)>,
@@ -230,10 +234,12 @@ impl Default for Mail {
     fn default() -> Mail {
         Mail {
             device: 0,
+            pid: 0,
             allocs: Vec::new(),
             ready: [0; 64],
             done: [0; 64],
             phases: Vec::new(),
+            raw_events: Vec::new(),
             inputs: Vec::new(),
             stages: Vec::new(),
             nccl_id: None,
@@ -249,6 +255,7 @@ impl Mail {
             MAILBOX_MAGIC,
             seq,
             self.device as u64,
+            self.pid,
             self.allocs.len() as u64,
             self.phases.len() as u64,
             self.inputs.len() as u64,
@@ -264,6 +271,9 @@ impl Mail {
         o.extend_from_slice(&self.done);
         for p in &self.phases {
             o.extend_from_slice(p);
+        }
+        for i in 0..2 + self.phases.len() {
+            put(&mut o, self.raw_events.get(i).copied().unwrap_or(0));
         }
         for &(a, off, b) in self.inputs.iter().chain(&self.stages) {
             put(&mut o, a as u64);
@@ -295,9 +305,10 @@ impl Mail {
             return Err(format!("it holds call {their_seq}, not {seq}"));
         }
         let device = u()? as i64;
+        let pid = u()?;
         let (na, np, ni, ns, has_id) = (u()? as usize, u()? as usize, u()? as usize, u()? as usize, u()? != 0);
         drop(u);
-        let mut m = Mail { device, ..Default::default() };
+        let mut m = Mail { device, pid, ..Default::default() };
         for _ in 0..na {
             m.allocs.push(AllocDesc::decode(take(AllocDesc::WIRE_BYTES)?).ok_or("bad allocation")?);
         }
@@ -307,6 +318,10 @@ impl Mail {
             let mut h = [0u8; 64];
             h.copy_from_slice(take(64)?);
             m.phases.push(h);
+        }
+        for _ in 0..2 + np {
+            let t = take(8)?;
+            m.raw_events.push(u64::from_le_bytes(t.try_into().unwrap()));
         }
         for k in 0..ni + ns {
             let t = take(24)?;
@@ -467,7 +482,8 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
     }
 
     // The mailbox.
-    let mut mail = Mail { device: ord, ..Default::default() };
+    let my_pid = std::process::id() as u64;
+    let mut mail = Mail { device: ord, pid: my_pid, ..Default::default() };
     let mut alloc_index: HashMap<(u64, u64), usize> = HashMap::new();
     let mut describe = |rs: &mut RankState, mail: &mut Mail, ptr: u64, bytes: usize, label: String| -> Result<(usize, u64, usize)> {
         if bytes == 0 || ptr == 0 {
@@ -501,8 +517,10 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
         let who = |w: &'static str| move || format!("rank {me} device {ord}: {w} event");
         mail.ready = rs.exporter.event_handle(ready, &who("ready"))?;
         mail.done = rs.exporter.event_handle(done, &who("done"))?;
+        mail.raw_events = vec![ready as u64, done as u64];
         for e in phases.iter().take(nphases.saturating_sub(1)) {
             mail.phases.push(rs.exporter.event_handle(*e, &who("phase"))?);
+            mail.raw_events.push(*e as u64);
         }
     }
     let need_rail = nodes > 1 && rs.dev.as_ref().map(|d| d.rail.is_none()).unwrap_or(true);
@@ -518,7 +536,7 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
     // the entry barrier (Release/Acquire) and are done before they pass our exit barrier.
     unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), rs.mailbox.as_ptr(), bytes.len()) };
     // File descriptors of new VMM exports to the peers of this node (they map our memory).
-    for q in (0..call.world).filter(|&q| q != me && q / g == my_node) {
+    for q in (0..call.world).filter(|&q| q != me && q / g == my_node && rs.group.pid_of(q) != my_pid) {
         let addr = FdChannel::name_of(job, call.group, q);
         rs.exporter.send_new(&rs.chan, me, q, &addr, &mail.allocs)?;
     }
@@ -580,6 +598,12 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
                 nphases.saturating_sub(1)
             )));
         }
+        // A peer in this process: its addresses and events are valid here as they are (and CUDA
+        // refuses to open a process's own IPC handles); peer access as in the in-process engine.
+        let same = m.pid == my_pid;
+        if same {
+            st.ensure_peer(m.device)?;
+        }
         let d = rs.dev.as_mut().expect("device part");
         let mut bases = vec![None; m.allocs.len()];
         let mut addr = |idx: usize, off: u64, bytes: usize| -> Result<(u64, usize)> {
@@ -595,6 +619,7 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
             }
             let base = match bases[idx] {
                 Some(b) => b,
+                None if same => a.base,
                 None => {
                     let b = d.importer.map(me, q, pid, a, &rs.chan, wait_fd)?;
                     bases[idx] = Some(b);
@@ -617,10 +642,16 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
         for &(a, off, b) in &m.stages {
             info.stages.push(addr(a, off, b)?);
         }
-        info.ready = d.importer.event(me, q, pid, &m.ready, "ready")? as usize;
-        info.done = d.importer.event(me, q, pid, &m.done, "done")? as usize;
-        for h in m.phases.iter().take(nphases.saturating_sub(1)) {
-            info.phases.push(d.importer.event(me, q, pid, h, "phase")? as usize);
+        if same {
+            info.ready = m.raw_events[0] as usize;
+            info.done = m.raw_events[1] as usize;
+            info.phases = m.raw_events[2..].iter().take(nphases.saturating_sub(1)).map(|&e| e as usize).collect();
+        } else {
+            info.ready = d.importer.event(me, q, pid, &m.ready, "ready")? as usize;
+            info.done = d.importer.event(me, q, pid, &m.done, "done")? as usize;
+            for h in m.phases.iter().take(nphases.saturating_sub(1)) {
+                info.phases.push(d.importer.event(me, q, pid, h, "phase")? as usize);
+            }
         }
         infos.push(info);
     }
