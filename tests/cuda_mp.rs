@@ -467,6 +467,7 @@ fn same_process_ranks_of_a_job() {
     if std::env::var(CHILD_ENV).is_ok() || gpu_count().is_none() {
         return;
     }
+    install_segv_report();
     let topo = Topology::new(1, 2).unwrap();
     let job = fresh_job(79);
     let children: Vec<Child> = (0..2)
@@ -490,4 +491,19 @@ fn same_process_ranks_of_a_job() {
     let after = tide::cuda::ipc::stats();
     assert_eq!((after.vmm_imports, after.legacy_opens, after.event_opens), (before.vmm_imports, before.legacy_opens, before.event_opens));
     say("cuda_mp: two ranks of a job in one process: bitwise equal to the CPU engine");
+}
+
+extern "C" fn segv_report(sig: i32) {
+    let bt = std::backtrace::Backtrace::force_capture();
+    let _ = writeln!(std::io::stderr(), "cuda_mp: signal {sig}; backtrace:\n{bt}");
+    std::process::exit(139);
+}
+
+/// Debug aid: a crash in a test prints where (not async-signal-safe; the process ends anyway).
+fn install_segv_report() {
+    // SAFETY: installing a handler; the handler only runs on a crash.
+    unsafe {
+        libc::signal(libc::SIGSEGV, segv_report as *const () as usize);
+        libc::signal(libc::SIGBUS, segv_report as *const () as usize);
+    }
 }

@@ -309,6 +309,8 @@ pub struct Importer {
     events: HashMap<[u8; 64], CUevent>,
     /// fds received but not imported yet, by (rank, base, size, gen).
     pending: HashMap<(usize, u64, u64, u64), OwnedFd>,
+    /// VMM allocations of this process (other devices) this device was granted access to.
+    granted: HashSet<(u64, u64, u64)>,
 }
 
 // SAFETY: plain handles, used under the owner's lock.
@@ -322,7 +324,37 @@ impl Importer {
             legacy: HashMap::new(),
             events: HashMap::new(),
             pending: HashMap::new(),
+            granted: HashSet::new(),
         }
+    }
+
+    /// A peer in this process: its addresses are valid here, but a VMM allocation is accessible
+    /// only from the devices its mapping grants (peer access does not apply to VMM memory), so
+    /// grant this device read/write access to it, once. Legacy memory needs nothing beyond peer
+    /// access (the caller enables it).
+    pub fn grant_local(&mut self, me: usize, q: usize, a: &AllocDesc) -> Result<()> {
+        if a.kind != KIND_VMM || a.size == 0 || !self.granted.insert((a.base, a.size, a.gen)) {
+            return Ok(());
+        }
+        let desc = sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: self.device as i32,
+            },
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: a mapped range of this process (the peer rank's allocation); one descriptor.
+        let r = unsafe { sys::cuMemSetAccess(a.base, a.size as usize, &desc, 1) };
+        if let Err(e) = check(r, "cuMemSetAccess", || {
+            format!(
+                "rank {me} (device {}): granting access to rank {q}'s VMM allocation {:#x} ({} bytes) in this process",
+                self.device, a.base, a.size
+            )
+        }) {
+            self.granted.remove(&(a.base, a.size, a.gen));
+            return Err(e);
+        }
+        Ok(())
     }
 
     /// This process's address of peer `q`'s allocation `a` (mapping it on first use). VMM fds are

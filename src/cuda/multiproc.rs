@@ -517,10 +517,13 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
         let who = |w: &'static str| move || format!("rank {me} device {ord}: {w} event");
         mail.ready = rs.exporter.event_handle(ready, &who("ready"))?;
         mail.done = rs.exporter.event_handle(done, &who("done"))?;
-        mail.raw_events = vec![ready as u64, done as u64];
-        for e in phases.iter().take(nphases.saturating_sub(1)) {
+        // For peers in this process: the device's own (non-interprocess) events, recorded at the
+        // same points. (Waiting on another context's interprocess event by its raw handle, without
+        // cuIpcOpenEventHandle, crashed the driver on the GPU machine.)
+        mail.raw_events = vec![st.ready as u64, st.done as u64];
+        for (k, e) in phases.iter().take(nphases.saturating_sub(1)).enumerate() {
             mail.phases.push(rs.exporter.event_handle(*e, &who("phase"))?);
-            mail.raw_events.push(*e as u64);
+            mail.raw_events.push(st.phase[k] as u64);
         }
     }
     let need_rail = nodes > 1 && rs.dev.as_ref().map(|d| d.rail.is_none()).unwrap_or(true);
@@ -568,10 +571,8 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
     let mut peer_ids: Vec<Option<nccl::UniqueId>> = vec![None; call.world];
     for q in 0..call.world {
         if q == me {
-            let mut info = local.info.clone();
-            let d = rs.dev.as_ref().expect("device part");
-            info.phases = d.phases.iter().map(|e| *e as usize).collect();
-            infos.push(info);
+            // Own events: the device's (ready, done, phases), as the in-process engine uses them.
+            infos.push(local.info.clone());
             continue;
         }
         let pid = rs.group.pid_of(q);
@@ -619,7 +620,11 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
             }
             let base = match bases[idx] {
                 Some(b) => b,
-                None if same => a.base,
+                None if same => {
+                    d.importer.grant_local(me, q, a)?;
+                    bases[idx] = Some(a.base);
+                    a.base
+                }
                 None => {
                     let b = d.importer.map(me, q, pid, a, &rs.chan, wait_fd)?;
                     bases[idx] = Some(b);
@@ -740,7 +745,7 @@ fn run_phases(
                     wait(rsx, st.ready as usize, &|| "rail stream on ready".into())?;
                     wait(rsx, st.done as usize, &|| "rail stream on the previous done".into())?;
                 } else {
-                    wait(rsx, d.phases[p - 1] as usize, &|| format!("rail stream on phase {}", p - 1))?;
+                    wait(rsx, st.phase[p - 1] as usize, &|| format!("rail stream on phase {}", p - 1))?;
                     for &q in &local_peers {
                         wait(rsx, infos[q].phases[p - 1], &|| format!("rail stream on rank {q}'s phase {}", p - 1))?;
                     }
@@ -777,10 +782,12 @@ fn run_phases(
                 }
             }
             if p + 1 < nphases {
-                // SAFETY: valid event and stream.
-                check(unsafe { sys::cuEventRecord(d.phases[p], main) }, "cuEventRecord", || {
-                    format!("rank {me} device {ord}: phase {p} event")
-                })?;
+                for ev in [st.phase[p], d.phases[p]] {
+                    // SAFETY: valid event and stream.
+                    check(unsafe { sys::cuEventRecord(ev, main) }, "cuEventRecord", || {
+                        format!("rank {me} device {ord}: phase {p} event")
+                    })?;
+                }
                 rs.group.barrier(&format!("phase {p} ({}) of {what}", phase.name))?;
             }
         }
@@ -814,4 +821,34 @@ fn run_phases(
         wait(main, infos[q].done, &|| format!("on rank {q}'s done event"))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mailbox_roundtrip() {
+        let m = Mail {
+            device: 3,
+            pid: 4242,
+            allocs: vec![AllocDesc { base: 0x1000, size: 1 << 20, gen: 2, kind: ipc::KIND_VMM, legacy: [1; 64] }],
+            ready: [5; 64],
+            done: [6; 64],
+            phases: vec![[7; 64], [8; 64]],
+            raw_events: vec![11, 12, 13, 14],
+            inputs: vec![(0, 64, 100), (0, 256, 0)],
+            stages: vec![(0, 4096, 65536)],
+            nccl_id: Some([9; 128]),
+        };
+        let b = m.encode(17);
+        let d = Mail::decode(&b, 17).unwrap();
+        assert_eq!(
+            (d.device, d.pid, d.allocs.clone(), d.ready, d.done, d.phases.clone(), d.raw_events.clone()),
+            (3, 4242, m.allocs.clone(), m.ready, m.done, m.phases.clone(), m.raw_events.clone())
+        );
+        assert_eq!((d.inputs.clone(), d.stages.clone(), d.nccl_id), (m.inputs.clone(), m.stages.clone(), m.nccl_id));
+        assert!(Mail::decode(&b, 18).is_err());
+        assert!(Mail::decode(&b[..b.len() - 1], 17).is_err());
+    }
 }
