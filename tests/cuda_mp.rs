@@ -93,25 +93,40 @@ impl Pool {
         unsafe {
             let mut prop: sys::CUmemAllocationProp = std::mem::zeroed();
             prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-            prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-            prop.location = sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: device };
+            prop.requestedHandleTypes =
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+            prop.location = sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: device,
+            };
             let mut gran = 0usize;
             ck(
-                sys::cuMemGetAllocationGranularity(&mut gran, &prop, sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+                sys::cuMemGetAllocationGranularity(
+                    &mut gran,
+                    &prop,
+                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                ),
                 "cuMemGetAllocationGranularity",
             );
             let size = bytes.div_ceil(gran) * gran;
             let mut h = 0;
             ck(sys::cuMemCreate(&mut h, size, &prop, 0), "cuMemCreate");
             let mut p = 0;
-            ck(sys::cuMemAddressReserve(&mut p, size, 0, 0, 0), "cuMemAddressReserve");
+            ck(
+                sys::cuMemAddressReserve(&mut p, size, 0, 0, 0),
+                "cuMemAddressReserve",
+            );
             ck(sys::cuMemMap(p, size, 0, h, 0), "cuMemMap");
             let desc = sys::CUmemAccessDesc {
                 location: prop.location,
                 flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
             };
             ck(sys::cuMemSetAccess(p, size, &desc, 1), "cuMemSetAccess");
-            Pool { base: p, size, used: 0 }
+            Pool {
+                base: p,
+                size,
+                used: 0,
+            }
         }
     }
 
@@ -122,7 +137,10 @@ impl Pool {
         let p = self.base + off as u64;
         if !data.is_empty() {
             // SAFETY: p holds data.len() bytes.
-            ck(unsafe { sys::cuMemcpyHtoD_v2(p, data.as_ptr() as *const _, data.len()) }, "cuMemcpyHtoD");
+            ck(
+                unsafe { sys::cuMemcpyHtoD_v2(p, data.as_ptr() as *const _, data.len()) },
+                "cuMemcpyHtoD",
+            );
         }
         p
     }
@@ -131,8 +149,14 @@ impl Pool {
 fn alloc_fill(len: usize, byte: u8) -> u64 {
     let mut p = 0;
     // SAFETY: valid out-pointer.
-    ck(unsafe { sys::cuMemAlloc_v2(&mut p, len.max(1)) }, "cuMemAlloc");
-    ck(unsafe { sys::cuMemsetD8_v2(p, byte, len.max(1)) }, "cuMemsetD8");
+    ck(
+        unsafe { sys::cuMemAlloc_v2(&mut p, len.max(1)) },
+        "cuMemAlloc",
+    );
+    ck(
+        unsafe { sys::cuMemsetD8_v2(p, byte, len.max(1)) },
+        "cuMemsetD8",
+    );
     p
 }
 
@@ -140,7 +164,10 @@ fn download(p: u64, len: usize) -> Vec<u8> {
     let mut v = vec![0u8; len];
     if len > 0 {
         // SAFETY: p holds len bytes.
-        ck(unsafe { sys::cuMemcpyDtoH_v2(v.as_mut_ptr() as *mut _, p, len) }, "cuMemcpyDtoH");
+        ck(
+            unsafe { sys::cuMemcpyDtoH_v2(v.as_mut_ptr() as *mut _, p, len) },
+            "cuMemcpyDtoH",
+        );
     }
     v
 }
@@ -164,9 +191,18 @@ fn open_device(ordinal: i32) -> (sys::CUcontext, sys::CUstream) {
     // SAFETY: plain driver calls with valid out-pointers.
     unsafe {
         ck(sys::cuDeviceGet(&mut dev, ordinal), "cuDeviceGet");
-        ck(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain");
+        ck(
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+            "cuDevicePrimaryCtxRetain",
+        );
         ck(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
-        ck(sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32), "cuStreamCreate");
+        ck(
+            sys::cuStreamCreate(
+                &mut stream,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+            ),
+            "cuStreamCreate",
+        );
     }
     (ctx, stream)
 }
@@ -180,23 +216,51 @@ fn setup_child(spec: &str) -> (String, Child) {
     tide::cuda::driver::init().unwrap();
     // Device 0 of this process (CUDA_VISIBLE_DEVICES picks the GPU).
     let (ctx, stream) = open_device(0);
-    (p[0].to_string(), Child { topo, job, rank, device: 0, ctx, stream })
+    (
+        p[0].to_string(),
+        Child {
+            topo,
+            job,
+            rank,
+            device: 0,
+            ctx,
+            stream,
+        },
+    )
 }
 
 /// Runs `op` over the child's topology `reps` times back to back (no host sync in between), then
 /// checks this rank's outputs bitwise against the CPU engine. Returns the call's error, if any.
-fn run_case(c: &Child, pool: &mut Pool, op: Op, site: i64, seed: u64, reps: usize) -> Result<(), String> {
+fn run_case(
+    c: &Child,
+    pool: &mut Pool,
+    op: Op,
+    site: i64,
+    seed: u64,
+    reps: usize,
+) -> Result<(), String> {
     run_case_with(c, pool, op, site, seed, reps, true)
 }
 
 /// `run_case`; `check: false` only enqueues (no host synchronization, no comparison).
-fn run_case_with(c: &Child, pool: &mut Pool, op: Op, site: i64, seed: u64, reps: usize, check: bool) -> Result<(), String> {
+#[allow(clippy::needless_range_loop)] // i indexes the layout, inputs and outputs
+fn run_case_with(
+    c: &Child,
+    pool: &mut Pool,
+    op: Op,
+    site: i64,
+    seed: u64,
+    reps: usize,
+    check: bool,
+) -> Result<(), String> {
     set_ctx(c);
     let world = c.topo.world();
     let layout = GroupLayout::new(&specs(), world).unwrap();
     let plan: Plan = match op {
         Op::AllGather => plan::all_gather(&layout, c.topo).unwrap(),
-        Op::ReduceScatter => plan::reduce_scatter(&layout, c.topo, plan::RsOptions::from_config()).unwrap(),
+        Op::ReduceScatter => {
+            plan::reduce_scatter(&layout, c.topo, plan::RsOptions::from_config()).unwrap()
+        }
     };
     let n = layout.len();
     let inputs: Vec<Vec<Vec<u8>>> = (0..world)
@@ -204,7 +268,11 @@ fn run_case_with(c: &Child, pool: &mut Pool, op: Op, site: i64, seed: u64, reps:
             (0..n)
                 .map(|i| {
                     let mut b = vec![0u8; plan.input_bytes(i)];
-                    fill(&mut b, layout.params[i].dtype, seed ^ ((r as u64) << 32) ^ (i as u64 * 7919));
+                    fill(
+                        &mut b,
+                        layout.params[i].dtype,
+                        seed ^ ((r as u64) << 32) ^ (i as u64 * 7919),
+                    );
                     b
                 })
                 .collect()
@@ -229,8 +297,16 @@ fn run_case_with(c: &Child, pool: &mut Pool, op: Op, site: i64, seed: u64, reps:
             Op::AllGather => (shard_dims(i), p.shape.clone(), p.dtype),
             Op::ReduceScatter => (p.shape.clone(), shard_dims(i), DType::F32),
         };
-        ins.push(BufferView { ptr: ip as usize, dtype: p.dtype, dims: idims });
-        outs.push(BufferView { ptr: o as usize, dtype: odt, dims: odims });
+        ins.push(BufferView {
+            ptr: ip as usize,
+            dtype: p.dtype,
+            dims: idims,
+        });
+        outs.push(BufferView {
+            ptr: o as usize,
+            dtype: odt,
+            dims: odims,
+        });
     }
     let call = CallInfo {
         op,
@@ -247,17 +323,25 @@ fn run_case_with(c: &Child, pool: &mut Pool, op: Op, site: i64, seed: u64, reps:
         stream: c.stream as usize,
     };
     for rep in 0..reps {
-        tide::cuda::execute_job(&call, c.job).map_err(|e| format!("{op:?} {} rank {} rep {rep}: {e}", c.topo, c.rank))?;
+        tide::cuda::execute_job(&call, c.job)
+            .map_err(|e| format!("{op:?} {} rank {} rep {rep}: {e}", c.topo, c.rank))?;
     }
     if !check {
         return Ok(());
     }
     // SAFETY: our stream.
-    ck(unsafe { sys::cuStreamSynchronize(c.stream) }, "cuStreamSynchronize");
+    ck(
+        unsafe { sys::cuStreamSynchronize(c.stream) },
+        "cuStreamSynchronize",
+    );
     for i in 0..n {
         let got = download(optrs[i], plan.output_bytes(i));
         if got != want[c.rank][i] {
-            let first = got.iter().zip(&want[c.rank][i]).position(|(a, b)| a != b).unwrap_or(0);
+            let first = got
+                .iter()
+                .zip(&want[c.rank][i])
+                .position(|(a, b)| a != b)
+                .unwrap_or(0);
             return Err(format!(
                 "{op:?} {} rank {}: {} differs from the CPU engine at byte {first} of {}",
                 c.topo,
@@ -267,20 +351,33 @@ fn run_case_with(c: &Child, pool: &mut Pool, op: Op, site: i64, seed: u64, reps:
             ));
         }
     }
-    println!("cuda_mp: {op:?} {} rank {} x{reps}: bitwise equal to the CPU engine", c.topo, c.rank);
+    println!(
+        "cuda_mp: {op:?} {} rank {} x{reps}: bitwise equal to the CPU engine",
+        c.topo, c.rank
+    );
     Ok(())
 }
 
 /// Child entry point: does nothing unless run by `spawn`.
 #[test]
 fn child_entry() {
-    let Ok(spec) = std::env::var(CHILD_ENV) else { return };
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        return;
+    };
     let (what, c) = setup_child(&spec);
     let mut pool = Pool::new(if what == "kill" { 1 << 30 } else { 64 << 20 }, 0);
     match what.as_str() {
         "match" => {
             let mut site = 100;
-            for (k, op) in [Op::AllGather, Op::ReduceScatter, Op::AllGather, Op::ReduceScatter].into_iter().enumerate() {
+            for (k, op) in [
+                Op::AllGather,
+                Op::ReduceScatter,
+                Op::AllGather,
+                Op::ReduceScatter,
+            ]
+            .into_iter()
+            .enumerate()
+            {
                 site += 1;
                 run_case(&c, &mut pool, op, site, 17 + k as u64, 1).unwrap();
                 site += 1;
@@ -293,7 +390,11 @@ fn child_entry() {
                 assert_eq!(st.vmm_imports, 1, "{st:?}");
                 assert!(st.event_opens >= 2 && st.event_opens < 20, "{st:?}");
             } else {
-                assert_eq!(st.vmm_imports + st.legacy_opens + st.event_opens, 0, "{st:?}");
+                assert_eq!(
+                    st.vmm_imports + st.legacy_opens + st.event_opens,
+                    0,
+                    "{st:?}"
+                );
             }
             println!("cuda_mp child rank {} done", c.rank);
         }
@@ -305,12 +406,20 @@ fn child_entry() {
                 std::process::exit(7);
             }
             let start = Instant::now();
-            let err = run_case(&c, &mut pool, Op::ReduceScatter, 2, 6, 1).expect_err("the peer died: the call must fail");
+            let err = run_case(&c, &mut pool, Op::ReduceScatter, 2, 6, 1)
+                .expect_err("the peer died: the call must fail");
             let took = start.elapsed();
             println!("rank 0 error after {took:?}: {err}");
-            assert!(err.contains("rank 1 (pid") && err.contains("died"), "unclear error: {err}");
-            assert!(took < Duration::from_secs(10), "took {took:?} to notice the dead peer");
-            let again = run_case(&c, &mut pool, Op::AllGather, 3, 7, 1).expect_err("sticky failure");
+            assert!(
+                err.contains("rank 1 (pid") && err.contains("died"),
+                "unclear error: {err}"
+            );
+            assert!(
+                took < Duration::from_secs(10),
+                "took {took:?} to notice the dead peer"
+            );
+            let again =
+                run_case(&c, &mut pool, Op::AllGather, 3, 7, 1).expect_err("sticky failure");
             assert!(again.contains("earlier tide call"), "{again}");
             println!("cuda_mp child rank 0 saw the dead peer");
         }
@@ -328,15 +437,26 @@ fn child_entry() {
             let mut site = 0;
             let err = loop {
                 site += 1;
-                let op = if site % 2 == 0 { Op::AllGather } else { Op::ReduceScatter };
+                let op = if site % 2 == 0 {
+                    Op::AllGather
+                } else {
+                    Op::ReduceScatter
+                };
                 if let Err(e) = run_case_with(&c, &mut pool, op, site, site as u64, 3, false) {
                     break e;
                 }
-                assert!(start.elapsed() < Duration::from_secs(60), "rank {} never failed", c.rank);
+                assert!(
+                    start.elapsed() < Duration::from_secs(60),
+                    "rank {} never failed",
+                    c.rank
+                );
             };
             let took = start.elapsed();
             println!("rank {} error after {took:?} ({site} calls): {err}", c.rank);
-            assert!(err.contains("rank 1 (pid") && err.contains("died"), "unclear error: {err}");
+            assert!(
+                err.contains("rank 1 (pid") && err.contains("died"),
+                "unclear error: {err}"
+            );
             assert!(took < Duration::from_secs(15), "took {took:?}");
             let (tx, rx) = std::sync::mpsc::channel();
             let (ctx, stream) = (c.ctx as usize, c.stream as usize);
@@ -365,7 +485,10 @@ fn gpu_count() -> Option<i32> {
     }
     let mut count = 0;
     // SAFETY: valid out-pointer.
-    ck(unsafe { sys::cuDeviceGetCount(&mut count) }, "cuDeviceGetCount");
+    ck(
+        unsafe { sys::cuDeviceGetCount(&mut count) },
+        "cuDeviceGetCount",
+    );
     if count < 2 {
         say(&format!("SKIPPED cuda_mp: {count} GPU(s), needs 2"));
         return None;
@@ -374,7 +497,10 @@ fn gpu_count() -> Option<i32> {
 }
 
 fn fresh_job(salt: u64) -> u64 {
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
     ((t ^ (std::process::id() as u64) << 20 ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15)) >> 2).max(1)
 }
 
@@ -392,7 +518,10 @@ fn spawn(what: &str, topo: Topology, job: u64) -> Vec<std::process::Output> {
         .map(|rank| {
             Command::new(&exe)
                 .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
-                .env(CHILD_ENV, format!("{what}:{}:{}:{job}:{rank}", topo.nodes, topo.gpus_per_node))
+                .env(
+                    CHILD_ENV,
+                    format!("{what}:{}:{}:{job}:{rank}", topo.nodes, topo.gpus_per_node),
+                )
                 .env("CUDA_VISIBLE_DEVICES", &gpus[rank % gpus.len()])
                 .env("TIDE_RS_SLOT_BYTES", "65536")
                 .env("TIDE_TIMEOUT_S", "60")
@@ -403,11 +532,18 @@ fn spawn(what: &str, topo: Topology, job: u64) -> Vec<std::process::Output> {
                 .unwrap()
         })
         .collect();
-    children.into_iter().map(|c| c.wait_with_output().unwrap()).collect()
+    children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect()
 }
 
 fn report(out: &std::process::Output) -> String {
-    format!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+    format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
 }
 
 #[test]
@@ -421,13 +557,22 @@ fn processes_match_cpu_engine() {
         let outs = spawn("match", topo, fresh_job(10 + k as u64));
         for (rank, out) in outs.iter().enumerate() {
             let text = report(out);
-            for line in text.lines().filter(|l| l.starts_with("cuda_mp") || l.contains("error")) {
+            for line in text
+                .lines()
+                .filter(|l| l.starts_with("cuda_mp") || l.contains("error"))
+            {
                 say(&format!("[{topo} rank {rank}] {line}"));
             }
             assert!(out.status.success(), "{topo}: rank {rank} failed:\n{text}");
-            assert!(text.contains("done"), "{topo}: rank {rank} did not finish:\n{text}");
+            assert!(
+                text.contains("done"),
+                "{topo}: rank {rank} did not finish:\n{text}"
+            );
         }
-        say(&format!("cuda_mp: {topo} over 2 processes: bitwise equal to the CPU engine ({:.1?})", start.elapsed()));
+        say(&format!(
+            "cuda_mp: {topo} over 2 processes: bitwise equal to the CPU engine ({:.1?})",
+            start.elapsed()
+        ));
     }
 }
 
@@ -438,9 +583,19 @@ fn dead_peer_fails_fast() {
     }
     let topo = Topology::new(1, 2).unwrap();
     let outs = spawn("die", topo, fresh_job(77));
-    assert_eq!(outs[1].status.code(), Some(7), "rank 1 should exit with 7:\n{}", report(&outs[1]));
+    assert_eq!(
+        outs[1].status.code(),
+        Some(7),
+        "rank 1 should exit with 7:\n{}",
+        report(&outs[1])
+    );
     let text = report(&outs[0]);
-    say(&format!("cuda_mp dead peer: {}", text.lines().find(|l| l.contains("error after")).unwrap_or("?")));
+    say(&format!(
+        "cuda_mp dead peer: {}",
+        text.lines()
+            .find(|l| l.contains("error after"))
+            .unwrap_or("?")
+    ));
     assert!(outs[0].status.success(), "rank 0:\n{text}");
     assert!(text.contains("saw the dead peer"), "{text}");
 }
@@ -453,7 +608,10 @@ fn dead_peer_mid_stream_fails_fast() {
     let topo = Topology::new(1, 2).unwrap();
     let outs = spawn("kill", topo, fresh_job(78));
     let text = report(&outs[0]);
-    for line in text.lines().filter(|l| l.starts_with("cuda_mp kill") || l.contains("error after")) {
+    for line in text
+        .lines()
+        .filter(|l| l.starts_with("cuda_mp kill") || l.contains("error after"))
+    {
         say(&format!("cuda_mp killed peer: {line}"));
     }
     assert!(outs[0].status.success(), "rank 0:\n{text}");
@@ -473,7 +631,14 @@ fn same_process_ranks_of_a_job() {
     let children: Vec<Child> = (0..2)
         .map(|r| {
             let (ctx, stream) = open_device(r as i32);
-            Child { topo, job, rank: r, device: r as i64, ctx, stream }
+            Child {
+                topo,
+                job,
+                rank: r,
+                device: r as i64,
+                ctx,
+                stream,
+            }
         })
         .collect();
     let before = tide::cuda::ipc::stats();
@@ -489,7 +654,10 @@ fn same_process_ranks_of_a_job() {
         }
     });
     let after = tide::cuda::ipc::stats();
-    assert_eq!((after.vmm_imports, after.legacy_opens, after.event_opens), (before.vmm_imports, before.legacy_opens, before.event_opens));
+    assert_eq!(
+        (after.vmm_imports, after.legacy_opens, after.event_opens),
+        (before.vmm_imports, before.legacy_opens, before.event_opens)
+    );
     say("cuda_mp: two ranks of a job in one process: bitwise equal to the CPU engine");
 }
 

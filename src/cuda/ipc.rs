@@ -138,8 +138,9 @@ impl Exporter {
         let offset = ptr - base;
         let mut h: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: valid out-pointer; base is a mapped device address. Fails on non-VMM memory.
-        let vmm = unsafe { sys::cuMemRetainAllocationHandle(&mut h, base as *mut std::ffi::c_void) }
-            == sys::CUresult::CUDA_SUCCESS;
+        let vmm =
+            unsafe { sys::cuMemRetainAllocationHandle(&mut h, base as *mut std::ffi::c_void) }
+                == sys::CUresult::CUDA_SUCCESS;
         if vmm {
             if let Some(e) = self.by_base.get(&base) {
                 if e.kind == KIND_VMM && e.size == size as u64 && e.handle == h {
@@ -267,25 +268,35 @@ impl Exporter {
     }
 
     /// `cuIpcGetEventHandle` of an interprocess event (cached).
-    pub fn event_handle(&mut self, ev: CUevent, who: &dyn Fn() -> String) -> Result<[u8; 64]> {
-        if let Some(h) = self.events.get(&(ev as usize)) {
+    pub fn event_handle(&mut self, ev: usize, who: &dyn Fn() -> String) -> Result<[u8; 64]> {
+        if let Some(h) = self.events.get(&ev) {
             return Ok(*h);
         }
         let mut eh: sys::CUipcEventHandle = unsafe { std::mem::zeroed() };
         // SAFETY: valid out-pointer; ev was created with CU_EVENT_INTERPROCESS.
-        check(unsafe { sys::cuIpcGetEventHandle(&mut eh, ev) }, "cuIpcGetEventHandle", who)?;
+        check(
+            unsafe { sys::cuIpcGetEventHandle(&mut eh, ev as CUevent) },
+            "cuIpcGetEventHandle",
+            who,
+        )?;
         let mut h = [0u8; 64];
         for (d, s) in h.iter_mut().zip(eh.reserved.iter()) {
             *d = *s as u8;
         }
-        self.events.insert(ev as usize, h);
+        self.events.insert(ev, h);
         Ok(h)
     }
 }
 
 impl Exported {
     fn desc(&self, base: u64) -> AllocDesc {
-        AllocDesc { base, size: self.size, gen: self.gen, kind: self.kind, legacy: self.legacy }
+        AllocDesc {
+            base,
+            size: self.size,
+            gen: self.gen,
+            kind: self.kind,
+            legacy: self.legacy,
+        }
     }
 }
 
@@ -293,11 +304,14 @@ impl Exported {
 /// The device's context must be current.
 pub fn ipc_event(device: i64, what: &str) -> Result<CUevent> {
     let mut e: CUevent = std::ptr::null_mut();
-    let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32 | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+    let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
+        | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
     // SAFETY: valid out-pointer; context current.
-    check(unsafe { sys::cuEventCreate(&mut e, flags) }, "cuEventCreate(INTERPROCESS)", || {
-        format!("device {device}, {what} event")
-    })?;
+    check(
+        unsafe { sys::cuEventCreate(&mut e, flags) },
+        "cuEventCreate(INTERPROCESS)",
+        || format!("device {device}, {what} event"),
+    )?;
     Ok(e)
 }
 
@@ -359,9 +373,19 @@ impl Importer {
 
     /// This process's address of peer `q`'s allocation `a` (mapping it on first use). VMM fds are
     /// taken from `chan` (sent before the barrier the caller passed), waiting at most `wait`.
-    pub fn map(&mut self, me: usize, q: usize, pid: u64, a: &AllocDesc, chan: &FdChannel, wait: Duration) -> Result<u64> {
+    pub fn map(
+        &mut self,
+        me: usize,
+        q: usize,
+        pid: u64,
+        a: &AllocDesc,
+        chan: &FdChannel,
+        wait: Duration,
+    ) -> Result<u64> {
         let device = self.device;
-        let who = |call: &str| format!("rank {me} (device {device}) importing rank {q}'s (pid {pid}) allocation {:#x} ({} bytes) [{call}]", a.base, a.size);
+        let who = |call: &str| {
+            format!("rank {me} (device {device}) importing rank {q}'s (pid {pid}) allocation {:#x} ({} bytes) [{call}]", a.base, a.size)
+        };
         match a.kind {
             KIND_LEGACY => {
                 if let Some(&p) = self.legacy.get(&a.legacy) {
@@ -393,7 +417,9 @@ impl Importer {
                 if let Some(&p) = self.vmm.get(&key) {
                     return Ok(p);
                 }
-                let fd = self.take_fd(key, chan, wait).map_err(|e| TideError::Rendezvous(format!("{}: {e}", who("fd"))))?;
+                let fd = self
+                    .take_fd(key, chan, wait)
+                    .map_err(|e| TideError::Rendezvous(format!("{}: {e}", who("fd"))))?;
                 let mut h: sys::CUmemGenericAllocationHandle = 0;
                 // SAFETY: valid out-pointer; for POSIX fds the "os handle" is the fd value itself.
                 check(
@@ -449,11 +475,19 @@ impl Importer {
                 log::info!("tide: rank {me} mapped rank {q}'s (pid {pid}) VMM allocation {:#x} ({} bytes) at {p:#x}", a.base, a.size);
                 Ok(p)
             }
-            k => Err(TideError::Internal(format!("{}: unknown allocation kind {k}", who("describe")))),
+            k => Err(TideError::Internal(format!(
+                "{}: unknown allocation kind {k}",
+                who("describe")
+            ))),
         }
     }
 
-    fn take_fd(&mut self, key: (usize, u64, u64, u64), chan: &FdChannel, wait: Duration) -> std::io::Result<OwnedFd> {
+    fn take_fd(
+        &mut self,
+        key: (usize, u64, u64, u64),
+        chan: &FdChannel,
+        wait: Duration,
+    ) -> std::io::Result<OwnedFd> {
         let deadline = Instant::now() + wait;
         loop {
             if let Some(fd) = self.pending.remove(&key) {
@@ -462,12 +496,16 @@ impl Importer {
             let left = deadline.saturating_duration_since(Instant::now());
             match chan.recv(left)? {
                 Some((m, fd)) => {
-                    self.pending.insert((m.from as usize, m.base, m.size, m.gen), fd);
+                    self.pending
+                        .insert((m.from as usize, m.base, m.size, m.gen), fd);
                 }
                 None => {
                     return Err(std::io::Error::new(
                         std::io::ErrorKind::TimedOut,
-                        format!("no file descriptor for it arrived on {:?} within {wait:?}", chan.name),
+                        format!(
+                            "no file descriptor for it arrived on {:?} within {wait:?}",
+                            chan.name
+                        ),
                     ))
                 }
             }
@@ -475,7 +513,14 @@ impl Importer {
     }
 
     /// Peer `q`'s interprocess event, opened once per handle.
-    pub fn event(&mut self, me: usize, q: usize, pid: u64, handle: &[u8; 64], what: &str) -> Result<CUevent> {
+    pub fn event(
+        &mut self,
+        me: usize,
+        q: usize,
+        pid: u64,
+        handle: &[u8; 64],
+        what: &str,
+    ) -> Result<CUevent> {
         if let Some(&e) = self.events.get(handle) {
             return Ok(e);
         }
@@ -485,9 +530,16 @@ impl Importer {
         }
         let mut e: CUevent = std::ptr::null_mut();
         // SAFETY: valid out-pointer; handle bytes from the peer's cuIpcGetEventHandle.
-        check(unsafe { sys::cuIpcOpenEventHandle(&mut e, eh) }, "cuIpcOpenEventHandle", || {
-            format!("rank {me} (device {}) opening rank {q}'s (pid {pid}) {what} event", self.device)
-        })?;
+        check(
+            unsafe { sys::cuIpcOpenEventHandle(&mut e, eh) },
+            "cuIpcOpenEventHandle",
+            || {
+                format!(
+                    "rank {me} (device {}) opening rank {q}'s (pid {pid}) {what} event",
+                    self.device
+                )
+            },
+        )?;
         self.events.insert(*handle, e);
         EVENT_OPENS.fetch_add(1, Ordering::Relaxed);
         Ok(e)
@@ -517,7 +569,10 @@ fn sockaddr(name: &str) -> std::io::Result<(libc::sockaddr_un, libc::socklen_t)>
     a.sun_family = libc::AF_UNIX as libc::sa_family_t;
     let b = name.as_bytes();
     if b.len() + 1 > a.sun_path.len() {
-        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "socket name too long"));
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "socket name too long",
+        ));
     }
     // Abstract namespace: leading NUL, no file.
     for (i, &c) in b.iter().enumerate() {
@@ -543,21 +598,40 @@ impl FdChannel {
         let sock = unsafe { OwnedFd::from_raw_fd(s) };
         let (a, len) = sockaddr(name)?;
         // SAFETY: a is a valid sockaddr_un of length len.
-        if unsafe { libc::bind(sock.as_raw_fd(), &a as *const _ as *const libc::sockaddr, len) } != 0 {
+        if unsafe {
+            libc::bind(
+                sock.as_raw_fd(),
+                &a as *const _ as *const libc::sockaddr,
+                len,
+            )
+        } != 0
+        {
             let e = std::io::Error::last_os_error();
-            return Err(std::io::Error::new(e.kind(), format!("bind(@{name}): {e} (another process holds this rank?)")));
+            return Err(std::io::Error::new(
+                e.kind(),
+                format!("bind(@{name}): {e} (another process holds this rank?)"),
+            ));
         }
-        Ok(FdChannel { sock, name: name.to_string() })
+        Ok(FdChannel {
+            sock,
+            name: name.to_string(),
+        })
     }
 
     /// Sends `fd` with `msg` to the socket named `to` (never blocks: a full queue is an error).
     pub fn send(&self, to: &str, msg: &FdMsg, fd: RawFd) -> std::io::Result<()> {
         let (a, len) = sockaddr(to)?;
         let mut payload = [0u8; 40];
-        for (i, v) in [FD_MAGIC, msg.from, msg.base, msg.size, msg.gen].iter().enumerate() {
+        for (i, v) in [FD_MAGIC, msg.from, msg.base, msg.size, msg.gen]
+            .iter()
+            .enumerate()
+        {
             payload[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
         }
-        let mut iov = libc::iovec { iov_base: payload.as_mut_ptr() as *mut _, iov_len: payload.len() };
+        let mut iov = libc::iovec {
+            iov_base: payload.as_mut_ptr() as *mut _,
+            iov_len: payload.len(),
+        };
         let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
         let mut cbuf = vec![0u8; space];
         // SAFETY: msghdr zeroed then filled with valid pointers that outlive sendmsg.
@@ -574,12 +648,22 @@ impl FdChannel {
             (*c).cmsg_level = libc::SOL_SOCKET;
             (*c).cmsg_type = libc::SCM_RIGHTS;
             (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-            std::ptr::copy_nonoverlapping(&fd as *const RawFd as *const u8, libc::CMSG_DATA(c), std::mem::size_of::<RawFd>());
+            std::ptr::copy_nonoverlapping(
+                &fd as *const RawFd as *const u8,
+                libc::CMSG_DATA(c),
+                std::mem::size_of::<RawFd>(),
+            );
         }
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
             // SAFETY: mh valid as above.
-            let r = unsafe { libc::sendmsg(self.sock.as_raw_fd(), &mh, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+            let r = unsafe {
+                libc::sendmsg(
+                    self.sock.as_raw_fd(),
+                    &mh,
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            };
             if r >= 0 {
                 return Ok(());
             }
@@ -597,7 +681,10 @@ impl FdChannel {
         let deadline = Instant::now() + wait;
         loop {
             let mut payload = [0u8; 40];
-            let mut iov = libc::iovec { iov_base: payload.as_mut_ptr() as *mut _, iov_len: payload.len() };
+            let mut iov = libc::iovec {
+                iov_base: payload.as_mut_ptr() as *mut _,
+                iov_len: payload.len(),
+            };
             let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
             let mut cbuf = vec![0u8; space];
             // SAFETY: as in send.
@@ -607,16 +694,27 @@ impl FdChannel {
             mh.msg_control = cbuf.as_mut_ptr() as *mut _;
             mh.msg_controllen = space as _;
             // SAFETY: mh valid.
-            let r = unsafe { libc::recvmsg(self.sock.as_raw_fd(), &mut mh, libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC) };
+            let r = unsafe {
+                libc::recvmsg(
+                    self.sock.as_raw_fd(),
+                    &mut mh,
+                    libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC,
+                )
+            };
             if r >= 0 {
                 // SAFETY: walk the control messages the kernel wrote.
                 let mut fd: Option<OwnedFd> = None;
                 unsafe {
                     let mut c = libc::CMSG_FIRSTHDR(&mh);
                     while !c.is_null() {
-                        if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                        if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS
+                        {
                             let mut raw: RawFd = -1;
-                            std::ptr::copy_nonoverlapping(libc::CMSG_DATA(c), &mut raw as *mut RawFd as *mut u8, std::mem::size_of::<RawFd>());
+                            std::ptr::copy_nonoverlapping(
+                                libc::CMSG_DATA(c),
+                                &mut raw as *mut RawFd as *mut u8,
+                                std::mem::size_of::<RawFd>(),
+                            );
                             if raw >= 0 {
                                 fd = Some(OwnedFd::from_raw_fd(raw));
                             }
@@ -624,12 +722,21 @@ impl FdChannel {
                         c = libc::CMSG_NXTHDR(&mh, c);
                     }
                 }
-                let u = |i: usize| u64::from_le_bytes(payload[i * 8..i * 8 + 8].try_into().unwrap());
+                let u =
+                    |i: usize| u64::from_le_bytes(payload[i * 8..i * 8 + 8].try_into().unwrap());
                 if r as usize != payload.len() || u(0) != FD_MAGIC {
                     continue; // not ours: drop it (and its fd)
                 }
                 let Some(fd) = fd else { continue };
-                return Ok(Some((FdMsg { from: u(1), base: u(2), size: u(3), gen: u(4) }, fd)));
+                return Ok(Some((
+                    FdMsg {
+                        from: u(1),
+                        base: u(2),
+                        size: u(3),
+                        gen: u(4),
+                    },
+                    fd,
+                )));
             }
             let e = std::io::Error::last_os_error();
             if e.kind() != std::io::ErrorKind::WouldBlock {
@@ -640,7 +747,11 @@ impl FdChannel {
                 return Ok(None);
             }
             let ms = (deadline - now).as_millis().clamp(1, 50) as i32;
-            let mut p = libc::pollfd { fd: self.sock.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            let mut p = libc::pollfd {
+                fd: self.sock.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
             // SAFETY: one valid pollfd.
             unsafe { libc::poll(&mut p, 1, ms) };
         }
@@ -658,13 +769,24 @@ mod tests {
         let a = FdChannel::bind(&name_a).unwrap();
         let b = FdChannel::bind(&name_b).unwrap();
         let f = std::fs::File::open("/proc/self/stat").unwrap();
-        let m = FdMsg { from: 3, base: 0x1000, size: 4096, gen: 7 };
+        let m = FdMsg {
+            from: 3,
+            base: 0x1000,
+            size: 4096,
+            gen: 7,
+        };
         a.send(&name_b, &m, f.as_raw_fd()).unwrap();
         let (got, fd) = b.recv(Duration::from_secs(2)).unwrap().expect("a message");
         assert_eq!(got, m);
         assert_ne!(fd.as_raw_fd(), f.as_raw_fd());
         assert!(b.recv(Duration::from_millis(10)).unwrap().is_none());
-        let d = AllocDesc { base: 1, size: 2, gen: 3, kind: KIND_VMM, legacy: [9; 64] };
+        let d = AllocDesc {
+            base: 1,
+            size: 2,
+            gen: 3,
+            kind: KIND_VMM,
+            legacy: [9; 64],
+        };
         let mut v = Vec::new();
         d.encode(&mut v);
         assert_eq!(v.len(), AllocDesc::WIRE_BYTES);

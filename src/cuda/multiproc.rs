@@ -91,7 +91,8 @@ struct DevPart {
 unsafe impl Send for RankState {}
 
 type Key = (u64, usize, usize);
-static STATES: Lazy<Mutex<HashMap<Key, Arc<Mutex<RankState>>>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+static STATES: Lazy<Mutex<HashMap<Key, Arc<Mutex<RankState>>>>> =
+    Lazy::new(|| Mutex::new(HashMap::new()));
 
 fn state_for(job: u64, group: usize, rank: usize, world: usize) -> Result<Arc<Mutex<RankState>>> {
     let key = (job, group, rank);
@@ -107,12 +108,19 @@ fn state_for(job: u64, group: usize, rank: usize, world: usize) -> Result<Arc<Mu
             unlink_name(&name);
             match Segment::create(&name, MAILBOX_BYTES)? {
                 Created::New(s) => s,
-                Created::Exists => return Err(TideError::Rendezvous(format!("{name} keeps reappearing: two processes claim rank {rank}"))),
+                Created::Exists => {
+                    return Err(TideError::Rendezvous(format!(
+                        "{name} keeps reappearing: two processes claim rank {rank}"
+                    )))
+                }
             }
         }
     };
-    let chan = FdChannel::bind(&FdChannel::name_of(job, group, rank))
-        .map_err(|e| TideError::Rendezvous(format!("rank {rank} of group {group} (job {job:016x}): {e}")))?;
+    let chan = FdChannel::bind(&FdChannel::name_of(job, group, rank)).map_err(|e| {
+        TideError::Rendezvous(format!(
+            "rank {rank} of group {group} (job {job:016x}): {e}"
+        ))
+    })?;
     let mut pg = ProcessGroup::create(job, group, rank, world, Timing::from_config())?;
     let connected = pg.connect();
     let mut st = RankState {
@@ -135,7 +143,11 @@ fn state_for(job: u64, group: usize, rank: usize, world: usize) -> Result<Arc<Mu
             let n = segment_name(job, group, q, "cu");
             match Segment::open(&n, MAILBOX_BYTES)? {
                 Some(s) => st.peer_boxes[q] = Some(s),
-                None => return Err(st.group.fail_with(format!("rank {rank}: rank {q}'s CUDA mailbox {n} is missing"))),
+                None => {
+                    return Err(st.group.fail_with(format!(
+                        "rank {rank}: rank {q}'s CUDA mailbox {n} is missing"
+                    )))
+                }
             }
         }
         st.group.barrier("CUDA mailboxes mapped")?;
@@ -144,7 +156,11 @@ fn state_for(job: u64, group: usize, rank: usize, world: usize) -> Result<Arc<Mu
     });
     let s = Arc::new(Mutex::new(st));
     // Keep the state even when connecting failed: its failure is sticky and visible to peers.
-    STATES.lock().unwrap_or_else(|e| e.into_inner()).entry(key).or_insert(s.clone());
+    STATES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(key)
+        .or_insert(s.clone());
     result.map(|()| s)
 }
 
@@ -152,8 +168,16 @@ fn state_for(job: u64, group: usize, rank: usize, world: usize) -> Result<Arc<Mu
 /// every process). Enqueues work on XLA's stream `call.stream`; never synchronizes the host with
 /// the device.
 pub fn execute(call: &CallInfo, job: u64) -> Result<()> {
-    let what = format!("tide {} call (site {}) on rank {} of group {}", op_name(call.op), call.site, call.rank, call.group);
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| execute_inner(call, job, &what))) {
+    let what = format!(
+        "tide {} call (site {}) on rank {} of group {}",
+        op_name(call.op),
+        call.site,
+        call.rank,
+        call.group
+    );
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        execute_inner(call, job, &what)
+    })) {
         Ok(r) => r,
         Err(p) => {
             let msg = p
@@ -161,26 +185,58 @@ pub fn execute(call: &CallInfo, job: u64) -> Result<()> {
                 .cloned()
                 .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "unknown panic".into());
-            let err = TideError::Internal(format!("panic in the multi-process CUDA engine ({what}): {msg}"));
+            let err = TideError::Internal(format!(
+                "panic in the multi-process CUDA engine ({what}): {msg}"
+            ));
             fail(call, job, &err);
             Err(err)
         }
     }
 }
 
-/// Records `err` as this rank's failure in `job` so its peers fail fast with it.
+/// Records `err` as this rank's failure in `job` so its peers fail fast with it (for an error the
+/// caller hit before `execute`, e.g. a bad operand at the FFI edge). Without a connected state yet,
+/// publishes the failure in a fresh control block that peers see when they connect (kept for the
+/// life of the process: the group is unusable after a failure anyway).
 pub fn fail(call: &CallInfo, job: u64, err: &TideError) {
-    let s = STATES.lock().unwrap_or_else(|e| e.into_inner()).get(&(job, call.group, call.rank)).cloned();
-    if let Some(s) = s {
-        if let Ok(st) = s.try_lock() {
-            st.group.fail_with(format!("tide {} (site {}) on rank {}: {err}", op_name(call.op), call.site, call.rank));
+    let msg = format!(
+        "tide {} (site {}) on rank {}: {err}",
+        op_name(call.op),
+        call.site,
+        call.rank
+    );
+    let s = STATES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&(job, call.group, call.rank))
+        .cloned();
+    match s {
+        Some(s) => {
+            s.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .group
+                .fail_with(msg);
+        }
+        None => {
+            if let Ok(pg) = ProcessGroup::create(
+                job,
+                call.group,
+                call.rank,
+                call.world,
+                Timing::from_config(),
+            ) {
+                pg.fail_with(msg);
+                Box::leak(Box::new(pg));
+            }
         }
     }
 }
 
 fn execute_inner(call: &CallInfo, job: u64, what_base: &str) -> Result<()> {
     if job == 0 {
-        return Err(TideError::Internal(format!("{what_base}: multi-process CUDA path called with job 0")));
+        return Err(TideError::Internal(format!(
+            "{what_base}: multi-process CUDA path called with job 0"
+        )));
     }
     if call.rank >= call.world {
         return crate::invalid!("{what_base}: rank outside world size {}", call.world);
@@ -189,10 +245,15 @@ fn execute_inner(call: &CallInfo, job: u64, what_base: &str) -> Result<()> {
     let mut guard = state.lock().unwrap_or_else(|e| e.into_inner());
     let rs = &mut *guard;
     if rs.world != call.world {
-        return Err(rs.group.fail_with(format!("{what_base}: world size {} but this group has {}", call.world, rs.world)));
+        return Err(rs.group.fail_with(format!(
+            "{what_base}: world size {} but this group has {}",
+            call.world, rs.world
+        )));
     }
     if let Some(why) = rs.group.failure() {
-        return Err(TideError::Rendezvous(format!("{what_base}: an earlier tide call of this job failed, the group is unusable: {why}")));
+        return Err(TideError::Rendezvous(format!(
+            "{what_base}: an earlier tide call of this job failed, the group is unusable: {why}"
+        )));
     }
     let seq = rs.seq;
     rs.seq += 1;
@@ -291,11 +352,15 @@ impl Mail {
     fn decode(b: &[u8], seq: u64) -> std::result::Result<Mail, String> {
         let mut pos = 0usize;
         let mut take = |n: usize| -> std::result::Result<&[u8], String> {
-            let s = b.get(pos..pos + n).ok_or_else(|| format!("truncated at byte {pos}"))?;
+            let s = b
+                .get(pos..pos + n)
+                .ok_or_else(|| format!("truncated at byte {pos}"))?;
             pos += n;
             Ok(s)
         };
-        let mut u = || -> std::result::Result<u64, String> { Ok(u64::from_le_bytes(take(8)?.try_into().unwrap())) };
+        let mut u = || -> std::result::Result<u64, String> {
+            Ok(u64::from_le_bytes(take(8)?.try_into().unwrap()))
+        };
         let _len = u()?;
         if u()? != MAILBOX_MAGIC {
             return Err("bad magic".into());
@@ -306,11 +371,21 @@ impl Mail {
         }
         let device = u()? as i64;
         let pid = u()?;
-        let (na, np, ni, ns, has_id) = (u()? as usize, u()? as usize, u()? as usize, u()? as usize, u()? != 0);
-        drop(u);
-        let mut m = Mail { device, pid, ..Default::default() };
+        let (na, np, ni, ns, has_id) = (
+            u()? as usize,
+            u()? as usize,
+            u()? as usize,
+            u()? as usize,
+            u()? != 0,
+        );
+        let mut m = Mail {
+            device,
+            pid,
+            ..Default::default()
+        };
         for _ in 0..na {
-            m.allocs.push(AllocDesc::decode(take(AllocDesc::WIRE_BYTES)?).ok_or("bad allocation")?);
+            m.allocs
+                .push(AllocDesc::decode(take(AllocDesc::WIRE_BYTES)?).ok_or("bad allocation")?);
         }
         m.ready.copy_from_slice(take(64)?);
         m.done.copy_from_slice(take(64)?);
@@ -366,11 +441,25 @@ fn rail_ops(plan: &Plan, rank: usize, g: usize) -> Vec<Vec<RailOp>> {
                 .iter()
                 .enumerate()
                 .filter_map(|(k, s)| match &s.action {
-                    Action::Copy { src, dst, bytes } if *bytes > 0 && src.rank / g != dst.rank / g => {
+                    Action::Copy { src, dst, bytes }
+                        if *bytes > 0 && src.rank / g != dst.rank / g =>
+                    {
                         if dst.rank == rank {
-                            Some(RailOp { send: false, mine: *dst, bytes: *bytes, peer_node: src.rank / g, step: k })
+                            Some(RailOp {
+                                send: false,
+                                mine: *dst,
+                                bytes: *bytes,
+                                peer_node: src.rank / g,
+                                step: k,
+                            })
                         } else if src.rank == rank {
-                            Some(RailOp { send: true, mine: *src, bytes: *bytes, peer_node: dst.rank / g, step: k })
+                            Some(RailOp {
+                                send: true,
+                                mine: *src,
+                                bytes: *bytes,
+                                peer_node: dst.rank / g,
+                                step: k,
+                            })
                         } else {
                             None
                         }
@@ -382,8 +471,15 @@ fn rail_ops(plan: &Plan, rank: usize, g: usize) -> Vec<Vec<RailOp>> {
         .collect()
 }
 
+/// A region and its length in bytes.
+type Span = (Region, usize);
+
 fn overlaps(a: &Region, alen: usize, b: &Region, blen: usize) -> bool {
-    a.rank == b.rank && a.kind == b.kind && a.index == b.index && a.offset < b.offset + blen && b.offset < a.offset + alen
+    a.rank == b.rank
+        && a.kind == b.kind
+        && a.index == b.index
+        && a.offset < b.offset + blen
+        && b.offset < a.offset + alen
 }
 
 /// Plan rules this path relies on: pull-only (no step reads another rank's `Output`), and no step
@@ -396,16 +492,20 @@ fn check_plan(plan: &Plan, g: usize) -> Result<()> {
             .iter()
             .enumerate()
             .filter_map(|(k, s)| match &s.action {
-                Action::Copy { src, dst, bytes } if *bytes > 0 && src.rank / g != dst.rank / g => Some((k, *src, *dst, *bytes)),
+                Action::Copy { src, dst, bytes } if *bytes > 0 && src.rank / g != dst.rank / g => {
+                    Some((k, *src, *dst, *bytes))
+                }
                 _ => None,
             })
             .collect();
         for (k, s) in ph.steps.iter().enumerate() {
-            let (reads, writes): (Vec<(Region, usize)>, Vec<(Region, usize)>) = match &s.action {
+            let (reads, writes): (Vec<Span>, Vec<Span>) = match &s.action {
                 Action::Copy { src, dst, bytes } => (vec![(*src, *bytes)], vec![(*dst, *bytes)]),
                 Action::Zero { dst, bytes } => (vec![], vec![(*dst, *bytes)]),
                 Action::Reduce { dst, srcs, elems } => (
-                    srcs.iter().map(|o| (o.region, elems * o.dtype.size_bytes())).collect(),
+                    srcs.iter()
+                        .map(|o| (o.region, elems * o.dtype.size_bytes()))
+                        .collect(),
                     vec![(*dst, elems * 4)],
                 ),
             };
@@ -422,7 +522,9 @@ fn check_plan(plan: &Plan, g: usize) -> Result<()> {
                     continue;
                 }
                 let before = k < rk;
-                let clash = writes.iter().any(|(w, n)| overlaps(w, *n, &src, bytes) || overlaps(w, *n, &dst, bytes))
+                let clash = writes
+                    .iter()
+                    .any(|(w, n)| overlaps(w, *n, &src, bytes) || overlaps(w, *n, &dst, bytes))
                     || (before && reads.iter().any(|(r, n)| overlaps(r, *n, &dst, bytes)));
                 if clash {
                     return Err(TideError::Internal(format!(
@@ -442,9 +544,11 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
     let me = call.rank;
     driver::init()?;
     let dev = device::get(ord)?;
-    let mut st = dev
-        .lock()
-        .map_err(|_| TideError::Internal(format!("CUDA device {ord} state poisoned by an earlier panic")))?;
+    let mut st = dev.lock().map_err(|_| {
+        TideError::Internal(format!(
+            "CUDA device {ord} state poisoned by an earlier panic"
+        ))
+    })?;
     let _ctx = driver::CtxGuard::set(st.ctx, ord)?;
     ensure_dev(rs, ord)?;
     let local = prepare(call, &mut st, true)?;
@@ -470,7 +574,9 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
             let mut e: CUevent = std::ptr::null_mut();
             // SAFETY: context current; valid out-pointer.
             check(
-                unsafe { sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) },
+                unsafe {
+                    sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+                },
                 "cuEventCreate",
                 || format!("device {ord}, rail event"),
             )?;
@@ -478,18 +584,33 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
         }
         // Rule 1 for peers in other processes: the interprocess twin of `ready`, right after it.
         // SAFETY: valid event and stream.
-        check(unsafe { sys::cuEventRecord(d.ready, stream) }, "cuEventRecord", || format!("rank {me} device {ord}: ready (interprocess)"))?;
+        check(
+            unsafe { sys::cuEventRecord(d.ready, stream) },
+            "cuEventRecord",
+            || format!("rank {me} device {ord}: ready (interprocess)"),
+        )?;
     }
 
     // The mailbox.
     let my_pid = std::process::id() as u64;
-    let mut mail = Mail { device: ord, pid: my_pid, ..Default::default() };
+    let mut mail = Mail {
+        device: ord,
+        pid: my_pid,
+        ..Default::default()
+    };
     let mut alloc_index: HashMap<(u64, u64), usize> = HashMap::new();
-    let mut describe = |rs: &mut RankState, mail: &mut Mail, ptr: u64, bytes: usize, label: String| -> Result<(usize, u64, usize)> {
+    let mut describe = |rs: &mut RankState,
+                        mail: &mut Mail,
+                        ptr: u64,
+                        bytes: usize,
+                        label: String|
+     -> Result<(usize, u64, usize)> {
         if bytes == 0 || ptr == 0 {
             return Ok((0, 0, 0));
         }
-        let (a, off) = rs.exporter.describe(ptr, &|| format!("rank {me} device {ord}, {label}"))?;
+        let (a, off) = rs
+            .exporter
+            .describe(ptr, &|| format!("rank {me} device {ord}, {label}"))?;
         let idx = *alloc_index.entry((a.base, a.gen)).or_insert_with(|| {
             mail.allocs.push(a);
             mail.allocs.len() - 1
@@ -506,7 +627,13 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
     }
     if mail.allocs.is_empty() {
         // Keep index 0 valid for empty buffers.
-        mail.allocs.push(AllocDesc { base: 0, size: 0, gen: 0, kind: ipc::KIND_LEGACY, legacy: [0; 64] });
+        mail.allocs.push(AllocDesc {
+            base: 0,
+            size: 0,
+            gen: 0,
+            kind: ipc::KIND_LEGACY,
+            legacy: [0; 64],
+        });
         for e in mail.inputs.iter_mut().chain(mail.stages.iter_mut()) {
             e.0 = 0;
         }
@@ -515,14 +642,15 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
         let d = rs.dev.as_ref().expect("device part");
         let (ready, done, phases) = (d.ready, d.done, d.phases.clone());
         let who = |w: &'static str| move || format!("rank {me} device {ord}: {w} event");
-        mail.ready = rs.exporter.event_handle(ready, &who("ready"))?;
-        mail.done = rs.exporter.event_handle(done, &who("done"))?;
+        mail.ready = rs.exporter.event_handle(ready as usize, &who("ready"))?;
+        mail.done = rs.exporter.event_handle(done as usize, &who("done"))?;
         // For peers in this process: the device's own (non-interprocess) events, recorded at the
         // same points. (Waiting on another context's interprocess event by its raw handle, without
         // cuIpcOpenEventHandle, crashed the driver on the GPU machine.)
         mail.raw_events = vec![st.ready as u64, st.done as u64];
         for (k, e) in phases.iter().take(nphases.saturating_sub(1)).enumerate() {
-            mail.phases.push(rs.exporter.event_handle(*e, &who("phase"))?);
+            mail.phases
+                .push(rs.exporter.event_handle(*e as usize, &who("phase"))?);
             mail.raw_events.push(st.phase[k] as u64);
         }
     }
@@ -533,13 +661,18 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
     }
     let bytes = mail.encode(seq);
     if bytes.len() > MAILBOX_BYTES {
-        return crate::invalid!("{what}: {} bytes to publish exceed the CUDA mailbox ({MAILBOX_BYTES} bytes)", bytes.len());
+        return crate::invalid!(
+            "{what}: {} bytes to publish exceed the CUDA mailbox ({MAILBOX_BYTES} bytes)",
+            bytes.len()
+        );
     }
     // SAFETY: the mailbox is MAILBOX_BYTES long and only this rank writes it; peers read it after
     // the entry barrier (Release/Acquire) and are done before they pass our exit barrier.
     unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), rs.mailbox.as_ptr(), bytes.len()) };
     // File descriptors of new VMM exports to the peers of this node (they map our memory).
-    for q in (0..call.world).filter(|&q| q != me && q / g == my_node && rs.group.pid_of(q) != my_pid) {
+    for q in
+        (0..call.world).filter(|&q| q != me && q / g == my_node && rs.group.pid_of(q) != my_pid)
+    {
         let addr = FdChannel::name_of(job, call.group, q);
         rs.exporter.send_new(&rs.chan, me, q, &addr, &mail.allocs)?;
     }
@@ -548,7 +681,13 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
         Op::AllGather => 0,
         Op::ReduceScatter => 1,
     };
-    rs.group.announce(Announcement { seq, op, site: call.site, fingerprint: fp, data_class: 0 });
+    rs.group.announce(Announcement {
+        seq,
+        op,
+        site: call.site,
+        fingerprint: fp,
+        data_class: 0,
+    });
     rs.group.barrier(&format!("entry of {what}"))?;
     for q in (0..call.world).filter(|&q| q != me) {
         let a = rs.group.announcement(q);
@@ -569,6 +708,7 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
     let wait_fd = Duration::from_secs_f64(crate::config::CONFIG.timeout_s.clamp(0.001, 30.0));
     let mut infos: Vec<RankInfo> = Vec::with_capacity(call.world);
     let mut peer_ids: Vec<Option<nccl::UniqueId>> = vec![None; call.world];
+    #[allow(clippy::needless_range_loop)] // q indexes infos, peer_ids and the mailboxes
     for q in 0..call.world {
         if q == me {
             // Own events: the device's (ready, done, phases), as the in-process engine uses them.
@@ -576,19 +716,30 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
             continue;
         }
         let pid = rs.group.pid_of(q);
-        let seg = rs.peer_boxes[q].as_ref().ok_or_else(|| TideError::Internal(format!("rank {q}'s mailbox not mapped")))?;
+        let seg = rs.peer_boxes[q]
+            .as_ref()
+            .ok_or_else(|| TideError::Internal(format!("rank {q}'s mailbox not mapped")))?;
         // SAFETY: a mapping of MAILBOX_BYTES; the peer wrote it before the entry barrier.
         let raw = unsafe { std::slice::from_raw_parts(seg.as_ptr(), MAILBOX_BYTES) };
         let len = (u64::from_le_bytes(raw[..8].try_into().unwrap()) as usize).min(MAILBOX_BYTES);
-        let m = Mail::decode(&raw[..len], seq)
-            .map_err(|e| TideError::Rendezvous(format!("{what}: rank {q}'s (pid {pid}) mailbox is unreadable: {e}")))?;
+        let m = Mail::decode(&raw[..len], seq).map_err(|e| {
+            TideError::Rendezvous(format!(
+                "{what}: rank {q}'s (pid {pid}) mailbox is unreadable: {e}"
+            ))
+        })?;
         peer_ids[q] = m.nccl_id;
         if q / g != my_node {
-            infos.push(RankInfo { device: m.device, ..Default::default() });
+            infos.push(RankInfo {
+                device: m.device,
+                ..Default::default()
+            });
             continue;
         }
         let n = plan.layout.len();
-        if m.inputs.len() != n || m.stages.len() < plan.stage_slot_bytes.len() || m.phases.len() + 1 < nphases {
+        if m.inputs.len() != n
+            || m.stages.len() < plan.stage_slot_bytes.len()
+            || m.phases.len() + 1 < nphases
+        {
             return Err(rs.group.fail_with(format!(
                 "{what}: rank {q} (pid {pid}) published {} operands, {} stage slots, {} phase events; this plan has {n}, {}, {} \
                  (TIDE_RS_* settings must match)",
@@ -633,7 +784,10 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
             };
             Ok((base + off, bytes))
         };
-        let mut info = RankInfo { device: m.device, ..Default::default() };
+        let mut info = RankInfo {
+            device: m.device,
+            ..Default::default()
+        };
         for (i, &(a, off, b)) in m.inputs.iter().enumerate() {
             if b != plan.input_bytes(i) {
                 return Err(rs.group.fail_with(format!(
@@ -650,12 +804,17 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
         if same {
             info.ready = m.raw_events[0] as usize;
             info.done = m.raw_events[1] as usize;
-            info.phases = m.raw_events[2..].iter().take(nphases.saturating_sub(1)).map(|&e| e as usize).collect();
+            info.phases = m.raw_events[2..]
+                .iter()
+                .take(nphases.saturating_sub(1))
+                .map(|&e| e as usize)
+                .collect();
         } else {
             info.ready = d.importer.event(me, q, pid, &m.ready, "ready")? as usize;
             info.done = d.importer.event(me, q, pid, &m.done, "done")? as usize;
             for h in m.phases.iter().take(nphases.saturating_sub(1)) {
-                info.phases.push(d.importer.event(me, q, pid, h, "phase")? as usize);
+                info.phases
+                    .push(d.importer.event(me, q, pid, h, "phase")? as usize);
             }
         }
         infos.push(info);
@@ -665,11 +824,23 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
     if need_rail {
         let id = match nccl::registered_unique_id(job, call.group, rail) {
             Some(id) => id,
-            None => peer_ids.get(rail).copied().flatten().or(if my_node == 0 { mail.nccl_id } else { None }).ok_or_else(|| {
-                TideError::Internal(format!("{what}: rank {rail} (node 0 of rail {rail}) published no ncclUniqueId"))
-            })?,
+            None => peer_ids
+                .get(rail)
+                .copied()
+                .flatten()
+                .or(if my_node == 0 { mail.nccl_id } else { None })
+                .ok_or_else(|| {
+                    TideError::Internal(format!(
+                        "{what}: rank {rail} (node 0 of rail {rail}) published no ncclUniqueId"
+                    ))
+                })?,
         };
-        let comm = nccl::Comm::init(&id, nodes, my_node, format!("tide rail {rail} of group {} (job {job:016x})", call.group))?;
+        let comm = nccl::Comm::init(
+            &id,
+            nodes,
+            my_node,
+            format!("tide rail {rail} of group {} (job {job:016x})", call.group),
+        )?;
         rs.dev.as_mut().expect("device part").rail = Some(comm);
     }
 
@@ -693,7 +864,12 @@ fn ensure_dev(rs: &mut RankState, ord: i64) -> Result<()> {
     let mut rail_stream: CUstream = std::ptr::null_mut();
     // SAFETY: context current; valid out-pointer.
     check(
-        unsafe { sys::cuStreamCreate(&mut rail_stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
+        unsafe {
+            sys::cuStreamCreate(
+                &mut rail_stream,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+            )
+        },
         "cuStreamCreate",
         || format!("device {ord}, rail stream"),
     )?;
@@ -727,11 +903,21 @@ fn run_phases(
     let main = call.stream as CUstream;
     let sched = &prepared.schedule;
     let nphases = sched.phases.len();
-    let rails = if call.topology.nodes > 1 { rail_ops(&prepared.plan, me, g) } else { vec![Vec::new(); nphases] };
-    let local_peers: Vec<usize> = (0..call.world).filter(|&q| q != me && q / g == my_node).collect();
+    let rails = if call.topology.nodes > 1 {
+        rail_ops(&prepared.plan, me, g)
+    } else {
+        vec![Vec::new(); nphases]
+    };
+    let local_peers: Vec<usize> = (0..call.world)
+        .filter(|&q| q != me && q / g == my_node)
+        .collect();
     let wait = |s: CUstream, ev: usize, label: &dyn Fn() -> String| -> Result<()> {
         // SAFETY: an event of this process or opened from a peer, valid for the process.
-        check(unsafe { sys::cuStreamWaitEvent(s, ev as CUevent, 0) }, "cuStreamWaitEvent", || format!("rank {me} device {ord}: {}", label()))
+        check(
+            unsafe { sys::cuStreamWaitEvent(s, ev as CUevent, 0) },
+            "cuStreamWaitEvent",
+            || format!("rank {me} device {ord}: {}", label()),
+        )
     };
     let mut issued_side = false;
     let mut last_rail: Option<usize> = None;
@@ -739,15 +925,24 @@ fn run_phases(
         for (p, phase) in sched.phases.iter().enumerate() {
             let ops = rails.get(p).map(|v| v.as_slice()).unwrap_or(&[]);
             if !ops.is_empty() {
-                let comm = d.rail.as_ref().ok_or_else(|| TideError::Internal("rail communicator missing".into()))?;
+                let comm = d
+                    .rail
+                    .as_ref()
+                    .ok_or_else(|| TideError::Internal("rail communicator missing".into()))?;
                 let rsx = d.rail_stream;
                 if p == 0 {
                     wait(rsx, st.ready as usize, &|| "rail stream on ready".into())?;
-                    wait(rsx, st.done as usize, &|| "rail stream on the previous done".into())?;
+                    wait(rsx, st.done as usize, &|| {
+                        "rail stream on the previous done".into()
+                    })?;
                 } else {
-                    wait(rsx, st.phase[p - 1] as usize, &|| format!("rail stream on phase {}", p - 1))?;
+                    wait(rsx, st.phase[p - 1] as usize, &|| {
+                        format!("rail stream on phase {}", p - 1)
+                    })?;
                     for &q in &local_peers {
-                        wait(rsx, infos[q].phases[p - 1], &|| format!("rail stream on rank {q}'s phase {}", p - 1))?;
+                        wait(rsx, infos[q].phases[p - 1], &|| {
+                            format!("rail stream on rank {q}'s phase {}", p - 1)
+                        })?;
                     }
                 }
                 comm.group_start()?;
@@ -755,16 +950,18 @@ fn run_phases(
                     let addr = super::address(infos, &op.mine, op.bytes)?;
                     let label = || format!("{what}: phase {p} step {}", op.step);
                     if op.send {
-                        comm.send(addr, op.bytes, op.peer_node, rsx as *mut _, label)?;
+                        comm.send(addr, op.bytes, op.peer_node, rsx as usize, label)?;
                     } else {
-                        comm.recv(addr, op.bytes, op.peer_node, rsx as *mut _, label)?;
+                        comm.recv(addr, op.bytes, op.peer_node, rsx as usize, label)?;
                     }
                 }
                 comm.group_end(|| format!("{what}: phase {p}, {} transfers", ops.len()))?;
                 // SAFETY: valid event and stream.
-                check(unsafe { sys::cuEventRecord(d.rail_events[p], rsx) }, "cuEventRecord", || {
-                    format!("rank {me} device {ord}: rail event of phase {p}")
-                })?;
+                check(
+                    unsafe { sys::cuEventRecord(d.rail_events[p], rsx) },
+                    "cuEventRecord",
+                    || format!("rank {me} device {ord}: rail event of phase {p}"),
+                )?;
                 last_rail = Some(p);
             }
             for cmd in &phase.cmds {
@@ -776,7 +973,9 @@ fn run_phases(
                     Cmd::WaitRank { rank: q, .. } if *q / g != my_node => continue,
                     Cmd::Copy { src, dst, .. } if src.rank / g != dst.rank / g => {
                         let sx = stream_of(st, main, s)?;
-                        wait(sx, d.rail_events[p] as usize, &|| format!("stream {s} on the rail transfers of phase {p}"))?;
+                        wait(sx, d.rail_events[p] as usize, &|| {
+                            format!("stream {s} on the rail transfers of phase {p}")
+                        })?;
                     }
                     _ => issue(call, st, infos, prepared, main, p, cmd)?,
                 }
@@ -784,18 +983,23 @@ fn run_phases(
             if p + 1 < nphases {
                 for ev in [st.phase[p], d.phases[p]] {
                     // SAFETY: valid event and stream.
-                    check(unsafe { sys::cuEventRecord(ev, main) }, "cuEventRecord", || {
-                        format!("rank {me} device {ord}: phase {p} event")
-                    })?;
+                    check(
+                        unsafe { sys::cuEventRecord(ev, main) },
+                        "cuEventRecord",
+                        || format!("rank {me} device {ord}: phase {p} event"),
+                    )?;
                 }
-                rs.group.barrier(&format!("phase {p} ({}) of {what}", phase.name))?;
+                rs.group
+                    .barrier(&format!("phase {p} ({}) of {what}", phase.name))?;
             }
         }
         Ok(())
     })();
     if let Some(p) = last_rail {
         // MAIN after every rail transfer (sends read our inputs; XLA may reuse them after the call).
-        let r = wait(main, d.rail_events[p] as usize, &|| "XLA's stream on the rail".into());
+        let r = wait(main, d.rail_events[p] as usize, &|| {
+            "XLA's stream on the rail".into()
+        });
         if res.is_ok() {
             r?;
         }
@@ -814,7 +1018,11 @@ fn run_phases(
     // Rule 5.
     for ev in [st.done, d.done] {
         // SAFETY: valid event and stream.
-        check(unsafe { sys::cuEventRecord(ev, main) }, "cuEventRecord", || format!("rank {me} device {ord}: done event"))?;
+        check(
+            unsafe { sys::cuEventRecord(ev, main) },
+            "cuEventRecord",
+            || format!("rank {me} device {ord}: done event"),
+        )?;
     }
     rs.group.barrier(&format!("exit of {what}"))?;
     for &q in &local_peers {
@@ -832,7 +1040,13 @@ mod tests {
         let m = Mail {
             device: 3,
             pid: 4242,
-            allocs: vec![AllocDesc { base: 0x1000, size: 1 << 20, gen: 2, kind: ipc::KIND_VMM, legacy: [1; 64] }],
+            allocs: vec![AllocDesc {
+                base: 0x1000,
+                size: 1 << 20,
+                gen: 2,
+                kind: ipc::KIND_VMM,
+                legacy: [1; 64],
+            }],
             ready: [5; 64],
             done: [6; 64],
             phases: vec![[7; 64], [8; 64]],
@@ -844,10 +1058,29 @@ mod tests {
         let b = m.encode(17);
         let d = Mail::decode(&b, 17).unwrap();
         assert_eq!(
-            (d.device, d.pid, d.allocs.clone(), d.ready, d.done, d.phases.clone(), d.raw_events.clone()),
-            (3, 4242, m.allocs.clone(), m.ready, m.done, m.phases.clone(), m.raw_events.clone())
+            (
+                d.device,
+                d.pid,
+                d.allocs.clone(),
+                d.ready,
+                d.done,
+                d.phases.clone(),
+                d.raw_events.clone()
+            ),
+            (
+                3,
+                4242,
+                m.allocs.clone(),
+                m.ready,
+                m.done,
+                m.phases.clone(),
+                m.raw_events.clone()
+            )
         );
-        assert_eq!((d.inputs.clone(), d.stages.clone(), d.nccl_id), (m.inputs.clone(), m.stages.clone(), m.nccl_id));
+        assert_eq!(
+            (d.inputs.clone(), d.stages.clone(), d.nccl_id),
+            (m.inputs.clone(), m.stages.clone(), m.nccl_id)
+        );
         assert!(Mail::decode(&b, 18).is_err());
         assert!(Mail::decode(&b[..b.len() - 1], 17).is_err());
     }

@@ -37,8 +37,16 @@ struct Lib {
     version: c_int,
     get_unique_id: unsafe extern "C" fn(*mut NcclUniqueId) -> NcclResult,
     comm_init_rank: unsafe extern "C" fn(*mut NcclComm, c_int, NcclUniqueId, c_int) -> NcclResult,
-    send: unsafe extern "C" fn(*const c_void, usize, c_int, c_int, NcclComm, *mut c_void) -> NcclResult,
-    recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, NcclComm, *mut c_void) -> NcclResult,
+    send: unsafe extern "C" fn(
+        *const c_void,
+        usize,
+        c_int,
+        c_int,
+        NcclComm,
+        *mut c_void,
+    ) -> NcclResult,
+    recv:
+        unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, NcclComm, *mut c_void) -> NcclResult,
     group_start: unsafe extern "C" fn() -> NcclResult,
     group_end: unsafe extern "C" fn() -> NcclResult,
     error_string: unsafe extern "C" fn(NcclResult) -> *const c_char,
@@ -48,7 +56,10 @@ struct Lib {
 static LIB: OnceLock<std::result::Result<Lib, String>> = OnceLock::new();
 
 fn load() -> std::result::Result<Lib, String> {
-    let path = std::env::var("TIDE_NCCL_LIB").ok().filter(|s| !s.trim().is_empty()).unwrap_or_else(|| "libnccl.so.2".into());
+    let path = std::env::var("TIDE_NCCL_LIB")
+        .ok()
+        .filter(|s| !s.trim().is_empty())
+        .unwrap_or_else(|| "libnccl.so.2".into());
     // SAFETY: loading NCCL runs its (benign) initializers.
     let lib = unsafe { libloading::Library::new(&path) }
         .map_err(|e| format!("loading NCCL from {path:?} failed: {e} (set TIDE_NCCL_LIB to the libnccl.so.2 of the nvidia-nccl wheel JAX uses)"))?;
@@ -81,14 +92,23 @@ fn load() -> std::result::Result<Lib, String> {
 }
 
 fn lib() -> Result<&'static Lib> {
-    LIB.get_or_init(load).as_ref().map_err(|e| TideError::Cuda { call: "NCCL (dlopen)".into(), detail: e.clone() })
+    LIB.get_or_init(load).as_ref().map_err(|e| TideError::Cuda {
+        call: "NCCL (dlopen)".into(),
+        detail: e.clone(),
+    })
 }
 
 /// "2.28.9 from libnccl.so.2", or why NCCL cannot be used.
 pub fn describe() -> Result<String> {
     let l = lib()?;
     let v = l.version;
-    Ok(format!("{}.{}.{} from {}", v / 10000, (v / 100) % 100, v % 100, l.path))
+    Ok(format!(
+        "{}.{}.{} from {}",
+        v / 10000,
+        (v / 100) % 100,
+        v % 100,
+        l.path
+    ))
 }
 
 fn check(r: NcclResult, call: &str, comm: NcclComm, what: impl FnOnce() -> String) -> Result<()> {
@@ -97,7 +117,9 @@ fn check(r: NcclResult, call: &str, comm: NcclComm, what: impl FnOnce() -> Strin
     }
     let l = lib()?;
     // SAFETY: NCCL returns static strings.
-    let text = unsafe { CStr::from_ptr((l.error_string)(r)) }.to_string_lossy().into_owned();
+    let text = unsafe { CStr::from_ptr((l.error_string)(r)) }
+        .to_string_lossy()
+        .into_owned();
     let last = match l.last_error {
         // SAFETY: as above; a null comm asks for the last global error.
         Some(f) => {
@@ -106,12 +128,19 @@ fn check(r: NcclResult, call: &str, comm: NcclComm, what: impl FnOnce() -> Strin
                 String::new()
             } else {
                 let s = unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned();
-                if s.is_empty() { s } else { format!("; last error: {s}") }
+                if s.is_empty() {
+                    s
+                } else {
+                    format!("; last error: {s}")
+                }
             }
         }
         None => String::new(),
     };
-    Err(TideError::Cuda { call: call.to_string(), detail: format!("{text} (ncclResult {r}){last} [{}]", what()) })
+    Err(TideError::Cuda {
+        call: call.to_string(),
+        detail: format!("{text} (ncclResult {r}){last} [{}]", what()),
+    })
 }
 
 /// A new `ncclUniqueId` (the rail's node-0 rank makes it).
@@ -119,7 +148,12 @@ pub fn unique_id() -> Result<UniqueId> {
     let l = lib()?;
     let mut id = NcclUniqueId { internal: [0; 128] };
     // SAFETY: valid out-pointer.
-    check(unsafe { (l.get_unique_id)(&mut id) }, "ncclGetUniqueId", std::ptr::null_mut(), String::new)?;
+    check(
+        unsafe { (l.get_unique_id)(&mut id) },
+        "ncclGetUniqueId",
+        std::ptr::null_mut(),
+        String::new,
+    )?;
     let mut out = [0u8; 128];
     for (d, s) in out.iter_mut().zip(id.internal.iter()) {
         *d = *s as u8;
@@ -129,14 +163,24 @@ pub fn unique_id() -> Result<UniqueId> {
 
 /// Unique ids registered from outside (the Python bootstrap, through JAX's key-value store), by
 /// (job, group, rail): used instead of the mailbox exchange when present.
-static REGISTERED: OnceLock<Mutex<HashMap<(u64, usize, usize), UniqueId>>> = OnceLock::new();
+type Registry = Mutex<HashMap<(u64, usize, usize), UniqueId>>;
+static REGISTERED: OnceLock<Registry> = OnceLock::new();
 
 pub fn set_unique_id(job: u64, group: usize, rail: usize, id: UniqueId) {
-    REGISTERED.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner()).insert((job, group, rail), id);
+    REGISTERED
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert((job, group, rail), id);
 }
 
 pub fn registered_unique_id(job: u64, group: usize, rail: usize) -> Option<UniqueId> {
-    REGISTERED.get()?.lock().unwrap_or_else(|e| e.into_inner()).get(&(job, group, rail)).copied()
+    REGISTERED
+        .get()?
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&(job, group, rail))
+        .copied()
 }
 
 /// C entry for the Python bootstrap: writes a fresh id into `out` (128 bytes). 0 on success.
@@ -184,7 +228,10 @@ impl Comm {
     /// member calls it in the same tide call). `what` names the rail for errors.
     pub fn init(id: &UniqueId, nranks: usize, rank: usize, what: String) -> Result<Comm> {
         let l = lib()?;
-        if std::env::var("NCCL_NVLS_ENABLE").map(|v| v.trim() != "0").unwrap_or(true) {
+        if std::env::var("NCCL_NVLS_ENABLE")
+            .map(|v| v.trim() != "0")
+            .unwrap_or(true)
+        {
             // NVLink multicast is forbidden on these machines; NCCL reads this at communicator init.
             std::env::set_var("NCCL_NVLS_ENABLE", "0");
         }
@@ -200,42 +247,100 @@ impl Comm {
             std::ptr::null_mut(),
             || format!("{what}: rank {rank} of {nranks}"),
         )?;
-        Ok(Comm { raw, rank, nranks, what })
+        Ok(Comm {
+            raw,
+            rank,
+            nranks,
+            what,
+        })
     }
 
     pub fn group_start(&self) -> Result<()> {
         let l = lib()?;
         // SAFETY: plain call.
-        check(unsafe { (l.group_start)() }, "ncclGroupStart", self.raw, || self.what.clone())
+        check(
+            unsafe { (l.group_start)() },
+            "ncclGroupStart",
+            self.raw,
+            || self.what.clone(),
+        )
     }
 
     pub fn group_end(&self, what: impl FnOnce() -> String) -> Result<()> {
         let l = lib()?;
         // SAFETY: plain call, after group_start.
-        check(unsafe { (l.group_end)() }, "ncclGroupEnd", self.raw, || format!("{}: {}", self.what, what()))
+        check(unsafe { (l.group_end)() }, "ncclGroupEnd", self.raw, || {
+            format!("{}: {}", self.what, what())
+        })
     }
 
     /// `bytes` bytes from device address `ptr` to rail rank `peer`, on `stream`.
-    pub fn send(&self, ptr: u64, bytes: usize, peer: usize, stream: *mut c_void, what: impl FnOnce() -> String) -> Result<()> {
+    pub fn send(
+        &self,
+        ptr: u64,
+        bytes: usize,
+        peer: usize,
+        stream: usize,
+        what: impl FnOnce() -> String,
+    ) -> Result<()> {
         let l = lib()?;
         // SAFETY: ptr..ptr+bytes is a live device buffer of this rank (bounds-checked by the caller).
         check(
-            unsafe { (l.send)(ptr as *const c_void, bytes, NCCL_UINT8, peer as c_int, self.raw, stream) },
+            unsafe {
+                (l.send)(
+                    ptr as *const c_void,
+                    bytes,
+                    NCCL_UINT8,
+                    peer as c_int,
+                    self.raw,
+                    stream as *mut c_void,
+                )
+            },
             "ncclSend",
             self.raw,
-            || format!("{}: rank {} -> rank {peer}, {bytes} bytes: {}", self.what, self.rank, what()),
+            || {
+                format!(
+                    "{}: rank {} -> rank {peer}, {bytes} bytes: {}",
+                    self.what,
+                    self.rank,
+                    what()
+                )
+            },
         )
     }
 
     /// `bytes` bytes from rail rank `peer` into device address `ptr`, on `stream`.
-    pub fn recv(&self, ptr: u64, bytes: usize, peer: usize, stream: *mut c_void, what: impl FnOnce() -> String) -> Result<()> {
+    pub fn recv(
+        &self,
+        ptr: u64,
+        bytes: usize,
+        peer: usize,
+        stream: usize,
+        what: impl FnOnce() -> String,
+    ) -> Result<()> {
         let l = lib()?;
         // SAFETY: as in send; the destination is this rank's own memory.
         check(
-            unsafe { (l.recv)(ptr as *mut c_void, bytes, NCCL_UINT8, peer as c_int, self.raw, stream) },
+            unsafe {
+                (l.recv)(
+                    ptr as *mut c_void,
+                    bytes,
+                    NCCL_UINT8,
+                    peer as c_int,
+                    self.raw,
+                    stream as *mut c_void,
+                )
+            },
             "ncclRecv",
             self.raw,
-            || format!("{}: rank {} <- rank {peer}, {bytes} bytes: {}", self.what, self.rank, what()),
+            || {
+                format!(
+                    "{}: rank {} <- rank {peer}, {bytes} bytes: {}",
+                    self.what,
+                    self.rank,
+                    what()
+                )
+            },
         )
     }
 }
