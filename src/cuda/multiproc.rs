@@ -258,7 +258,15 @@ fn execute_inner(call: &CallInfo, job: u64, what_base: &str) -> Result<()> {
     let seq = rs.seq;
     rs.seq += 1;
     let what = format!("{what_base}, call {seq}");
-    run_call(rs, call, job, seq, &what).map_err(|e| match e {
+    let result = run_call(rs, call, job, seq, &what);
+    if result.is_err() {
+        // The group is unusable from now on; end rail transfers a dead or failed peer will never
+        // match, so this rank's streams do not block forever.
+        if let Some(comm) = rs.dev.as_mut().and_then(|d| d.rail.take()) {
+            comm.abort();
+        }
+    }
+    result.map_err(|e| match e {
         // Barrier errors are already published to the peers and carry the root cause.
         TideError::Rendezvous(m) if m.contains(&what) => TideError::Rendezvous(m),
         TideError::Rendezvous(m) => TideError::Rendezvous(format!("{what}: {m}")),

@@ -51,6 +51,7 @@ struct Lib {
     group_end: unsafe extern "C" fn() -> NcclResult,
     error_string: unsafe extern "C" fn(NcclResult) -> *const c_char,
     last_error: Option<unsafe extern "C" fn(NcclComm) -> *const c_char>,
+    comm_abort: Option<unsafe extern "C" fn(NcclComm) -> NcclResult>,
 }
 
 static LIB: OnceLock<std::result::Result<Lib, String>> = OnceLock::new();
@@ -76,6 +77,7 @@ fn load() -> std::result::Result<Lib, String> {
     // SAFETY: valid out-pointer.
     unsafe { get_version(&mut version) };
     let last_error = unsafe { lib.get(b"ncclGetLastError\0") }.ok().map(|s| *s);
+    let comm_abort = unsafe { lib.get(b"ncclCommAbort\0") }.ok().map(|s| *s);
     Ok(Lib {
         get_unique_id: sym!("ncclGetUniqueId"),
         comm_init_rank: sym!("ncclCommInitRank"),
@@ -85,6 +87,7 @@ fn load() -> std::result::Result<Lib, String> {
         group_end: sym!("ncclGroupEnd"),
         error_string: sym!("ncclGetErrorString"),
         last_error,
+        comm_abort,
         version,
         path,
         _lib: lib,
@@ -253,6 +256,25 @@ impl Comm {
             nranks,
             what,
         })
+    }
+
+    /// `ncclCommAbort`: after a failed call (a peer died or failed), so that transfers already
+    /// enqueued with a peer that will never match them end instead of blocking the stream forever.
+    /// The communicator is gone afterwards.
+    pub fn abort(self) {
+        match lib().ok().and_then(|l| l.comm_abort) {
+            // SAFETY: a live communicator, not used after this.
+            Some(f) => {
+                let r = unsafe { f(self.raw) };
+                if r != 0 {
+                    log::warn!("tide: ncclCommAbort on {} returned {r}", self.what);
+                }
+            }
+            None => log::warn!(
+                "tide: NCCL has no ncclCommAbort; {} left as it is",
+                self.what
+            ),
+        }
     }
 
     pub fn group_start(&self) -> Result<()> {
