@@ -263,7 +263,15 @@ fn execute_inner(call: &CallInfo, job: u64, what_base: &str) -> Result<()> {
         // The group is unusable from now on; end rail transfers a dead or failed peer will never
         // match, so this rank's streams do not block forever.
         if let Some(comm) = rs.dev.as_mut().and_then(|d| d.rail.take()) {
+            dbg_mp(|| {
+                format!(
+                    "rank {} aborting the rail after: {:?}",
+                    call.rank,
+                    result.as_ref().err()
+                )
+            });
             comm.abort();
+            dbg_mp(|| format!("rank {} aborted the rail", call.rank));
         }
     }
     result.map_err(|e| match e {
@@ -477,6 +485,18 @@ fn rail_ops(plan: &Plan, rank: usize, g: usize) -> Vec<Vec<RailOp>> {
                 .collect()
         })
         .collect()
+}
+
+/// Debug trace to stderr under TIDE_DEBUG_MP=1.
+fn dbg_mp(f: impl FnOnce() -> String) {
+    static ON: once_cell::sync::Lazy<bool> = once_cell::sync::Lazy::new(|| {
+        std::env::var("TIDE_DEBUG_MP")
+            .map(|v| v == "1")
+            .unwrap_or(false)
+    });
+    if *ON {
+        eprintln!("tide-mp: {}", f());
+    }
 }
 
 /// A region and its length in bytes.
@@ -843,17 +863,71 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
                     ))
                 })?,
         };
+        let mut alive = rail_alive(rs, call, me, g);
         let comm = nccl::Comm::init(
             &id,
             nodes,
             my_node,
             format!("tide rail {rail} of group {} (job {job:016x})", call.group),
-        )?;
-        rs.dev.as_mut().expect("device part").rail = Some(comm);
+            Duration::from_secs_f64(crate::config::CONFIG.timeout_s.clamp(0.001, 1e9)),
+            &mut alive,
+        );
+        drop(alive);
+        rs.dev.as_mut().expect("device part").rail = Some(comm?);
     }
 
     let d = rs.dev.as_ref().expect("device part");
     run_phases(call, &st, rs, d, &infos, &prepared, what, g)
+}
+
+/// Between NCCL polls: fails when a member of this rank's rail (same local index, other nodes)
+/// has died or this rank's group has failed. Peers are processes of this host (the control plane
+/// is host-local); a pid of another pid namespace is left to the timeout.
+fn rail_alive<'a>(
+    rs: &'a RankState,
+    call: &CallInfo,
+    me: usize,
+    g: usize,
+) -> impl FnMut() -> Result<()> + 'a {
+    let peers: Vec<(usize, u64)> = (0..call.world)
+        .filter(|&q| q != me && q % g == me % g)
+        .map(|q| (q, rs.group.pid_of(q)))
+        .collect();
+    move || {
+        if let Some(why) = rs.group.failure() {
+            return Err(TideError::Rendezvous(why));
+        }
+        for &(q, pid) in &peers {
+            if let Some(how) = process_gone(pid) {
+                return Err(rs.group.fail_with(format!(
+                    "rank {q} (pid {pid}) died ({how}) while rank {me} waited for it on the NCCL rail"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `Some(how)` when process `pid` of this host no longer runs.
+fn process_gone(pid: u64) -> Option<&'static str> {
+    if pid == 0 {
+        return None;
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(text) => {
+            let state = text
+                .rsplit_once(')')
+                .and_then(|(_, r)| r.split_whitespace().next())
+                .unwrap_or("");
+            if state == "Z" || state == "X" {
+                Some("exited")
+            } else {
+                None
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some("no longer exists"),
+        Err(_) => None,
+    }
 }
 
 fn ensure_dev(rs: &mut RankState, ord: i64) -> Result<()> {
@@ -953,6 +1027,7 @@ fn run_phases(
                         })?;
                     }
                 }
+                dbg_mp(|| format!("rank {me} phase {p}: rail group of {} ops", ops.len()));
                 comm.group_start()?;
                 for op in ops {
                     let addr = super::address(infos, &op.mine, op.bytes)?;
@@ -963,7 +1038,12 @@ fn run_phases(
                         comm.recv(addr, op.bytes, op.peer_node, rsx as usize, label)?;
                     }
                 }
-                comm.group_end(|| format!("{what}: phase {p}, {} transfers", ops.len()))?;
+                let mut alive = rail_alive(rs, call, me, g);
+                comm.group_end(
+                    || format!("{what}: phase {p}, {} transfers", ops.len()),
+                    &mut alive,
+                )?;
+                dbg_mp(|| format!("rank {me} phase {p}: rail group issued"));
                 // SAFETY: valid event and stream.
                 check(
                     unsafe { sys::cuEventRecord(d.rail_events[p], rsx) },

@@ -30,6 +30,29 @@ struct NcclUniqueId {
 type NcclComm = *mut c_void;
 type NcclResult = c_int;
 const NCCL_UINT8: c_int = 1;
+const NCCL_IN_PROGRESS: NcclResult = 7;
+
+/// `ncclConfig_t` of NCCL 2.28 (nccl.h, `ncclConfig_v22800`); unset ints are INT_MIN, pointers null.
+#[repr(C)]
+struct NcclConfig {
+    size: usize,
+    magic: u32,
+    version: u32,
+    blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
+    split_share: c_int,
+    traffic_class: c_int,
+    comm_name: *const c_char,
+    collnet_enable: c_int,
+    cta_policy: c_int,
+    shrink_share: c_int,
+    nvls_ctas: c_int,
+    n_channels_per_net_peer: c_int,
+    nvlink_centric_sched: c_int,
+}
 
 struct Lib {
     _lib: libloading::Library,
@@ -52,6 +75,16 @@ struct Lib {
     error_string: unsafe extern "C" fn(NcclResult) -> *const c_char,
     last_error: Option<unsafe extern "C" fn(NcclComm) -> *const c_char>,
     comm_abort: Option<unsafe extern "C" fn(NcclComm) -> NcclResult>,
+    init_config: Option<
+        unsafe extern "C" fn(
+            *mut NcclComm,
+            c_int,
+            NcclUniqueId,
+            c_int,
+            *mut NcclConfig,
+        ) -> NcclResult,
+    >,
+    async_error: Option<unsafe extern "C" fn(NcclComm, *mut NcclResult) -> NcclResult>,
 }
 
 static LIB: OnceLock<std::result::Result<Lib, String>> = OnceLock::new();
@@ -78,6 +111,12 @@ fn load() -> std::result::Result<Lib, String> {
     unsafe { get_version(&mut version) };
     let last_error = unsafe { lib.get(b"ncclGetLastError\0") }.ok().map(|s| *s);
     let comm_abort = unsafe { lib.get(b"ncclCommAbort\0") }.ok().map(|s| *s);
+    let init_config = unsafe { lib.get(b"ncclCommInitRankConfig\0") }
+        .ok()
+        .map(|s| *s);
+    let async_error = unsafe { lib.get(b"ncclCommGetAsyncError\0") }
+        .ok()
+        .map(|s| *s);
     Ok(Lib {
         get_unique_id: sym!("ncclGetUniqueId"),
         comm_init_rank: sym!("ncclCommInitRank"),
@@ -88,6 +127,8 @@ fn load() -> std::result::Result<Lib, String> {
         error_string: sym!("ncclGetErrorString"),
         last_error,
         comm_abort,
+        init_config,
+        async_error,
         version,
         path,
         _lib: lib,
@@ -112,6 +153,15 @@ pub fn describe() -> Result<String> {
         v % 100,
         l.path
     ))
+}
+
+/// Inside a group, a non-blocking communicator may answer "in progress": not an error.
+fn progress_ok(r: NcclResult) -> NcclResult {
+    if r == NCCL_IN_PROGRESS {
+        0
+    } else {
+        r
+    }
 }
 
 fn check(r: NcclResult, call: &str, comm: NcclComm, what: impl FnOnce() -> String) -> Result<()> {
@@ -216,20 +266,38 @@ pub unsafe extern "C" fn tide_nccl_set_unique_id(job: u64, group: u64, rail: u64
 }
 
 /// One rail communicator (never destroyed: lives as long as the job's process).
+///
+/// Non-blocking (`config.blocking = 0`) where NCCL has `ncclCommInitRankConfig` and
+/// `ncclCommGetAsyncError`: initialization and every `ncclGroupEnd` are then completed by polling,
+/// and between polls `alive` checks the peers (a dead peer, or the timeout, aborts the communicator
+/// with a clear error instead of blocking the host forever, e.g. in `ncclCommInitRank` when a peer
+/// died before joining). Without those symbols: blocking calls.
 pub struct Comm {
     raw: NcclComm,
     pub rank: usize,
     pub nranks: usize,
     pub what: String,
+    nonblocking: bool,
+    timeout: std::time::Duration,
 }
+
+/// Checks the other members between polls: Err ends the wait (and aborts the communicator).
+pub type Alive<'a> = &'a mut dyn FnMut() -> Result<()>;
 
 // SAFETY: an NCCL communicator may be used from any thread, one at a time (callers lock).
 unsafe impl Send for Comm {}
 
 impl Comm {
-    /// `ncclCommInitRank` on the current CUDA context's device (collective over the rail: every
-    /// member calls it in the same tide call). `what` names the rail for errors.
-    pub fn init(id: &UniqueId, nranks: usize, rank: usize, what: String) -> Result<Comm> {
+    /// `ncclCommInitRank(Config)` on the current CUDA context's device (collective over the rail:
+    /// every member calls it in the same tide call). `what` names the rail for errors.
+    pub fn init(
+        id: &UniqueId,
+        nranks: usize,
+        rank: usize,
+        what: String,
+        timeout: std::time::Duration,
+        alive: Alive,
+    ) -> Result<Comm> {
         let l = lib()?;
         if std::env::var("NCCL_NVLS_ENABLE")
             .map(|v| v.trim() != "0")
@@ -243,19 +311,101 @@ impl Comm {
             *d = *s as c_char;
         }
         let mut raw: NcclComm = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; the id is the rail's, equal on every member.
-        check(
-            unsafe { (l.comm_init_rank)(&mut raw, nranks as c_int, c, rank as c_int) },
-            "ncclCommInitRank",
-            std::ptr::null_mut(),
-            || format!("{what}: rank {rank} of {nranks}"),
-        )?;
-        Ok(Comm {
+        let nonblocking = l.init_config.is_some() && l.async_error.is_some();
+        let r = match (l.init_config, nonblocking) {
+            (Some(f), true) => {
+                let u = i32::MIN;
+                let mut cfg = NcclConfig {
+                    size: std::mem::size_of::<NcclConfig>(),
+                    magic: 0xcafe_beef,
+                    version: l.version as u32,
+                    blocking: 0,
+                    cga_cluster_size: u,
+                    min_ctas: u,
+                    max_ctas: u,
+                    net_name: std::ptr::null(),
+                    split_share: u,
+                    traffic_class: u,
+                    comm_name: std::ptr::null(),
+                    collnet_enable: u,
+                    cta_policy: u,
+                    shrink_share: u,
+                    nvls_ctas: u,
+                    n_channels_per_net_peer: u,
+                    nvlink_centric_sched: u,
+                };
+                // SAFETY: valid out-pointer and config (NCCL copies it); the id is the rail's.
+                unsafe { f(&mut raw, nranks as c_int, c, rank as c_int, &mut cfg) }
+            }
+            // SAFETY: valid out-pointer; the id is the rail's, equal on every member.
+            _ => unsafe { (l.comm_init_rank)(&mut raw, nranks as c_int, c, rank as c_int) },
+        };
+        let comm = Comm {
             raw,
             rank,
             nranks,
             what,
-        })
+            nonblocking,
+            timeout,
+        };
+        if r != NCCL_IN_PROGRESS {
+            if let Err(e) = check(r, "ncclCommInitRank", raw, || {
+                format!("{}: rank {rank} of {nranks}", comm.what)
+            }) {
+                if !raw.is_null() {
+                    comm.abort();
+                }
+                return Err(e);
+            }
+        }
+        match comm.settle("ncclCommInitRank", alive) {
+            Ok(()) => Ok(comm),
+            Err(e) => {
+                comm.abort();
+                Err(e)
+            }
+        }
+    }
+
+    /// Non-blocking communicator: polls until the last operation finished (or failed), checking
+    /// `alive` between polls, bounded by the timeout.
+    fn settle(&self, call: &str, alive: Alive) -> Result<()> {
+        if !self.nonblocking {
+            return Ok(());
+        }
+        let l = lib()?;
+        let f = l
+            .async_error
+            .ok_or_else(|| TideError::Internal("ncclCommGetAsyncError missing".into()))?;
+        let start = std::time::Instant::now();
+        let mut sleep = std::time::Duration::from_micros(20);
+        loop {
+            let mut st: NcclResult = NCCL_IN_PROGRESS;
+            // SAFETY: a live communicator; valid out-pointer.
+            let r = unsafe { f(self.raw, &mut st) };
+            check(r, "ncclCommGetAsyncError", self.raw, || {
+                format!("{} after {call}", self.what)
+            })?;
+            if st != NCCL_IN_PROGRESS {
+                return check(st, call, self.raw, || {
+                    format!("{}: rank {} of {}", self.what, self.rank, self.nranks)
+                });
+            }
+            alive().map_err(|e| match e {
+                TideError::Rendezvous(m) => {
+                    TideError::Rendezvous(format!("{m} (during {call} on {})", self.what))
+                }
+                other => other,
+            })?;
+            if start.elapsed() > self.timeout {
+                return Err(TideError::Rendezvous(format!(
+                    "{call} on {} (rank {} of {}) did not complete within {:.1?} (TIDE_TIMEOUT_S)",
+                    self.what, self.rank, self.nranks, self.timeout
+                )));
+            }
+            std::thread::sleep(sleep);
+            sleep = (sleep * 2).min(std::time::Duration::from_millis(5));
+        }
     }
 
     /// `ncclCommAbort`: after a failed call (a peer died or failed), so that transfers already
@@ -288,12 +438,16 @@ impl Comm {
         )
     }
 
-    pub fn group_end(&self, what: impl FnOnce() -> String) -> Result<()> {
+    pub fn group_end(&self, what: impl FnOnce() -> String, alive: Alive) -> Result<()> {
         let l = lib()?;
         // SAFETY: plain call, after group_start.
-        check(unsafe { (l.group_end)() }, "ncclGroupEnd", self.raw, || {
-            format!("{}: {}", self.what, what())
-        })
+        let r = unsafe { (l.group_end)() };
+        if r != NCCL_IN_PROGRESS {
+            check(r, "ncclGroupEnd", self.raw, || {
+                format!("{}: {}", self.what, what())
+            })?;
+        }
+        self.settle("ncclGroupEnd", alive)
     }
 
     /// `bytes` bytes from device address `ptr` to rail rank `peer`, on `stream`.
@@ -308,7 +462,7 @@ impl Comm {
         let l = lib()?;
         // SAFETY: ptr..ptr+bytes is a live device buffer of this rank (bounds-checked by the caller).
         check(
-            unsafe {
+            progress_ok(unsafe {
                 (l.send)(
                     ptr as *const c_void,
                     bytes,
@@ -317,7 +471,7 @@ impl Comm {
                     self.raw,
                     stream as *mut c_void,
                 )
-            },
+            }),
             "ncclSend",
             self.raw,
             || {
@@ -343,7 +497,7 @@ impl Comm {
         let l = lib()?;
         // SAFETY: as in send; the destination is this rank's own memory.
         check(
-            unsafe {
+            progress_ok(unsafe {
                 (l.recv)(
                     ptr as *mut c_void,
                     bytes,
@@ -352,7 +506,7 @@ impl Comm {
                     self.raw,
                     stream as *mut c_void,
                 )
-            },
+            }),
             "ncclRecv",
             self.raw,
             || {
