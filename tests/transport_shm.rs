@@ -242,7 +242,8 @@ fn report(out: &std::process::Output) -> String {
 
 #[test]
 fn processes_match_single_process_engine() {
-    let cases: Vec<((usize, usize), Vec<Vec<usize>>)> = vec![
+    type Case = ((usize, usize), Vec<Vec<usize>>);
+    let cases: Vec<Case> = vec![
         ((1, 2), vec![vec![0], vec![1]]),
         ((1, 3), vec![vec![0], vec![1], vec![2]]),
         ((1, 5), vec![vec![0], vec![1], vec![2], vec![3], vec![4]]),

@@ -256,20 +256,16 @@ pub fn run_cpu_multiprocess_with(call: &CallInfo, plan: &Plan, job: u64, opts: &
     let seq = st.seq;
     st.seq += 1;
     let what = format!("{what_base} call {seq} (site {}) on rank {rank}", call.site);
-    let result = run_call(st, call, plan, job, seq, &what);
-    match result {
-        Ok(()) => Ok(()),
-        Err(e) => {
-            let e = match e {
-                TideError::Rendezvous(m) => TideError::Rendezvous(m),
-                other => st.group.fail_with(format!("{what}: {other}")),
-            };
-            Err(match e {
-                TideError::Rendezvous(m) if !m.contains(&what) => TideError::Rendezvous(format!("{what}: {m}")),
-                e => e,
-            })
+    run_call(st, call, plan, job, seq, &what).map_err(|e| match e {
+        // Barrier errors are already published to the peers and carry the root cause.
+        TideError::Rendezvous(m) if m.contains(&what) => TideError::Rendezvous(m),
+        TideError::Rendezvous(m) => TideError::Rendezvous(format!("{what}: {m}")),
+        // Anything else: tell the peers (they fail fast with it), return it as it is.
+        other => {
+            st.group.fail_with(format!("{what}: {other}"));
+            other
         }
-    }
+    })
 }
 
 fn run_call(st: &mut RankState, call: &CallInfo, plan: &Plan, job: u64, seq: u64, what: &str) -> Result<()> {

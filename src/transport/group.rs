@@ -416,7 +416,8 @@ impl ProcessGroup {
     fn check_liveness(&self, waiting_for: &[usize], label: &str) -> Result<()> {
         for &q in waiting_for {
             if let Some(how) = death_of(self.peers[q], self.me) {
-                return Err(self.fail_with(format!(
+                // The origin of this failure is the dead rank, whoever noticed it.
+                return Err(self.fail_from(q, format!(
                     "rank {q} (pid {}) died ({how}) while rank {} waited for it at {label} of group {}",
                     self.peers[q].pid, self.rank, self.group
                 )));

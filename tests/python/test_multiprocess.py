@@ -153,11 +153,12 @@ def _env(**extra):
 
 def _native_available() -> bool:
     env = _env()
-    code = "import tide_jax, sys; tide_jax.library_path(); import tide_jax._distributed"
+    # The native library, and the `job` attribute wired through (docs/multiprocess.md "FFI contract").
+    code = "import tide_jax; tide_jax.library_path(); assert hasattr(tide_jax.Layout, 'job')"
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True).returncode == 0
 
 
-pytestmark = pytest.mark.skipif(not _native_available(), reason="tide_jax native library not built")
+pytestmark = pytest.mark.skipif(not _native_available(), reason="tide_jax native library not built, or the multi-process `job` attribute not wired")
 
 
 def _launch(n, devs, out, *extra, timeout=300, env=None):
