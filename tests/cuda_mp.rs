@@ -12,6 +12,9 @@
 //! machine (no Rust there):
 //!   cargo test --release --test cuda_mp --no-run     # prints the binary's path
 //!   <binary> --nocapture --test-threads=1
+//! or, bounded (each run in its own process group): copy the binary to target/gpump/cuda_mp and
+//!   bash tests/cuda_mp_run.sh all
+//! NCCL: libnccl.so.2 from the loader's path, or TIDE_NCCL_LIB (the runner sets the nvidia wheel's).
 
 use cudarc::driver::sys;
 use std::io::Write;

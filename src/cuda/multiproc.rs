@@ -31,6 +31,16 @@
 //!   Refused (clear error): a plan where a rail transfer's regions are touched by another step of
 //!   the same phase before it (the rail is issued at phase start).
 //!
+//! Peers in this same process (a job with several GPUs per process): CUDA refuses to open a
+//! process's own IPC handles, and waiting on another context's interprocess event by its raw
+//! handle crashed the driver on the GPU machine, so such a peer publishes (and is used through)
+//! its raw addresses and its device's own events; this rank gets peer access to its device and
+//! `cuMemSetAccess` on its VMM allocations (peer access does not cover VMM memory).
+//!
+//! Failure: any error is published to the group (peers fail fast with the root cause, a dead peer
+//! is named with its pid), the rail communicator is aborted (transfers a dead peer will never
+//! match end, the stream drains), and every later call of the job fails at once.
+//!
 //! NCCL communicators: one per (job, group, rail = local index), created in the first call that
 //! needs it; the `ncclUniqueId` is made by the rail's node-0 rank and published in its mailbox (or
 //! registered beforehand by the Python bootstrap: `nccl::set_unique_id`).
