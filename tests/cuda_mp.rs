@@ -245,17 +245,17 @@ fn run_case(
     run_case_with(c, pool, op, site, seed, reps, true)
 }
 
-/// `run_case`; `check: false` only enqueues (no host synchronization, no comparison).
+/// One call ready to run: buffers allocated and filled, expected outputs computed.
+struct Case {
+    call: CallInfo,
+    optrs: Vec<u64>,
+    want: Vec<Vec<Vec<u8>>>,
+    layout: GroupLayout,
+    plan: Plan,
+}
+
 #[allow(clippy::needless_range_loop)] // i indexes the layout, inputs and outputs
-fn run_case_with(
-    c: &Child,
-    pool: &mut Pool,
-    op: Op,
-    site: i64,
-    seed: u64,
-    reps: usize,
-    check: bool,
-) -> Result<(), String> {
+fn prepare_case(c: &Child, pool: &mut Pool, op: Op, site: i64, seed: u64) -> Case {
     set_ctx(c);
     let world = c.topo.world();
     let layout = GroupLayout::new(&specs(), world).unwrap();
@@ -325,6 +325,33 @@ fn run_case_with(
         outputs: outs,
         stream: c.stream as usize,
     };
+    Case {
+        call,
+        optrs,
+        want,
+        layout,
+        plan,
+    }
+}
+
+/// `run_case`; `check: false` only enqueues (no host synchronization, no comparison).
+fn run_case_with(
+    c: &Child,
+    pool: &mut Pool,
+    op: Op,
+    site: i64,
+    seed: u64,
+    reps: usize,
+    check: bool,
+) -> Result<(), String> {
+    let Case {
+        call,
+        optrs,
+        want,
+        layout,
+        plan,
+    } = prepare_case(c, pool, op, site, seed);
+    let n = layout.len();
     for rep in 0..reps {
         tide::cuda::execute_job(&call, c.job)
             .map_err(|e| format!("{op:?} {} rank {} rep {rep}: {e}", c.topo, c.rank))?;
@@ -368,7 +395,7 @@ fn child_entry() {
         return;
     };
     let (what, c) = setup_child(&spec);
-    let mut pool = Pool::new(if what == "kill" { 1 << 30 } else { 64 << 20 }, 0);
+    let mut pool = Pool::new(64 << 20, 0);
     match what.as_str() {
         "match" => {
             let mut site = 100;
@@ -440,17 +467,19 @@ fn child_entry() {
                     unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
                 });
             }
+            // Buffers made once: nothing in the loop allocates or synchronizes (cuMemAlloc may
+            // synchronize the device, which a stream waiting on the dead peer would block).
+            let cases = [
+                prepare_case(&c, &mut pool, Op::ReduceScatter, 1, 1),
+                prepare_case(&c, &mut pool, Op::AllGather, 2, 2),
+            ];
             let start = Instant::now();
             let mut site = 0;
             let err = loop {
                 site += 1;
-                let op = if site % 2 == 0 {
-                    Op::AllGather
-                } else {
-                    Op::ReduceScatter
-                };
-                if let Err(e) = run_case_with(&c, &mut pool, op, site, site as u64, 3, false) {
-                    break e;
+                let case = &cases[site % 2];
+                if let Err(e) = tide::cuda::execute_job(&case.call, c.job) {
+                    break format!("{:?} {} rank {}: {e}", case.call.op, c.topo, c.rank);
                 }
                 assert!(
                     start.elapsed() < Duration::from_secs(60),
