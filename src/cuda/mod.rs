@@ -62,6 +62,9 @@
 
 pub mod device;
 pub mod driver;
+pub mod ipc;
+pub mod multiproc;
+pub mod nccl;
 pub mod kernels;
 pub mod multicast;
 pub mod nvrtc;
@@ -102,6 +105,16 @@ fn op_name(op: Op) -> &'static str {
     match op {
         Op::AllGather => "all_gather",
         Op::ReduceScatter => "reduce_scatter",
+    }
+}
+
+/// The FFI edge's entry: `job` is the FFI attribute `job` (0: every rank of the call is in this
+/// process, the in-process engine; else the multi-process job id, `multiproc`).
+pub fn execute_job(call: &CallInfo, job: u64) -> Result<()> {
+    if job == 0 {
+        execute(call)
+    } else {
+        multiproc::execute(call, job)
     }
 }
 
@@ -195,7 +208,7 @@ fn execute_inner(call: &CallInfo, seq: u64) -> Result<()> {
         Ok(g) => g,
         Err(e) => return fail_early(e),
     };
-    let local = match prepare(call, &mut st, cfg) {
+    let local = match prepare(call, &mut st, cfg, false) {
         Ok(l) => l,
         Err(e) => return fail_early(e),
     };
@@ -236,7 +249,8 @@ impl Drop for FailOnUnwind<'_> {
 
 /// Checks the call, builds (or reuses) the plan and schedule, makes the device's resources exist,
 /// and records `ready` on XLA's stream.
-fn prepare(call: &CallInfo, st: &mut DeviceState, cfg: &Config) -> Result<Local> {
+/// `multi_node`: hierarchical plans allowed (the cross-process path runs their rail over NCCL).
+fn prepare(call: &CallInfo, st: &mut DeviceState, cfg: &Config, multi_node: bool) -> Result<Local> {
     let ord = call.device_ordinal;
     if call.stream == 0 {
         return Err(TideError::InvalidArgument(format!(
@@ -272,7 +286,7 @@ fn prepare(call: &CallInfo, st: &mut DeviceState, cfg: &Config) -> Result<Local>
             op_name(call.op)
         )));
     }
-    if call.topology.nodes > 1 {
+    if call.topology.nodes > 1 && !multi_node {
         return Err(TideError::InvalidTopology(format!(
             "tide {} on device {ord}: topology {} has several nodes; the CUDA engine runs single-node plans only \
              (multi-node is not supported on the CUDA engine yet)",

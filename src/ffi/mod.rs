@@ -172,7 +172,7 @@ fn entry(op: Op, platform: Platform, call: &FfiCall) -> FfiStatus {
             Platform::Cpu => cpu::execute(&info, info.run_id),
             // The CUDA engine validates the layout itself, after taking its rendezvous sequence
             // number, so a rank that fails validation still tells its peers.
-            Platform::Cuda => crate::cuda::execute(&info),
+            Platform::Cuda => crate::cuda::execute_job(&info, info.job),
         }
     }))
     .unwrap_or_else(|payload| {
