@@ -48,7 +48,7 @@
 //! Memory (device, per GPU, allocated once and kept): the all-gather needs none beyond XLA's
 //! buffers (every piece lands at its final address; the cast, if any, is XLA's, on the local shard).
 //! The reduce-scatter stages peers' slices in `TIDE_RS_STAGE_SLOTS x TIDE_RS_SLOT_BYTES` bytes
-//! (default 2 x 32 MiB = 64 MiB), independent of the group size and of the number of GPUs; chunks of
+//! (default 3 x 32 MiB = 96 MiB), independent of the group size and of the number of GPUs; chunks of
 //! at most `slot_bytes / (P - 1)` per peer cycle through the slots. Plus events and streams.
 //!
 //! Concurrency: each device's state is locked for the whole call. XLA issues a device's calls from
@@ -57,7 +57,9 @@
 //! hang. On errors the rank calls `Session::fail` so peers fail fast; work already enqueued on side
 //! streams is still joined into MAIN so XLA's stream stays ordered.
 //!
-//! Not here yet: multi-node (hierarchical) plans are refused with a clear error; CUDA graph capture
+//! Multi-process jobs (`call.job != 0`) go to `multiproc` (the same protocol over a shared-memory
+//! mailbox, peers mapped by VMM/IPC, the rail over NCCL: docs/multiprocess.md). In one process,
+//! multi-node (hierarchical) plans are refused with a clear error; CUDA graph capture
 //! of the call is refused (the handler must not be declared command-buffer compatible).
 
 pub mod device;
