@@ -63,10 +63,10 @@
 pub mod device;
 pub mod driver;
 pub mod ipc;
-pub mod multiproc;
-pub mod nccl;
 pub mod kernels;
 pub mod multicast;
+pub mod multiproc;
+pub mod nccl;
 pub mod nvrtc;
 pub mod schedule;
 
@@ -790,7 +790,9 @@ fn batch_copy_supported() -> bool {
     *SUPPORTED.get_or_init(|| {
         // SAFETY: only looks the symbol up; the library is the one the engine already loaded.
         std::panic::catch_unwind(|| unsafe {
-            sys::culib().get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync_v2\0").is_ok()
+            sys::culib()
+                .get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync_v2\0")
+                .is_ok()
         })
         .unwrap_or(false)
     })
