@@ -63,6 +63,12 @@ struct TideBf16 {
         word(v.z, out + 4);
         word(v.w, out + 6);
     }
+    // 4 elements (8 bytes, 8-byte aligned) -> fp32 (the bulk kernel's shared-memory reads).
+    static TIDE_DEV void quad(const unsigned char* p, float* out) {
+        const uint2 w = *(const uint2*)p;
+        word(w.x, out + 0);
+        word(w.y, out + 2);
+    }
 };
 
 struct TideF16 {
@@ -80,6 +86,12 @@ struct TideF16 {
         word(v.z, out + 4);
         word(v.w, out + 6);
     }
+    // 4 elements (8 bytes, 8-byte aligned) -> fp32 (the bulk kernel's shared-memory reads).
+    static TIDE_DEV void quad(const unsigned char* p, float* out) {
+        const uint2 w = *(const uint2*)p;
+        word(w.x, out + 0);
+        word(w.y, out + 2);
+    }
 };
 
 struct TideF32 {
@@ -91,6 +103,7 @@ struct TideF32 {
         out[2] = tide_bits_f32(v.z);
         out[3] = tide_bits_f32(v.w);
     }
+    static TIDE_DEV void quad(const unsigned char* p, float* out) { unpack(*(const uint4*)p, out); }
 };
 
 // Vector body: each thread handles U vectors per iteration (U * NSRC independent 16-byte loads in
@@ -318,7 +331,6 @@ TIDE_DEV void tide_sum_bulk_tiles(float* dst, const TideSrcs& srcs, unsigned lon
     __shared__ __align__(8) unsigned long long bars[STAGES];
     const unsigned int esz = 16 / E::PER_VEC;                   // source element bytes
     const unsigned int tile_elems = TIDE_BULK_TILE / esz;       // elements of one tile
-    const unsigned int tile_vecs = TIDE_BULK_TILE / 16;         // 16-byte vectors of one source tile
     const unsigned long long b = blockIdx.x;
     const unsigned long long g = gridDim.x;
     const unsigned long long mine = b < ntiles ? (ntiles - b + g - 1) / g : 0;  // tiles of this CTA
@@ -350,42 +362,39 @@ TIDE_DEV void tide_sum_bulk_tiles(float* dst, const TideSrcs& srcs, unsigned lon
         const unsigned int parity = (unsigned int)((k / STAGES) & 1);
         tide_mbar_wait(bar0 + 8 * s, parity);
         const unsigned long long t = b + k * g;
-        const uint4* stage = (const uint4*)(tide_bulk_smem + (unsigned long long)s * NSRC * TIDE_BULK_TILE);
+        const unsigned char* stage = tide_bulk_smem + (unsigned long long)s * NSRC * TIDE_BULK_TILE;
         float4* out = (float4*)(dst + t * tile_elems);
-        for (unsigned int v = threadIdx.x; v < tile_vecs; v += blockDim.x) {
-            float acc[E::PER_VEC];
-            float x[E::PER_VEC];
+        // Thread j of the CTA: elements 4j..4j+3 (+ 4 * blockDim.x ...): one coalesced float4 store
+        // per warp lane, 4-element (8 or 16-byte) conflict-free shared-memory reads.
+#pragma unroll 4
+        for (unsigned int j = threadIdx.x; j < tile_elems / 4; j += blockDim.x) {
+            float acc[4];
+            float x[4];
             int first = 0;
             if (accumulate) {
-#pragma unroll
-                for (int q = 0; q < E::PER_VEC / 4; ++q) {
-                    const float4 d = out[v * (E::PER_VEC / 4) + q];
-                    acc[4 * q + 0] = d.x;
-                    acc[4 * q + 1] = d.y;
-                    acc[4 * q + 2] = d.z;
-                    acc[4 * q + 3] = d.w;
-                }
+                const float4 d = out[j];
+                acc[0] = d.x;
+                acc[1] = d.y;
+                acc[2] = d.z;
+                acc[3] = d.w;
             } else {
-                E::unpack(stage[v], acc);
+                E::quad(stage + j * 4 * esz, acc);
                 first = 1;
             }
 #pragma unroll
             for (int q = 0; q < NSRC; ++q) {
                 if (q >= first) {
-                    E::unpack(stage[q * tile_vecs + v], x);
+                    E::quad(stage + q * TIDE_BULK_TILE + j * 4 * esz, x);
 #pragma unroll
-                    for (int e = 0; e < E::PER_VEC; ++e) acc[e] = acc[e] + x[e];
+                    for (int e = 0; e < 4; ++e) acc[e] = acc[e] + x[e];
                 }
             }
-#pragma unroll
-            for (int q = 0; q < E::PER_VEC / 4; ++q) {
-                float4 d;
-                d.x = acc[4 * q + 0];
-                d.y = acc[4 * q + 1];
-                d.z = acc[4 * q + 2];
-                d.w = acc[4 * q + 3];
-                out[v * (E::PER_VEC / 4) + q] = d;
-            }
+            float4 d;
+            d.x = acc[0];
+            d.y = acc[1];
+            d.z = acc[2];
+            d.w = acc[3];
+            out[j] = d;
         }
         __syncthreads();  // every thread done reading stage s: it may be refilled
         if (threadIdx.x == 0 && k + STAGES < mine) {
