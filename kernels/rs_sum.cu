@@ -63,12 +63,14 @@ struct TideBf16 {
         word(v.z, out + 4);
         word(v.w, out + 6);
     }
+#ifndef TIDE_HOST_EMULATION
     // 4 elements (8 bytes, 8-byte aligned) -> fp32 (the bulk kernel's shared-memory reads).
     static TIDE_DEV void quad(const unsigned char* p, float* out) {
         const uint2 w = *(const uint2*)p;
         word(w.x, out + 0);
         word(w.y, out + 2);
     }
+#endif
 };
 
 struct TideF16 {
@@ -86,12 +88,14 @@ struct TideF16 {
         word(v.z, out + 4);
         word(v.w, out + 6);
     }
+#ifndef TIDE_HOST_EMULATION
     // 4 elements (8 bytes, 8-byte aligned) -> fp32 (the bulk kernel's shared-memory reads).
     static TIDE_DEV void quad(const unsigned char* p, float* out) {
         const uint2 w = *(const uint2*)p;
         word(w.x, out + 0);
         word(w.y, out + 2);
     }
+#endif
 };
 
 struct TideF32 {
@@ -103,7 +107,9 @@ struct TideF32 {
         out[2] = tide_bits_f32(v.z);
         out[3] = tide_bits_f32(v.w);
     }
+#ifndef TIDE_HOST_EMULATION
     static TIDE_DEV void quad(const unsigned char* p, float* out) { unpack(*(const uint4*)p, out); }
+#endif
 };
 
 // Vector body: each thread handles U vectors per iteration (U * NSRC independent 16-byte loads in
