@@ -23,6 +23,11 @@
 //! (default 25), TIDE_BENCH_QUICK=1 (small sweep), TIDE_BENCH_TIMEOUT_S (default 220: exits 3).
 //! Prints SKIPPED without a CUDA driver or GPU.
 //!
+//! TIDE_BENCH_RSKERNEL=1: only the fp32 reduction comparison, ld (LSU) vs bulk (cp.async.bulk, sm_90)
+//! kernels: bulk-vs-ld bitwise check (1-4 sources, bf16/f32, accumulate, tails), kernel-alone rows
+//! (ld 16/64/132 CTAs, bulk 8/16/32/64), full reduce-scatter rows at 16 and 64 CTAs per kernel,
+//! and the CPU-engine bitwise check of the bulk reduce-scatters (< 60 s).
+//!
 //! Build here: cargo build --release --example cuda_bench  -> target/release/examples/cuda_bench
 //! Run on the GPU machine: TIDE_BENCH_OUT=$OUT/cuda_bench.json <binary>
 
@@ -34,7 +39,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Barrier, Mutex};
 use std::time::{Duration, Instant};
 use tide::call::{BufferView, CallInfo};
-use tide::config::{Config, LocalCopy};
+use tide::config::{Config, LocalCopy, RsKernel};
 use tide::cuda::driver::check;
 use tide::cuda::kernels;
 use tide::engine::cpu::run_threads;
@@ -78,6 +83,9 @@ struct Dev {
     flag_d: u64,
     sum_bf16: sys::CUfunction,
     copy_fn: sys::CUfunction,
+    /// rs_sum_{bf16,f16,f32}_f32 (ld) and their bulk variants (None below sm_90).
+    sum_ld: [sys::CUfunction; 3],
+    sum_bulk: Option<[sys::CUfunction; 3]>,
 }
 // SAFETY: raw CUDA handles and a pinned host word, usable from any thread.
 unsafe impl Send for Dev {}
@@ -191,11 +199,19 @@ fn gpus() -> Option<Vec<Dev>> {
             "cuMemHostGetDevicePointer"
         );
         // The engine's kernels (NVRTC), through its own device state.
-        let (sum_bf16, copy_fn) = {
+        let (sum_bf16, copy_fn, sum_ld, sum_bulk) = {
             let st = tide::cuda::device::get(ord as i64).unwrap_or_else(|e| panic!("{e}"));
             let mut st = st.lock().unwrap();
             let m = st.ensure_module().unwrap_or_else(|e| panic!("{e}"));
-            (m.sum_bf16, m.copy)
+            if m.sum_bulk.is_none() {
+                println!("bulk kernel unavailable on device {ord}: {}", m.bulk_why);
+            }
+            (
+                m.sum_bf16,
+                m.copy,
+                [m.sum_bf16, m.sum_f16, m.sum_f32],
+                m.sum_bulk,
+            )
         };
         ck!(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
         devs.push(Dev {
@@ -210,6 +226,8 @@ fn gpus() -> Option<Vec<Dev>> {
             flag_d,
             sum_bf16,
             copy_fn,
+            sum_ld,
+            sum_bulk,
         });
     }
     // Peer access both ways (the engine enables it too; "already enabled" is fine).
@@ -589,6 +607,16 @@ fn launch(
     stream: sys::CUstream,
     params: &mut [*mut std::ffi::c_void],
 ) {
+    launch_smem(f, grid, 0, stream, params)
+}
+
+fn launch_smem(
+    f: sys::CUfunction,
+    grid: u32,
+    smem: u32,
+    stream: sys::CUstream,
+    params: &mut [*mut std::ffi::c_void],
+) {
     ck!(
         sys::cuLaunchKernel(
             f,
@@ -598,13 +626,117 @@ fn launch(
             kernels::THREADS,
             1,
             1,
-            0,
+            smem,
             stream,
             params.as_mut_ptr(),
             std::ptr::null_mut()
         ),
         "cuLaunchKernel"
     );
+}
+
+/// One rs_sum launch (ld or bulk kernel `f`): dst = sum of srcs (or += when acc), n elements.
+#[allow(clippy::too_many_arguments)]
+fn sum_launch(
+    f: sys::CUfunction,
+    bulk: bool,
+    dtype: DType,
+    grid: u32,
+    stream: sys::CUstream,
+    dst: u64,
+    srcs: &[u64],
+    n: u64,
+    acc: bool,
+) {
+    let mut ptrs = kernels::SrcPtrs {
+        p: [0; kernels::MAX_SRCS],
+    };
+    ptrs.p[..srcs.len()].copy_from_slice(srcs);
+    let mut d = dst;
+    let mut nsrc = srcs.len() as i32;
+    let mut n = n;
+    let mut a = acc as i32;
+    let mut vec = kernels::sum_vectorized(dst, srcs) as i32;
+    let mut params: [*mut std::ffi::c_void; 6] = [
+        &mut d as *mut u64 as *mut _,
+        &mut ptrs as *mut kernels::SrcPtrs as *mut _,
+        &mut nsrc as *mut i32 as *mut _,
+        &mut n as *mut u64 as *mut _,
+        &mut a as *mut i32 as *mut _,
+        &mut vec as *mut i32 as *mut _,
+    ];
+    let smem = if bulk {
+        kernels::bulk_smem(srcs.len())
+    } else {
+        0
+    };
+    let _ = dtype;
+    launch_smem(f, grid, smem, stream, &mut params);
+}
+
+/// Bulk vs ld kernel, bitwise, on device 0: bf16 and f32 sources, 1 to 4 sources, write and
+/// accumulate, sizes with and without a partial tile, a vector tail and a scalar tail, several grids.
+/// Returns (cases, mismatches); prints one line per mismatch.
+fn bulk_vs_ld_check(d: &Dev) -> (usize, usize) {
+    let Some(bulk) = d.sum_bulk else {
+        return (0, 0);
+    };
+    set_ctx(d);
+    let max_n: usize = 8192 * 7 + 8 * 5 + 3;
+    let srcs: Vec<u64> = (0..4).map(|_| alloc(d, max_n * 4)).collect();
+    let mut host = vec![0u8; max_n * 4];
+    for (i, &p) in srcs.iter().enumerate() {
+        fill_bf16(&mut host, 900 + i as u64);
+        upload(d, p, &host);
+    }
+    let (da, db) = (alloc(d, max_n * 4), alloc(d, max_n * 4));
+    fill_bf16(&mut host, 4242);
+    let init = host.clone();
+    let (mut cases, mut bad) = (0, 0);
+    for (ti, dtype) in [(0usize, DType::BF16), (2, DType::F32)] {
+        for nsrc in 1..=kernels::BULK_MAX_SRCS {
+            for n in [8192usize, 4096 * 3, 8192 * 7 + 8 * 5 + 3, 8192 * 2 + 5, 100] {
+                for acc in [false, true] {
+                    for grid in [1u32, 3, 16] {
+                        upload(d, da, &init);
+                        upload(d, db, &init);
+                        sum_launch(
+                            d.sum_ld[ti],
+                            false,
+                            dtype,
+                            16,
+                            d.stream,
+                            da,
+                            &srcs[..nsrc],
+                            n as u64,
+                            acc,
+                        );
+                        sum_launch(
+                            bulk[ti],
+                            true,
+                            dtype,
+                            grid,
+                            d.stream,
+                            db,
+                            &srcs[..nsrc],
+                            n as u64,
+                            acc,
+                        );
+                        sync(d);
+                        cases += 1;
+                        if download(d, da, n * 4) != download(d, db, n * 4) {
+                            bad += 1;
+                            println!(
+                                "MISMATCH bulk vs ld: {} nsrc={nsrc} n={n} acc={acc} grid={grid}",
+                                dtype.name()
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (cases, bad)
 }
 
 fn main() {
@@ -631,6 +763,11 @@ fn main() {
         .map(|v| v == "1")
         .unwrap_or(false);
     let warm = 3;
+    // TIDE_BENCH_RSKERNEL=1: only the reduction-kernel comparison (ld vs bulk): kernel-alone rows,
+    // reduce-scatter rows at 16 and 64 CTAs, bulk-vs-ld and CPU-engine bitwise checks (< 60 s).
+    let rsk = std::env::var("TIDE_BENCH_RSKERNEL")
+        .map(|v| v == "1")
+        .unwrap_or(false);
     if std::env::var("TIDE_BENCH_SELFTEST").is_ok() {
         return selftest();
     }
@@ -645,6 +782,15 @@ fn main() {
     // Fastest variants per group, for the checks: (group h, config, median).
     let mut best_ag: Vec<(usize, Config, f64)> = vec![];
     let mut best_rs: Vec<(usize, Config, f64)> = vec![];
+    let (bcases, bbad) = bulk_vs_ld_check(&devs[0]);
+    let bulk_check = if devs[0].sum_bulk.is_none() {
+        "- bulk vs ld kernel: SKIPPED (bulk unavailable)".to_string()
+    } else if bbad == 0 {
+        format!("- bulk vs ld kernel: bitwise equal in all {bcases} cases")
+    } else {
+        format!("- bulk vs ld kernel: MISMATCH in {bbad} of {bcases} cases")
+    };
+    println!("check {bulk_check}");
 
     let groups: &[usize] = &[1664, 3328];
     for &h in groups {
@@ -657,64 +803,89 @@ fn main() {
         );
         let recv = if world > 1 { shard } else { 0 };
 
-        // (a) floor.
-        rep.header(&format!(
-            "(a) copy-engine floor, {g}: {:.1} MiB from the peer, both GPUs at once",
-            shard as f64 / MIB as f64
-        ));
-        if world > 1 {
-            for k in [1usize, 4] {
-                let s = measure(&devs, world, warm, reps, &|| 20, &|r| {
+        if !rsk {
+            // (a) floor.
+            rep.header(&format!(
+                "(a) copy-engine floor, {g}: {:.1} MiB from the peer, both GPUs at once",
+                shard as f64 / MIB as f64
+            ));
+            if world > 1 {
+                for k in [1usize, 4] {
+                    let s = measure(&devs, world, warm, reps, &|| 20, &|r| {
+                        let d = &devs[r];
+                        let peer = 1 - r;
+                        set_ctx(d);
+                        ck!(sys::cuEventRecord(d.fork, d.stream), "cuEventRecord");
+                        let per = shard.div_ceil(k).div_ceil(4096) * 4096;
+                        for j in 0..k {
+                            let off = j * per;
+                            if off >= shard {
+                                break;
+                            }
+                            let len = per.min(shard - off);
+                            ck!(
+                                sys::cuStreamWaitEvent(d.side[j], d.fork, 0),
+                                "cuStreamWaitEvent"
+                            );
+                            ck!(
+                                sys::cuMemcpyAsync(
+                                    b.fl_dst[r] + off as u64,
+                                    b.fl_src[peer] + off as u64,
+                                    len,
+                                    d.side[j]
+                                ),
+                                "cuMemcpyAsync"
+                            );
+                            ck!(sys::cuEventRecord(d.joins[j], d.side[j]), "cuEventRecord");
+                            ck!(
+                                sys::cuStreamWaitEvent(d.stream, d.joins[j], 0),
+                                "cuStreamWaitEvent"
+                            );
+                        }
+                    });
+                    rep.row(
+                        "floor",
+                        &g,
+                        &format!("one copy over {k} stream(s)"),
+                        &s,
+                        recv,
+                    );
+                }
+                // One copy per parameter (the all-gather's peer copies), on 1 stream.
+                let s = measure(&devs, world, warm, reps, &|| 9, &|r| {
                     let d = &devs[r];
                     let peer = 1 - r;
                     set_ctx(d);
-                    ck!(sys::cuEventRecord(d.fork, d.stream), "cuEventRecord");
-                    let per = shard.div_ceil(k).div_ceil(4096) * 4096;
-                    for j in 0..k {
-                        let off = j * per;
-                        if off >= shard {
-                            break;
-                        }
-                        let len = per.min(shard - off);
-                        ck!(
-                            sys::cuStreamWaitEvent(d.side[j], d.fork, 0),
-                            "cuStreamWaitEvent"
-                        );
+                    for (i, p) in b.layout.params.iter().enumerate() {
+                        let sb = p.shard_rows * p.row_bytes();
                         ck!(
                             sys::cuMemcpyAsync(
-                                b.fl_dst[r] + off as u64,
-                                b.fl_src[peer] + off as u64,
-                                len,
-                                d.side[j]
+                                b.ag_out[r][i] + (peer * sb) as u64,
+                                b.ag_in[peer][i],
+                                sb,
+                                d.stream
                             ),
                             "cuMemcpyAsync"
                         );
-                        ck!(sys::cuEventRecord(d.joins[j], d.side[j]), "cuEventRecord");
-                        ck!(
-                            sys::cuStreamWaitEvent(d.stream, d.joins[j], 0),
-                            "cuStreamWaitEvent"
-                        );
                     }
                 });
-                rep.row(
-                    "floor",
-                    &g,
-                    &format!("one copy over {k} stream(s)"),
-                    &s,
-                    recv,
-                );
+                rep.row("floor", &g, "per-param peer copies, 1 stream", &s, recv);
             }
-            // One copy per parameter (the all-gather's peer copies), on 1 stream.
+
+            // (d) local-shard copy: CE vs SM.
+            rep.header(&format!(
+            "(d) all-gather local-shard copy, {g}: {:.1} MiB (read + write counted as moved x2)",
+            shard as f64 / MIB as f64
+        ));
             let s = measure(&devs, world, warm, reps, &|| 9, &|r| {
                 let d = &devs[r];
-                let peer = 1 - r;
                 set_ctx(d);
                 for (i, p) in b.layout.params.iter().enumerate() {
                     let sb = p.shard_rows * p.row_bytes();
                     ck!(
                         sys::cuMemcpyAsync(
-                            b.ag_out[r][i] + (peer * sb) as u64,
-                            b.ag_in[peer][i],
+                            b.ag_out[r][i] + (r * sb) as u64,
+                            b.ag_in[r][i],
                             sb,
                             d.stream
                         ),
@@ -722,157 +893,134 @@ fn main() {
                     );
                 }
             });
-            rep.row("floor", &g, "per-param peer copies, 1 stream", &s, recv);
-        }
-
-        // (d) local-shard copy: CE vs SM.
-        rep.header(&format!(
-            "(d) all-gather local-shard copy, {g}: {:.1} MiB (read + write counted as moved x2)",
-            shard as f64 / MIB as f64
-        ));
-        let s = measure(&devs, world, warm, reps, &|| 9, &|r| {
-            let d = &devs[r];
-            set_ctx(d);
-            for (i, p) in b.layout.params.iter().enumerate() {
-                let sb = p.shard_rows * p.row_bytes();
-                ck!(
-                    sys::cuMemcpyAsync(
-                        b.ag_out[r][i] + (r * sb) as u64,
-                        b.ag_in[r][i],
-                        sb,
-                        d.stream
-                    ),
-                    "cuMemcpyAsync"
+            rep.row("local_copy", &g, "ce cuMemcpyAsync", &s, 2 * shard);
+            let cta_list: &[u32] = if quick {
+                &[16, 132]
+            } else {
+                &[8, 16, 32, 64, 132, 264]
+            };
+            for &ctas in cta_list {
+                let s = measure(&devs, world, warm, reps, &|| 9, &|r| {
+                    let d = &devs[r];
+                    set_ctx(d);
+                    for (i, p) in b.layout.params.iter().enumerate() {
+                        let sb = p.shard_rows * p.row_bytes();
+                        let mut da = b.ag_out[r][i] + (r * sb) as u64;
+                        let mut sa = b.ag_in[r][i];
+                        let mut w = kernels::copy_width(da, sa);
+                        let grid = kernels::grid((sb as u64).div_ceil(w as u64), ctas);
+                        let mut n = sb as u64;
+                        let mut params: [*mut std::ffi::c_void; 4] = [
+                            &mut da as *mut u64 as *mut _,
+                            &mut sa as *mut u64 as *mut _,
+                            &mut n as *mut u64 as *mut _,
+                            &mut w as *mut i32 as *mut _,
+                        ];
+                        launch(d.copy_fn, grid, d.stream, &mut params);
+                    }
+                });
+                rep.row(
+                    "local_copy",
+                    &g,
+                    &format!("sm tide_copy {ctas} CTAs"),
+                    &s,
+                    2 * shard,
                 );
             }
-        });
-        rep.row("local_copy", &g, "ce cuMemcpyAsync", &s, 2 * shard);
-        let cta_list: &[u32] = if quick {
-            &[16, 132]
-        } else {
-            &[8, 16, 32, 64, 132, 264]
-        };
-        for &ctas in cta_list {
-            let s = measure(&devs, world, warm, reps, &|| 9, &|r| {
-                let d = &devs[r];
-                set_ctx(d);
-                for (i, p) in b.layout.params.iter().enumerate() {
-                    let sb = p.shard_rows * p.row_bytes();
-                    let mut da = b.ag_out[r][i] + (r * sb) as u64;
-                    let mut sa = b.ag_in[r][i];
-                    let mut w = kernels::copy_width(da, sa);
-                    let grid = kernels::grid((sb as u64).div_ceil(w as u64), ctas);
-                    let mut n = sb as u64;
-                    let mut params: [*mut std::ffi::c_void; 4] = [
-                        &mut da as *mut u64 as *mut _,
-                        &mut sa as *mut u64 as *mut _,
-                        &mut n as *mut u64 as *mut _,
-                        &mut w as *mut i32 as *mut _,
-                    ];
-                    launch(d.copy_fn, grid, d.stream, &mut params);
-                }
-            });
-            rep.row(
-                "local_copy",
-                &g,
-                &format!("sm tide_copy {ctas} CTAs"),
-                &s,
-                2 * shard,
-            );
-        }
 
-        // (b) all-gather sweep.
-        rep.header(&format!(
-            "(b) tide all-gather, {g} (GB/s: peer bytes received per GPU)"
-        ));
-        let streams_list: &[usize] = if quick { &[1, 4] } else { &[1, 2, 4, 8] };
-        let mut best: Option<(Config, f64)> = None;
-        for &streams in streams_list {
-            for local in [LocalCopy::CopyEngine, LocalCopy::Sm] {
-                for batch in [false, true] {
-                    let mut c = base_config();
-                    c.ag_streams = streams;
-                    c.local_copy = local;
-                    c.copy_batch = batch;
-                    tide::config::set_override(Some(c.clone()));
-                    site += 1;
-                    let calls: Vec<CallInfo> = (0..world)
-                        .map(|r| call_of(&devs, &b, Op::AllGather, site, r, world))
-                        .collect();
-                    let s = measure(
-                        &devs,
-                        world,
-                        warm,
-                        reps,
-                        &|| sched_cmds(dev0, site, Op::AllGather),
-                        &|r| {
-                            tide::cuda::execute(&calls[r])
-                                .unwrap_or_else(|e| panic!("all-gather: {e}"));
-                        },
-                    );
-                    let v = format!(
-                        "streams={streams} local={} batch={}",
-                        if local == LocalCopy::Sm { "sm" } else { "ce" },
-                        batch as u8
-                    );
-                    rep.row("all_gather", &g, &v, &s, recv);
-                    if best.as_ref().map(|x| s.median < x.1).unwrap_or(true) {
-                        best = Some((c, s.median));
-                    }
-                }
-            }
-        }
-        if let Some((c, m)) = best {
-            best_ag.push((h, c, m));
-        }
-
-        // (c) reduce-scatter sweep.
-        rep.header(&format!(
-            "(c) tide reduce-scatter bf16 -> fp32, {g} (GB/s: peer bf16 bytes received per GPU)"
-        ));
-        let ctas_list: &[u32] = if quick { &[16, 64] } else { &[8, 16, 32, 64] };
-        let slot_list: &[usize] = if quick { &[32] } else { &[8, 32, 64] };
-        let slots_list: &[usize] = if quick { &[2] } else { &[2, 3] };
-        let rs_streams: &[usize] = if quick { &[1, 2] } else { &[1, 2, 4] };
-        let mut best: Option<(Config, f64)> = None;
-        for &slot_mib in slot_list {
-            for &slots in slots_list {
-                for &ctas in ctas_list {
-                    for &streams in rs_streams {
+            // (b) all-gather sweep.
+            rep.header(&format!(
+                "(b) tide all-gather, {g} (GB/s: peer bytes received per GPU)"
+            ));
+            let streams_list: &[usize] = if quick { &[1, 4] } else { &[1, 2, 4, 8] };
+            let mut best: Option<(Config, f64)> = None;
+            for &streams in streams_list {
+                for local in [LocalCopy::CopyEngine, LocalCopy::Sm] {
+                    for batch in [false, true] {
                         let mut c = base_config();
-                        c.rs_max_ctas = ctas;
-                        c.rs_slot_bytes = slot_mib * MIB;
-                        c.rs_stage_slots = slots;
-                        c.rs_copy_streams = streams;
+                        c.ag_streams = streams;
+                        c.local_copy = local;
+                        c.copy_batch = batch;
                         tide::config::set_override(Some(c.clone()));
                         site += 1;
                         let calls: Vec<CallInfo> = (0..world)
-                            .map(|r| call_of(&devs, &b, Op::ReduceScatter, site, r, world))
+                            .map(|r| call_of(&devs, &b, Op::AllGather, site, r, world))
                             .collect();
                         let s = measure(
                             &devs,
                             world,
                             warm,
                             reps,
-                            &|| sched_cmds(dev0, site, Op::ReduceScatter),
+                            &|| sched_cmds(dev0, site, Op::AllGather),
                             &|r| {
                                 tide::cuda::execute(&calls[r])
-                                    .unwrap_or_else(|e| panic!("reduce-scatter: {e}"));
+                                    .unwrap_or_else(|e| panic!("all-gather: {e}"));
                             },
                         );
                         let v = format!(
-                            "ctas={ctas} slot={slot_mib}MiB slots={slots} streams={streams}"
+                            "streams={streams} local={} batch={}",
+                            if local == LocalCopy::Sm { "sm" } else { "ce" },
+                            batch as u8
                         );
-                        rep.row("reduce_scatter", &g, &v, &s, recv);
+                        rep.row("all_gather", &g, &v, &s, recv);
                         if best.as_ref().map(|x| s.median < x.1).unwrap_or(true) {
                             best = Some((c, s.median));
                         }
                     }
                 }
             }
-        }
-        if let Some((c, m)) = best {
-            best_rs.push((h, c, m));
+            if let Some((c, m)) = best {
+                best_ag.push((h, c, m));
+            }
+
+            // (c) reduce-scatter sweep.
+            rep.header(&format!(
+            "(c) tide reduce-scatter bf16 -> fp32, {g} (GB/s: peer bf16 bytes received per GPU)"
+        ));
+            let ctas_list: &[u32] = if quick { &[16, 64] } else { &[8, 16, 32, 64] };
+            let slot_list: &[usize] = if quick { &[32] } else { &[8, 32, 64] };
+            let slots_list: &[usize] = if quick { &[2] } else { &[2, 3] };
+            let rs_streams: &[usize] = if quick { &[1, 2] } else { &[1, 2, 4] };
+            let mut best: Option<(Config, f64)> = None;
+            for &slot_mib in slot_list {
+                for &slots in slots_list {
+                    for &ctas in ctas_list {
+                        for &streams in rs_streams {
+                            let mut c = base_config();
+                            c.rs_max_ctas = ctas;
+                            c.rs_slot_bytes = slot_mib * MIB;
+                            c.rs_stage_slots = slots;
+                            c.rs_copy_streams = streams;
+                            tide::config::set_override(Some(c.clone()));
+                            site += 1;
+                            let calls: Vec<CallInfo> = (0..world)
+                                .map(|r| call_of(&devs, &b, Op::ReduceScatter, site, r, world))
+                                .collect();
+                            let s = measure(
+                                &devs,
+                                world,
+                                warm,
+                                reps,
+                                &|| sched_cmds(dev0, site, Op::ReduceScatter),
+                                &|r| {
+                                    tide::cuda::execute(&calls[r])
+                                        .unwrap_or_else(|e| panic!("reduce-scatter: {e}"));
+                                },
+                            );
+                            let v = format!(
+                                "ctas={ctas} slot={slot_mib}MiB slots={slots} streams={streams}"
+                            );
+                            rep.row("reduce_scatter", &g, &v, &s, recv);
+                            if best.as_ref().map(|x| s.median < x.1).unwrap_or(true) {
+                                best = Some((c, s.median));
+                            }
+                        }
+                    }
+                }
+            }
+            if let Some((c, m)) = best {
+                best_rs.push((h, c, m));
+            }
         }
         // Reduction kernel alone: own rows + the other half of the same (local) gradient -> fp32.
         rep.header(&format!("(c') reduction kernel alone, {g}: 2 local bf16 sources -> fp32 (GB/s: bytes read + written)"));
@@ -882,12 +1030,16 @@ fn main() {
             .iter()
             .map(|p| p.shard_rows * p.row_elems * (2 + 2 + 4))
             .sum();
-        let kctas: &[u32] = if quick {
-            &[16, 132]
+        let kctas: &[u32] = if quick || rsk {
+            &[16, 64, 132]
         } else {
             &[8, 16, 32, 64, 132, 264]
         };
-        for &ctas in kctas {
+        let mut kvariants: Vec<(bool, u32)> = kctas.iter().map(|&c| (false, c)).collect();
+        if devs[0].sum_bulk.is_some() {
+            kvariants.extend([8u32, 16, 32, 64].iter().map(|&c| (true, c)));
+        }
+        for &(bulk, ctas) in &kvariants {
             let s = measure(&devs, world, warm, reps, &|| 9, &|r| {
                 let d = &devs[r];
                 set_ctx(d);
@@ -896,38 +1048,94 @@ fn main() {
                     let sb = (elems * 2) as u64;
                     let own = b.rs_in[r][i] + r as u64 * sb;
                     let other = b.rs_in[r][i] + if world > 1 { (1 - r) as u64 * sb } else { 0 };
-                    let mut ptrs = kernels::SrcPtrs {
-                        p: [0; kernels::MAX_SRCS],
+                    let dst = b.rs_out[r][i];
+                    let srcs = [own, other];
+                    let vecd = kernels::sum_vectorized(dst, &srcs);
+                    let use_bulk =
+                        bulk && kernels::bulk_eligible(vecd, 2, elems as u64, DType::BF16);
+                    let (f, grid) = if use_bulk {
+                        (
+                            d.sum_bulk.unwrap()[0],
+                            kernels::bulk_tiles(elems as u64, DType::BF16).clamp(1, ctas as u64)
+                                as u32,
+                        )
+                    } else {
+                        (
+                            d.sum_bf16,
+                            kernels::grid(
+                                kernels::sum_units(elems as u64, DType::BF16, vecd),
+                                ctas,
+                            ),
+                        )
                     };
-                    ptrs.p[0] = own;
-                    ptrs.p[1] = other;
-                    let mut dst = b.rs_out[r][i];
-                    let vecd = kernels::sum_vectorized(dst, &ptrs.p[..2]);
-                    let grid =
-                        kernels::grid(kernels::sum_units(elems as u64, DType::BF16, vecd), ctas);
-                    let mut nsrc = 2i32;
-                    let mut n = elems as u64;
-                    let mut acc = 0i32;
-                    let mut vec = vecd as i32;
-                    let mut params: [*mut std::ffi::c_void; 6] = [
-                        &mut dst as *mut u64 as *mut _,
-                        &mut ptrs as *mut kernels::SrcPtrs as *mut _,
-                        &mut nsrc as *mut i32 as *mut _,
-                        &mut n as *mut u64 as *mut _,
-                        &mut acc as *mut i32 as *mut _,
-                        &mut vec as *mut i32 as *mut _,
-                    ];
-                    launch(d.sum_bf16, grid, d.stream, &mut params);
+                    sum_launch(
+                        f,
+                        use_bulk,
+                        DType::BF16,
+                        grid,
+                        d.stream,
+                        dst,
+                        &srcs,
+                        elems as u64,
+                        false,
+                    );
                 }
             });
+            let name = if bulk {
+                "rs_sum_bf16_f32_bulk"
+            } else {
+                "rs_sum_bf16_f32"
+            };
             rep.row(
                 "reduce_kernel",
                 &g,
-                &format!("rs_sum_bf16_f32 {ctas} CTAs"),
+                &format!("{name} {ctas} CTAs"),
                 &s,
                 moved,
             );
         }
+        // Full reduce-scatter, ld vs bulk reduction, at the default slots/streams.
+        rep.header(&format!(
+            "(c'') tide reduce-scatter, ld vs bulk reduction kernel, {g} (GB/s: peer bf16 bytes received per GPU)"
+        ));
+        let mut kinds = vec![RsKernel::Ld];
+        if devs[0].sum_bulk.is_some() {
+            kinds.push(RsKernel::Bulk);
+        }
+        for &kind in &kinds {
+            for ctas in [16u32, 64] {
+                let mut c = base_config();
+                c.rs_max_ctas = ctas;
+                c.rs_kernel = kind;
+                tide::config::set_override(Some(c.clone()));
+                site += 1;
+                let calls: Vec<CallInfo> = (0..world)
+                    .map(|r| call_of(&devs, &b, Op::ReduceScatter, site, r, world))
+                    .collect();
+                let s = measure(
+                    &devs,
+                    world,
+                    warm,
+                    reps,
+                    &|| sched_cmds(dev0, site, Op::ReduceScatter),
+                    &|r| {
+                        tide::cuda::execute(&calls[r])
+                            .unwrap_or_else(|e| panic!("reduce-scatter: {e}"));
+                    },
+                );
+                let v = format!(
+                    "kernel={kind:?} ctas={ctas} slot={}MiB slots={} streams={}",
+                    c.rs_slot_bytes / MIB,
+                    c.rs_stage_slots,
+                    c.rs_copy_streams
+                );
+                rep.row("reduce_scatter_kernel", &g, &v, &s, recv);
+                if kind == RsKernel::Bulk {
+                    best_rs.push((h, c, s.median));
+                }
+            }
+        }
+        tide::config::set_override(Some(base_config()));
         println!("group {g} done at {:.1} s", t_start.elapsed().as_secs_f64());
         drop(b); // device memory is not freed (a benchmark process); 2 groups fit easily
     }
@@ -1011,7 +1219,8 @@ fn main() {
                     c.ag_streams, c.local_copy, c.copy_batch as u8
                 ),
                 Op::ReduceScatter => format!(
-                    "ctas={} slot={}MiB slots={} streams={}",
+                    "kernel={:?} ctas={} slot={}MiB slots={} streams={}",
+                    c.rs_kernel,
                     c.rs_max_ctas,
                     c.rs_slot_bytes / MIB,
                     c.rs_stage_slots,
@@ -1034,6 +1243,7 @@ fn main() {
     }
     tide::config::set_override(None);
 
+    let _ = writeln!(checks, "{bulk_check}");
     let summary = summarize(&rep, groups);
     let full = format!(
         "{}\n\n### Fastest variants, checked\n{checks}\n{summary}",
@@ -1098,7 +1308,7 @@ fn summarize(rep: &Report, groups: &[usize]) -> String {
                 .unwrap_or_else(|| "-".into());
             let _ = writeln!(out, "  - {sec}: default {d}; fastest {b}");
         }
-        for sec in ["reduce_kernel", "local_copy"] {
+        for sec in ["reduce_kernel", "reduce_scatter_kernel", "local_copy"] {
             let line: Vec<String> = of(sec)
                 .iter()
                 .map(|r| {

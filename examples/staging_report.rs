@@ -43,7 +43,14 @@ fn main() -> tide::Result<()> {
         for (nodes, gpus) in [(1, 8), (2, 8), (4, 8), (8, 8)] {
             let topology = Topology::new(nodes, gpus)?;
             let world = topology.world();
-            let layout = GroupLayout::new(&[ParamSpec::new("grad", &[world * rows_per_rank, row_elems], DType::BF16)], world)?;
+            let layout = GroupLayout::new(
+                &[ParamSpec::new(
+                    "grad",
+                    &[world * rows_per_rank, row_elems],
+                    DType::BF16,
+                )],
+                world,
+            )?;
             let plan = plan::reduce_scatter(&layout, topology, opts)?;
             let tide = plan.stats().stage_bytes_per_rank;
             let fsdp = world * output;

@@ -63,6 +63,14 @@ struct TideBf16 {
         word(v.z, out + 4);
         word(v.w, out + 6);
     }
+#ifndef TIDE_HOST_EMULATION
+    // 4 elements (8 bytes, 8-byte aligned) -> fp32 (the bulk kernel's shared-memory reads).
+    static TIDE_DEV void quad(const unsigned char* p, float* out) {
+        const uint2 w = *(const uint2*)p;
+        word(w.x, out + 0);
+        word(w.y, out + 2);
+    }
+#endif
 };
 
 struct TideF16 {
@@ -80,6 +88,14 @@ struct TideF16 {
         word(v.z, out + 4);
         word(v.w, out + 6);
     }
+#ifndef TIDE_HOST_EMULATION
+    // 4 elements (8 bytes, 8-byte aligned) -> fp32 (the bulk kernel's shared-memory reads).
+    static TIDE_DEV void quad(const unsigned char* p, float* out) {
+        const uint2 w = *(const uint2*)p;
+        word(w.x, out + 0);
+        word(w.y, out + 2);
+    }
+#endif
 };
 
 struct TideF32 {
@@ -91,6 +107,9 @@ struct TideF32 {
         out[2] = tide_bits_f32(v.z);
         out[3] = tide_bits_f32(v.w);
     }
+#ifndef TIDE_HOST_EMULATION
+    static TIDE_DEV void quad(const unsigned char* p, float* out) { unpack(*(const uint4*)p, out); }
+#endif
 };
 
 // Vector body: each thread handles U vectors per iteration (U * NSRC independent 16-byte loads in
@@ -253,3 +272,189 @@ tide_copy(void* dst, const void* src, unsigned long long bytes, int width) {
         default: tide_copy_units<unsigned char, 4>(dst, src, bytes); break;
     }
 }
+
+// ---------------------------------------------------------------------------------------------------
+// rs_sum_<src>_f32_bulk(dst, srcs, nsrc, n, accumulate, vectorized): the same sums (same fp32 adds in
+// the same order, bitwise equal results) with Hopper bulk async copies (cp.async.bulk, the TMA unit)
+// moving the sources into a ring of TIDE_BULK_STAGES shared-memory stages per CTA, so one SM keeps
+// up to TIDE_BULK_STAGES * nsrc * TIDE_BULK_TILE bytes in flight instead of the LSU kernel's ~128 KiB.
+// Host contract (src/cuda/kernels.rs): sm_90+, vectorized (dst and every source 16-byte aligned),
+// 1 <= nsrc <= TIDE_BULK_MAX_SRCS, dynamic shared memory = tide_bulk_smem(nsrc) bytes. Whole tiles
+// of TIDE_BULK_TILE source bytes go through the ring (tile t of CTA b: t = b + k * gridDim.x); the
+// elements past the last whole tile are done by the LSU vector + scalar code above.
+// Below sm_90 (and in the host emulation) the kernels exist but do nothing: the host never launches
+// them there.
+// Barrier logic: stage s has one mbarrier (arrival count 1). Its j-th use (tile k = s + j * STAGES
+// of this CTA) is one arrive.expect_tx(nsrc * TILE) by the producer thread followed by nsrc copies of
+// TILE bytes each; the phase completes when all bytes landed; consumers wait for parity j & 1. A
+// stage is refilled only after __syncthreads (every thread done reading it), and copies are issued
+// only for tiles this CTA consumes, so none is in flight when the CTA exits.
+#define TIDE_BULK_TILE 16384
+#define TIDE_BULK_MAX_SRCS 4
+#define TIDE_BULK_STAGES_2 6
+#define TIDE_BULK_STAGES_4 3
+
+#if !defined(TIDE_HOST_EMULATION)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+TIDE_DEV unsigned int tide_smem_addr(const void* p) {
+    unsigned long long a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (unsigned int)a;
+}
+
+TIDE_DEV void tide_mbar_init(unsigned int bar, unsigned int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+TIDE_DEV void tide_mbar_expect_tx(unsigned int bar, unsigned int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+TIDE_DEV void tide_mbar_wait(unsigned int bar, unsigned int parity) {
+    unsigned int done;
+    do {
+        asm volatile(
+            "{\n\t.reg .pred p;\n\t"
+            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+            "selp.u32 %0, 1, 0, p;\n\t}"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
+TIDE_DEV void tide_bulk_g2s(unsigned int dst_smem, const void* src, unsigned int bytes, unsigned int bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        ::"r"(dst_smem), "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+}
+
+extern __shared__ __align__(128) unsigned char tide_bulk_smem[];
+
+template <class E, int NSRC, int STAGES>
+TIDE_DEV void tide_sum_bulk_tiles(float* dst, const TideSrcs& srcs, unsigned long long ntiles, int accumulate) {
+    __shared__ __align__(8) unsigned long long bars[STAGES];
+    const unsigned int esz = 16 / E::PER_VEC;                   // source element bytes
+    const unsigned int tile_elems = TIDE_BULK_TILE / esz;       // elements of one tile
+    const unsigned long long b = blockIdx.x;
+    const unsigned long long g = gridDim.x;
+    const unsigned long long mine = b < ntiles ? (ntiles - b + g - 1) / g : 0;  // tiles of this CTA
+    const unsigned int smem0 = tide_smem_addr(tide_bulk_smem);
+    const unsigned int bar0 = tide_smem_addr(bars);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) tide_mbar_init(bar0 + 8 * s, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    __syncthreads();
+    // Producer: fill tile k (of this CTA) into stage k % STAGES.
+    auto issue = [&](unsigned long long k) {
+        const unsigned int s = (unsigned int)(k % STAGES);
+        const unsigned long long t = b + k * g;
+        const unsigned int bar = bar0 + 8 * s;
+        tide_mbar_expect_tx(bar, NSRC * TIDE_BULK_TILE);
+#pragma unroll
+        for (int q = 0; q < NSRC; ++q) {
+            const unsigned char* src = (const unsigned char*)srcs.p[q] + t * TIDE_BULK_TILE;
+            tide_bulk_g2s(smem0 + (s * NSRC + q) * TIDE_BULK_TILE, src, TIDE_BULK_TILE, bar);
+        }
+    };
+    if (threadIdx.x == 0) {
+        for (unsigned long long k = 0; k < mine && k < STAGES; ++k) issue(k);
+    }
+    for (unsigned long long k = 0; k < mine; ++k) {
+        const unsigned int s = (unsigned int)(k % STAGES);
+        const unsigned int parity = (unsigned int)((k / STAGES) & 1);
+        tide_mbar_wait(bar0 + 8 * s, parity);
+        const unsigned long long t = b + k * g;
+        const unsigned char* stage = tide_bulk_smem + (unsigned long long)s * NSRC * TIDE_BULK_TILE;
+        float4* out = (float4*)(dst + t * tile_elems);
+        // Thread j of the CTA: elements 4j..4j+3 (+ 4 * blockDim.x ...): one coalesced float4 store
+        // per warp lane, 4-element (8 or 16-byte) conflict-free shared-memory reads.
+#pragma unroll 4
+        for (unsigned int j = threadIdx.x; j < tile_elems / 4; j += blockDim.x) {
+            float acc[4];
+            float x[4];
+            int first = 0;
+            if (accumulate) {
+                const float4 d = out[j];
+                acc[0] = d.x;
+                acc[1] = d.y;
+                acc[2] = d.z;
+                acc[3] = d.w;
+            } else {
+                E::quad(stage + j * 4 * esz, acc);
+                first = 1;
+            }
+#pragma unroll
+            for (int q = 0; q < NSRC; ++q) {
+                if (q >= first) {
+                    E::quad(stage + q * TIDE_BULK_TILE + j * 4 * esz, x);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[e] = acc[e] + x[e];
+                }
+            }
+            float4 d;
+            d.x = acc[0];
+            d.y = acc[1];
+            d.z = acc[2];
+            d.w = acc[3];
+            out[j] = d;
+        }
+        __syncthreads();  // every thread done reading stage s: it may be refilled
+        if (threadIdx.x == 0 && k + STAGES < mine) {
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            issue(k + STAGES);
+        }
+    }
+}
+
+template <class E>
+TIDE_DEV void tide_sum_bulk(float* dst, const TideSrcs& srcs, int nsrc, unsigned long long n, int accumulate) {
+    if (nsrc < 1 || nsrc > TIDE_BULK_MAX_SRCS) return;  // the host never launches this
+    const unsigned long long tile_elems = TIDE_BULK_TILE / (16 / E::PER_VEC);
+    const unsigned long long ntiles = n / tile_elems;
+    switch (nsrc) {
+        case 1: tide_sum_bulk_tiles<E, 1, TIDE_BULK_STAGES_2>(dst, srcs, ntiles, accumulate); break;
+        case 2: tide_sum_bulk_tiles<E, 2, TIDE_BULK_STAGES_2>(dst, srcs, ntiles, accumulate); break;
+        case 3: tide_sum_bulk_tiles<E, 3, TIDE_BULK_STAGES_4>(dst, srcs, ntiles, accumulate); break;
+        default: tide_sum_bulk_tiles<E, 4, TIDE_BULK_STAGES_4>(dst, srcs, ntiles, accumulate); break;
+    }
+    // The rest (less than one tile): LSU vectors, then scalars. Tile boundaries are 16-byte aligned.
+    const unsigned long long off = ntiles * tile_elems;
+    if (off < n) {
+        TideSrcs rest;
+#pragma unroll
+        for (int q = 0; q < TIDE_MAX_SRCS; ++q)
+            rest.p[q] = (const unsigned char*)srcs.p[q] + off * (16 / E::PER_VEC);
+        const unsigned long long nvec = (n - off) / E::PER_VEC;
+        switch (nsrc) {
+            case 1: tide_sum_vec<E, 1, 1>(dst + off, rest, nvec, accumulate); break;
+            case 2: tide_sum_vec<E, 2, 1>(dst + off, rest, nvec, accumulate); break;
+            case 3: tide_sum_vec<E, 3, 1>(dst + off, rest, nvec, accumulate); break;
+            default: tide_sum_vec<E, 4, 1>(dst + off, rest, nvec, accumulate); break;
+        }
+        tide_sum_scalar<E>(dst + off, rest, nsrc, nvec * E::PER_VEC, n - off, accumulate);
+    }
+}
+#define TIDE_BULK_BODY(E) tide_sum_bulk<E>(dst, srcs, nsrc, n, accumulate)
+#else
+#define TIDE_BULK_BODY(E)
+#endif
+
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+rs_sum_bf16_f32_bulk(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized) {
+    TIDE_BULK_BODY(TideBf16);
+}
+
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+rs_sum_f16_f32_bulk(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized) {
+    TIDE_BULK_BODY(TideF16);
+}
+
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+rs_sum_f32_f32_bulk(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized) {
+    TIDE_BULK_BODY(TideF32);
+}
+#endif  // !TIDE_HOST_EMULATION

@@ -66,7 +66,10 @@ fn build_layout(call: &CallInfo) -> Result<GroupLayout> {
     let what = op_name(call.op);
     let n = call.inputs.len();
     if n == 0 {
-        return invalid!("{what} on rank {}: empty parameter group (no operands)", call.rank);
+        return invalid!(
+            "{what} on rank {}: empty parameter group (no operands)",
+            call.rank
+        );
     }
     if call.outputs.len() != n {
         return invalid!(
@@ -77,7 +80,11 @@ fn build_layout(call: &CallInfo) -> Result<GroupLayout> {
         );
     }
     if call.world == 0 || call.rank >= call.world {
-        return invalid!("{what}: rank {} is outside world size {}", call.rank, call.world);
+        return invalid!(
+            "{what}: rank {} is outside world size {}",
+            call.rank,
+            call.world
+        );
     }
     let name = |i: usize| call.names.get(i).cloned().unwrap_or_default();
     // The full shape is the all-gather's output and the reduce-scatter's input.
@@ -85,10 +92,12 @@ fn build_layout(call: &CallInfo) -> Result<GroupLayout> {
         Op::AllGather => (&call.outputs, &call.inputs),
         Op::ReduceScatter => (&call.inputs, &call.outputs),
     };
-    let specs: Vec<ParamSpec> =
-        (0..n).map(|i| ParamSpec::new(name(i), &full[i].dims, full[i].dtype)).collect();
-    let layout = GroupLayout::new(&specs, call.world)
-        .map_err(|e| crate::error::TideError::InvalidArgument(format!("{what} on rank {}: {e}", call.rank)))?;
+    let specs: Vec<ParamSpec> = (0..n)
+        .map(|i| ParamSpec::new(name(i), &full[i].dims, full[i].dtype))
+        .collect();
+    let layout = GroupLayout::new(&specs, call.world).map_err(|e| {
+        crate::error::TideError::InvalidArgument(format!("{what} on rank {}: {e}", call.rank))
+    })?;
     for (i, p) in layout.params.iter().enumerate() {
         let mut want = vec![p.shard_rows];
         want.extend(p.shape.iter().skip(1));
@@ -122,7 +131,12 @@ fn build_layout(call: &CallInfo) -> Result<GroupLayout> {
             Op::ReduceScatter => {
                 if !p.dtype.is_reducible() {
                     return Err(crate::error::TideError::UnsupportedDtype {
-                        dtype: format!("{} ({} on rank {})", p.dtype.name(), p.describe(), call.rank),
+                        dtype: format!(
+                            "{} ({} on rank {})",
+                            p.dtype.name(),
+                            p.describe(),
+                            call.rank
+                        ),
                         op: "reduce_scatter (bfloat16, float16 or float32 gradients)",
                     });
                 }

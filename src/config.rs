@@ -41,6 +41,29 @@ pub struct Config {
     /// On: 1.2-1.6x faster all-gathers on 2 H200s (bench/results/2026-11-30-cuda-bench.md); the engine
     /// falls back to single copies where the driver lacks the symbol.
     pub copy_batch: bool,
+    /// TIDE_RS_KERNEL (default `ld`): the reduce-scatter's fp32 reduction kernel: `ld` = LSU 16-byte
+    /// loads (`rs_sum_*_f32`), `bulk` = Hopper bulk async copies into a shared-memory ring
+    /// (`rs_sum_*_f32_bulk`; compute capability >= 9.0, 16-byte aligned, at most 4 sources per launch,
+    /// otherwise the `ld` kernel). Both give bitwise identical results.
+    pub rs_kernel: RsKernel,
+}
+
+/// Which fp32 reduction kernel the CUDA reduce-scatter launches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RsKernel {
+    Ld,
+    Bulk,
+}
+
+impl std::str::FromStr for RsKernel {
+    type Err = String;
+    fn from_str(s: &str) -> Result<RsKernel, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "ld" | "lsu" => Ok(RsKernel::Ld),
+            "bulk" | "tma" => Ok(RsKernel::Bulk),
+            other => Err(format!("{other:?}: expected ld or bulk")),
+        }
+    }
 }
 
 /// How the CUDA engine performs a copy whose source and destination are on the same GPU.
@@ -86,6 +109,7 @@ impl Config {
             rs_copy_streams: env_parse("TIDE_RS_COPY_STREAMS", 1usize).clamp(1, 16),
             local_copy: env_parse("TIDE_LOCAL_COPY", LocalCopy::CopyEngine),
             copy_batch: env_parse("TIDE_COPY_BATCH", 1u32) != 0,
+            rs_kernel: env_parse("TIDE_RS_KERNEL", RsKernel::Ld),
             nvrtc_lib_dir: std::env::var("TIDE_NVRTC_LIB_DIR")
                 .ok()
                 .filter(|s| !s.trim().is_empty()),

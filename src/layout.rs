@@ -116,7 +116,11 @@ pub struct ParamSpec {
 
 impl ParamSpec {
     pub fn new(name: impl Into<String>, shape: &[usize], dtype: DType) -> ParamSpec {
-        ParamSpec { name: name.into(), shape: shape.to_vec(), dtype }
+        ParamSpec {
+            name: name.into(),
+            shape: shape.to_vec(),
+            dtype,
+        }
     }
 }
 
@@ -162,9 +166,20 @@ impl ParamLayout {
     /// "param 3 'layers.0.wq' (shape [7, 5], bfloat16)": how errors name a parameter.
     pub fn describe(&self) -> String {
         if self.name.is_empty() {
-            format!("param {} (shape {:?}, {})", self.index, self.shape, self.dtype.name())
+            format!(
+                "param {} (shape {:?}, {})",
+                self.index,
+                self.shape,
+                self.dtype.name()
+            )
         } else {
-            format!("param {} '{}' (shape {:?}, {})", self.index, self.name, self.shape, self.dtype.name())
+            format!(
+                "param {} '{}' (shape {:?}, {})",
+                self.index,
+                self.name,
+                self.shape,
+                self.dtype.name()
+            )
         }
     }
 }
@@ -181,7 +196,8 @@ pub struct GroupLayout {
 }
 
 fn checked_mul(a: usize, b: usize, what: &dyn Fn() -> String) -> Result<usize> {
-    a.checked_mul(b).ok_or_else(|| TideError::InvalidArgument(format!("{}: size overflows", what())))
+    a.checked_mul(b)
+        .ok_or_else(|| TideError::InvalidArgument(format!("{}: size overflows", what())))
 }
 
 impl GroupLayout {
@@ -197,10 +213,18 @@ impl GroupLayout {
         let mut unsharded = 0usize;
         for (index, p) in params.iter().enumerate() {
             let what = || {
-                format!("param {index} '{}' (shape {:?}, {})", p.name, p.shape, p.dtype.name())
+                format!(
+                    "param {index} '{}' (shape {:?}, {})",
+                    p.name,
+                    p.shape,
+                    p.dtype.name()
+                )
             };
             if let Some(d) = p.shape.iter().position(|&d| d == 0) {
-                return invalid!("{}: dim {d} is zero; zero-size parameters cannot be sharded", what());
+                return invalid!(
+                    "{}: dim {d} is zero; zero-size parameters cannot be sharded",
+                    what()
+                );
             }
             let rows = p.shape.first().copied().unwrap_or(1);
             let mut row_elems = 1usize;
@@ -225,14 +249,19 @@ impl GroupLayout {
                 prefix_offset: prefix,
                 unsharded_offset: unsharded,
             });
-            prefix = prefix
-                .checked_add(shard_bytes)
-                .ok_or_else(|| TideError::InvalidArgument(format!("{}: group size overflows", what())))?;
-            unsharded = unsharded
-                .checked_add(full_bytes)
-                .ok_or_else(|| TideError::InvalidArgument(format!("{}: group size overflows", what())))?;
+            prefix = prefix.checked_add(shard_bytes).ok_or_else(|| {
+                TideError::InvalidArgument(format!("{}: group size overflows", what()))
+            })?;
+            unsharded = unsharded.checked_add(full_bytes).ok_or_else(|| {
+                TideError::InvalidArgument(format!("{}: group size overflows", what()))
+            })?;
         }
-        Ok(GroupLayout { world, params: out, shard_bytes: prefix, unsharded_bytes: unsharded })
+        Ok(GroupLayout {
+            world,
+            params: out,
+            shard_bytes: prefix,
+            unsharded_bytes: unsharded,
+        })
     }
 
     pub fn len(&self) -> usize {

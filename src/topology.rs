@@ -16,11 +16,17 @@ impl Topology {
                 "{nodes}x{gpus_per_node}: nodes and gpus_per_node must be at least 1"
             )));
         }
-        Ok(Topology { nodes, gpus_per_node })
+        Ok(Topology {
+            nodes,
+            gpus_per_node,
+        })
     }
     /// Every rank on one node.
     pub fn single_node(world: usize) -> Topology {
-        Topology { nodes: 1, gpus_per_node: world.max(1) }
+        Topology {
+            nodes: 1,
+            gpus_per_node: world.max(1),
+        }
     }
     /// Parses "2x4" (nodes x gpus_per_node), as in TIDE_TOPOLOGY.
     pub fn parse(s: &str) -> Result<Topology> {

@@ -321,4 +321,26 @@ fn cuda_engine_matches_cpu_engine() {
             run_and_check(&devs, op, site, world, 99 + k as u64, 50);
         }
     }
+    // The bulk-copy reduction (TIDE_RS_KERNEL=bulk; the ld kernel where the device lacks sm_90):
+    // 64 KiB slots (many small launches) and 1 MiB slots (several tiles per CTA), 3 and 64 CTAs.
+    for (slot, ctas) in [(65536usize, 3u32), (1 << 20, 3), (1 << 20, 64)] {
+        let mut c = tide::config::Config::from_env();
+        c.rs_kernel = tide::config::RsKernel::Bulk;
+        c.rs_slot_bytes = slot;
+        c.rs_max_ctas = ctas;
+        tide::config::set_override(Some(c));
+        for world in [1, all]
+            .into_iter()
+            .collect::<std::collections::BTreeSet<_>>()
+        {
+            say(&format!(
+                "cuda_engine: TIDE_RS_KERNEL=bulk slot {slot} ctas {ctas}"
+            ));
+            site += 1;
+            run_and_check(&devs, Op::ReduceScatter, site, world, 7 + ctas as u64, 1);
+            site += 1;
+            run_and_check(&devs, Op::ReduceScatter, site, world, 8 + slot as u64, 20);
+        }
+    }
+    tide::config::set_override(None);
 }

@@ -1,12 +1,14 @@
 //! CPU engine details: exact bf16/f16 widening, barrier discipline, errors instead of hangs.
 
-use tide::engine::cpu::{bf16_to_f32, execute_rank, f16_to_f32, f32_to_bf16, run_threads, ThreadBarrier};
+use std::sync::Mutex;
+use std::time::Duration;
+use tide::engine::cpu::{
+    bf16_to_f32, execute_rank, f16_to_f32, f32_to_bf16, run_threads, ThreadBarrier,
+};
 use tide::engine::{Barrier, RankBuffers};
 use tide::layout::{DType, GroupLayout, ParamSpec};
 use tide::plan::{self, RsOptions};
 use tide::{Result, TideError, Topology};
-use std::sync::Mutex;
-use std::time::Duration;
 
 fn f16_reference(bits: u16) -> f64 {
     let sign = if bits & 0x8000 != 0 { -1.0 } else { 1.0 };
@@ -38,10 +40,17 @@ fn widening_is_exact_for_every_bit_pattern() {
         let (h, want) = (f16_to_f32(bits), f16_reference(bits));
         if want.is_nan() {
             assert!(h.is_nan(), "f16 {bits:#06x}");
-            assert_eq!(h.to_bits() & 0x807f_ffff, (((bits as u32) & 0x8000) << 16) | (((bits as u32) & 0x3ff) << 13));
+            assert_eq!(
+                h.to_bits() & 0x807f_ffff,
+                (((bits as u32) & 0x8000) << 16) | (((bits as u32) & 0x3ff) << 13)
+            );
         } else {
             assert_eq!(h as f64, want, "f16 {bits:#06x}");
-            assert_eq!(h.is_sign_negative(), bits & 0x8000 != 0, "f16 {bits:#06x} sign");
+            assert_eq!(
+                h.is_sign_negative(),
+                bits & 0x8000 != 0,
+                "f16 {bits:#06x} sign"
+            );
         }
         let (b, want) = (bf16_to_f32(bits), bf16_reference(bits));
         if want.is_nan() {
@@ -69,16 +78,30 @@ impl Barrier for Recorder {
 fn execute_rank_waits_after_every_phase() {
     // One rank, two nodes would need peers; a 1x1 plan has one phase, a 2x1 plan four.
     let layout = GroupLayout::new(&[ParamSpec::new("w", &[3, 2], DType::BF16)], 1).unwrap();
-    let plan = plan::reduce_scatter(&layout, Topology::single_node(1), RsOptions::default()).unwrap();
-    let input: Vec<u8> = [1.0f32, 2.0, -3.0, 0.5, 0.25, 1e-3].iter().flat_map(|&x| f32_to_bf16(x).to_le_bytes()).collect();
+    let plan =
+        plan::reduce_scatter(&layout, Topology::single_node(1), RsOptions::default()).unwrap();
+    let input: Vec<u8> = [1.0f32, 2.0, -3.0, 0.5, 0.25, 1e-3]
+        .iter()
+        .flat_map(|&x| f32_to_bf16(x).to_le_bytes())
+        .collect();
     let mut out = vec![0u8; 24];
-    let bufs = vec![RankBuffers { inputs: vec![input.as_ptr() as usize], outputs: vec![out.as_mut_ptr() as usize], stages: vec![] }];
+    let bufs = vec![RankBuffers {
+        inputs: vec![input.as_ptr() as usize],
+        outputs: vec![out.as_mut_ptr() as usize],
+        stages: vec![],
+    }];
     let rec = Recorder(Mutex::new(Vec::new()));
     // SAFETY: buffers of the plan's sizes, alive for the call.
     unsafe { execute_rank(&plan, 0, &bufs, &rec) }.unwrap();
     assert_eq!(*rec.0.lock().unwrap(), vec![(0, 0)]);
-    let vals: Vec<f32> = out.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
-    let want: Vec<f32> = input.chunks(2).map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect();
+    let vals: Vec<f32> = out
+        .chunks(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let want: Vec<f32> = input
+        .chunks(2)
+        .map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+        .collect();
     assert_eq!(vals, want);
 }
 
@@ -87,14 +110,20 @@ fn barrier_failure_is_an_error_not_a_hang() {
     struct Failing;
     impl Barrier for Failing {
         fn wait(&self, rank: usize, phase: usize) -> Result<()> {
-            Err(TideError::Rendezvous(format!("peer gone (rank {rank}, phase {phase})")))
+            Err(TideError::Rendezvous(format!(
+                "peer gone (rank {rank}, phase {phase})"
+            )))
         }
     }
     let layout = GroupLayout::new(&[ParamSpec::new("w", &[2], DType::F32)], 1).unwrap();
     let plan = plan::all_gather(&layout, Topology::single_node(1)).unwrap();
     let input = [0u8; 8];
     let mut out = vec![0u8; 8];
-    let bufs = vec![RankBuffers { inputs: vec![input.as_ptr() as usize], outputs: vec![out.as_mut_ptr() as usize], stages: vec![] }];
+    let bufs = vec![RankBuffers {
+        inputs: vec![input.as_ptr() as usize],
+        outputs: vec![out.as_mut_ptr() as usize],
+        stages: vec![],
+    }];
     // SAFETY: as above.
     let e = unsafe { execute_rank(&plan, 0, &bufs, &Failing) }.unwrap_err();
     assert!(e.to_string().contains("peer gone"));
@@ -110,7 +139,12 @@ fn barrier_failure_is_an_error_not_a_hang() {
 fn run_threads_checks_inputs() {
     let layout = GroupLayout::new(&[ParamSpec::new("w", &[5, 2], DType::BF16)], 2).unwrap();
     let plan = plan::all_gather(&layout, Topology::single_node(2)).unwrap();
-    let e = run_threads(&plan, &[vec![vec![0u8; 12]], vec![vec![0u8; 11]]]).unwrap_err().to_string();
-    assert!(e.contains("rank 1") && e.contains("'w'") && e.contains("11 bytes"), "{e}");
+    let e = run_threads(&plan, &[vec![vec![0u8; 12]], vec![vec![0u8; 11]]])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("rank 1") && e.contains("'w'") && e.contains("11 bytes"),
+        "{e}"
+    );
     assert!(run_threads(&plan, &[vec![vec![0u8; 12]]]).is_err());
 }

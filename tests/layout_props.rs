@@ -60,7 +60,10 @@ fn check_layout(layout: &GroupLayout, specs: &[ParamSpec]) {
         let row_elems: usize = s.shape.iter().skip(1).product();
         assert_eq!((p.rows, p.row_elems), (rows, row_elems), "{}", p.describe());
         assert_eq!(p.shard_rows, rows.div_ceil(world));
-        assert_eq!(p.shard_bytes, p.shard_rows * row_elems * s.dtype.size_bytes());
+        assert_eq!(
+            p.shard_bytes,
+            p.shard_rows * row_elems * s.dtype.size_bytes()
+        );
         assert_eq!(p.full_bytes(), rows * row_elems * s.dtype.size_bytes());
         assert_eq!(p.prefix_offset, prefix);
         assert_eq!(p.unsharded_offset, unsharded);
@@ -85,7 +88,12 @@ fn check_layout(layout: &GroupLayout, specs: &[ParamSpec]) {
             }
             total += b - a;
         }
-        assert_eq!(total, rows, "{}: valid rows do not sum to rows", p.describe());
+        assert_eq!(
+            total,
+            rows,
+            "{}: valid rows do not sum to rows",
+            p.describe()
+        );
         assert_eq!(next, rows);
         // The padded global buffer holds every row.
         assert!(world * p.shard_rows >= rows && world * p.shard_rows < rows + world);
@@ -101,7 +109,13 @@ fn random_groups_over_many_world_sizes() {
         for _ in 0..60 {
             let n = 1 + rng.below(6);
             let specs: Vec<ParamSpec> = (0..n)
-                .map(|k| ParamSpec::new(format!("p{k}"), &awkward_shape(&mut rng, world), DTYPES[rng.below(13)]))
+                .map(|k| {
+                    ParamSpec::new(
+                        format!("p{k}"),
+                        &awkward_shape(&mut rng, world),
+                        DTYPES[rng.below(13)],
+                    )
+                })
                 .collect();
             let layout = GroupLayout::new(&specs, world).unwrap();
             assert_eq!(layout.world, world);
@@ -122,8 +136,14 @@ fn specific_shapes() {
     let l = GroupLayout::new(&specs, 8).unwrap();
     check_layout(&l, &specs);
     let scalar = &l.params[0];
-    assert_eq!((scalar.rows, scalar.row_elems, scalar.shard_rows), (1, 1, 1));
-    assert_eq!((0..8).map(|r| scalar.valid_rows(r)).collect::<Vec<_>>(), [1, 0, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(
+        (scalar.rows, scalar.row_elems, scalar.shard_rows),
+        (1, 1, 1)
+    );
+    assert_eq!(
+        (0..8).map(|r| scalar.valid_rows(r)).collect::<Vec<_>>(),
+        [1, 0, 0, 0, 0, 0, 0, 0]
+    );
     let seven = &l.params[1];
     assert_eq!(seven.shard_rows, 1);
     assert_eq!(seven.valid_rows(7), 0);
@@ -131,8 +151,14 @@ fn specific_shapes() {
     let eight = &l.params[2];
     assert!((0..8).all(|r| eight.valid_rows(r) == 1));
     let cube = &l.params[3];
-    assert_eq!((cube.shard_rows, cube.row_elems, cube.shard_bytes), (2, 10, 160));
-    assert_eq!((0..8).map(|r| cube.valid_rows(r)).collect::<Vec<_>>(), [2, 2, 2, 2, 1, 0, 0, 0]);
+    assert_eq!(
+        (cube.shard_rows, cube.row_elems, cube.shard_bytes),
+        (2, 10, 160)
+    );
+    assert_eq!(
+        (0..8).map(|r| cube.valid_rows(r)).collect::<Vec<_>>(),
+        [2, 2, 2, 2, 1, 0, 0, 0]
+    );
     assert_eq!(l.shard_bytes, 4 + 2 + 6 + 160);
     assert_eq!(l.unsharded_bytes, 4 + 14 + 48 + 720);
     assert_eq!(cube.prefix_offset, 12);
@@ -143,21 +169,47 @@ fn specific_shapes() {
 fn errors_name_the_problem() {
     let e = GroupLayout::new(&[], 4).unwrap_err().to_string();
     assert!(e.contains("empty"), "{e}");
-    let e = GroupLayout::new(&[ParamSpec::new("w", &[3], DType::F32)], 0).unwrap_err().to_string();
-    assert!(e.contains("world size"), "{e}");
-    let e = GroupLayout::new(&[ParamSpec::new("ok", &[3], DType::F32), ParamSpec::new("zero", &[4, 0, 2], DType::BF16)], 2)
+    let e = GroupLayout::new(&[ParamSpec::new("w", &[3], DType::F32)], 0)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("param 1 'zero'") && e.contains("dim 1 is zero"), "{e}");
-    for shape in [vec![usize::MAX / 2, 3], vec![4, usize::MAX / 4, 8], vec![usize::MAX, 1]] {
-        let e = GroupLayout::new(&[ParamSpec::new("huge", &shape, DType::F32)], 3).unwrap_err().to_string();
-        assert!(e.contains("overflow") && e.contains("huge"), "{shape:?}: {e}");
+    assert!(e.contains("world size"), "{e}");
+    let e = GroupLayout::new(
+        &[
+            ParamSpec::new("ok", &[3], DType::F32),
+            ParamSpec::new("zero", &[4, 0, 2], DType::BF16),
+        ],
+        2,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("param 1 'zero'") && e.contains("dim 1 is zero"),
+        "{e}"
+    );
+    for shape in [
+        vec![usize::MAX / 2, 3],
+        vec![4, usize::MAX / 4, 8],
+        vec![usize::MAX, 1],
+    ] {
+        let e = GroupLayout::new(&[ParamSpec::new("huge", &shape, DType::F32)], 3)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("overflow") && e.contains("huge"),
+            "{shape:?}: {e}"
+        );
     }
     // Each fits, the group does not.
     let big = usize::MAX / 2 + 1;
-    let e = GroupLayout::new(&[ParamSpec::new("a", &[big], DType::U8), ParamSpec::new("b", &[big], DType::U8)], 1)
-        .unwrap_err()
-        .to_string();
+    let e = GroupLayout::new(
+        &[
+            ParamSpec::new("a", &[big], DType::U8),
+            ParamSpec::new("b", &[big], DType::U8),
+        ],
+        1,
+    )
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("overflow"), "{e}");
 }
 
@@ -169,6 +221,10 @@ fn dtype_codes_round_trip() {
     }
     assert!(DType::from_xla(99).is_err());
     assert!(DType::from_name("complex64").is_err());
-    let reducible: Vec<DType> = DTYPES.iter().copied().filter(|d| d.is_reducible()).collect();
+    let reducible: Vec<DType> = DTYPES
+        .iter()
+        .copied()
+        .filter(|d| d.is_reducible())
+        .collect();
     assert_eq!(reducible, [DType::F16, DType::F32, DType::BF16]);
 }

@@ -23,7 +23,10 @@ fn opts(timeout_s: f64) -> ShmOptions {
 
 /// A job id no other test (or earlier run) uses.
 fn fresh_job(tag: u64) -> u64 {
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
     (t ^ ((std::process::id() as u64) << 32) ^ tag.wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1
 }
 
@@ -37,7 +40,9 @@ fn specs(scale: usize) -> Vec<ParamSpec> {
 }
 
 fn lcg(seed: &mut u64) -> u64 {
-    *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    *seed = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     *seed >> 33
 }
 
@@ -77,9 +82,15 @@ fn build(op: Op, topo: Topology, scale: usize) -> Plan {
     let layout = GroupLayout::new(&specs(scale), topo.world()).unwrap();
     match op {
         Op::AllGather => plan::all_gather(&layout, topo).unwrap(),
-        Op::ReduceScatter => {
-            plan::reduce_scatter(&layout, topo, RsOptions { stage_slots: 2, slot_bytes: if scale > 100 { 4096 } else { 96 } }).unwrap()
-        }
+        Op::ReduceScatter => plan::reduce_scatter(
+            &layout,
+            topo,
+            RsOptions {
+                stage_slots: 2,
+                slot_bytes: if scale > 100 { 4096 } else { 96 },
+            },
+        )
+        .unwrap(),
     }
 }
 
@@ -87,7 +98,11 @@ fn call_for(plan: &Plan, rank: usize, inputs: &[Vec<u8>], outputs: &mut [Vec<u8>
     let p = &plan.layout;
     let view = |ptr: usize, i: usize, full: bool, dtype: DType| {
         let q = &p.params[i];
-        let mut dims: Vec<usize> = if full { q.shape.clone() } else { vec![q.shard_rows] };
+        let mut dims: Vec<usize> = if full {
+            q.shape.clone()
+        } else {
+            vec![q.shard_rows]
+        };
         if !full {
             dims.extend(q.shape.iter().skip(1));
         }
@@ -95,12 +110,20 @@ fn call_for(plan: &Plan, rank: usize, inputs: &[Vec<u8>], outputs: &mut [Vec<u8>
     };
     let (ins, outs) = match plan.op {
         Op::AllGather => (
-            (0..p.len()).map(|i| view(inputs[i].as_ptr() as usize, i, false, p.params[i].dtype)).collect(),
-            (0..p.len()).map(|i| view(outputs[i].as_mut_ptr() as usize, i, true, p.params[i].dtype)).collect(),
+            (0..p.len())
+                .map(|i| view(inputs[i].as_ptr() as usize, i, false, p.params[i].dtype))
+                .collect(),
+            (0..p.len())
+                .map(|i| view(outputs[i].as_mut_ptr() as usize, i, true, p.params[i].dtype))
+                .collect(),
         ),
         Op::ReduceScatter => (
-            (0..p.len()).map(|i| view(inputs[i].as_ptr() as usize, i, true, p.params[i].dtype)).collect(),
-            (0..p.len()).map(|i| view(outputs[i].as_mut_ptr() as usize, i, false, DType::F32)).collect(),
+            (0..p.len())
+                .map(|i| view(inputs[i].as_ptr() as usize, i, true, p.params[i].dtype))
+                .collect(),
+            (0..p.len())
+                .map(|i| view(outputs[i].as_mut_ptr() as usize, i, false, DType::F32))
+                .collect(),
         ),
     };
     CallInfo {
@@ -121,16 +144,26 @@ fn call_for(plan: &Plan, rank: usize, inputs: &[Vec<u8>], outputs: &mut [Vec<u8>
 }
 
 /// Runs one rank's call over the transport and returns its outputs.
-fn run_rank(plan: &Plan, rank: usize, seed: u64, job: u64, o: &ShmOptions) -> Result<Vec<Vec<u8>>, TideError> {
+fn run_rank(
+    plan: &Plan,
+    rank: usize,
+    seed: u64,
+    job: u64,
+    o: &ShmOptions,
+) -> Result<Vec<Vec<u8>>, TideError> {
     let inputs = inputs_for(plan, rank, seed);
-    let mut outputs: Vec<Vec<u8>> = (0..plan.layout.len()).map(|i| vec![0x5au8; plan.output_bytes(i)]).collect();
+    let mut outputs: Vec<Vec<u8>> = (0..plan.layout.len())
+        .map(|i| vec![0x5au8; plan.output_bytes(i)])
+        .collect();
     let call = call_for(plan, rank, &inputs, &mut outputs);
     run_cpu_multiprocess_with(&call, plan, job, o)?;
     Ok(outputs)
 }
 
 fn reference(plan: &Plan, seed: u64) -> Vec<Vec<Vec<u8>>> {
-    let inputs: Vec<_> = (0..plan.world()).map(|r| inputs_for(plan, r, seed)).collect();
+    let inputs: Vec<_> = (0..plan.world())
+        .map(|r| inputs_for(plan, r, seed))
+        .collect();
     run_threads(plan, &inputs).unwrap()
 }
 
@@ -162,7 +195,8 @@ fn check_rank(topo: Topology, ranks: &[usize], job: u64) {
                 .collect();
             for h in handles {
                 let (rank, got) = h.join().unwrap();
-                let got = got.unwrap_or_else(|e| panic!("{topo} {op:?} scale {scale} rank {rank}: {e}"));
+                let got =
+                    got.unwrap_or_else(|e| panic!("{topo} {op:?} scale {scale} rank {rank}: {e}"));
                 assert!(got == want[rank], "{topo} {op:?} scale {scale}: rank {rank} differs from the single-process engine");
             }
         });
@@ -173,7 +207,10 @@ fn check_rank(topo: Topology, ranks: &[usize], job: u64) {
 
 #[test]
 fn threads_match_single_process_engine() {
-    for (k, topo) in [(1, 2), (1, 3), (1, 5), (2, 1), (3, 1), (5, 1), (2, 2)].into_iter().enumerate() {
+    for (k, topo) in [(1, 2), (1, 3), (1, 5), (2, 1), (3, 1), (5, 1), (2, 2)]
+        .into_iter()
+        .enumerate()
+    {
         let topo = Topology::new(topo.0, topo.1).unwrap();
         let ranks: Vec<usize> = (0..topo.world()).collect();
         check_rank(topo, &ranks, fresh_job(100 + k as u64));
@@ -187,10 +224,17 @@ const CHILD_ENV: &str = "TIDE_TRANSPORT_TEST_CHILD";
 /// Child entry point: does nothing unless run by `spawn_children`.
 #[test]
 fn child_entry() {
-    let Ok(spec) = std::env::var(CHILD_ENV) else { return };
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        return;
+    };
     // scenario:nodes:gpus:job:ranks(comma separated)
     let parts: Vec<&str> = spec.split(':').collect();
-    let (what, nodes, gpus, job) = (parts[0], parts[1].parse().unwrap(), parts[2].parse().unwrap(), parts[3].parse().unwrap());
+    let (what, nodes, gpus, job) = (
+        parts[0],
+        parts[1].parse().unwrap(),
+        parts[2].parse().unwrap(),
+        parts[3].parse().unwrap(),
+    );
     let ranks: Vec<usize> = parts[4].split(',').map(|r| r.parse().unwrap()).collect();
     let topo = Topology::new(nodes, gpus).unwrap();
     match what {
@@ -208,8 +252,14 @@ fn child_entry() {
             let took = start.elapsed();
             println!("rank {rank} error after {took:?}: {err}");
             let msg = err.to_string();
-            assert!(msg.contains("rank 1 (pid") && msg.contains("died"), "unclear error: {msg}");
-            assert!(took < Duration::from_secs(10), "took {took:?} to notice the dead peer");
+            assert!(
+                msg.contains("rank 1 (pid") && msg.contains("died"),
+                "unclear error: {msg}"
+            );
+            assert!(
+                took < Duration::from_secs(10),
+                "took {took:?} to notice the dead peer"
+            );
             // Sticky: later calls fail at once.
             let again = run_rank(&plan, rank, 3, job, &o).expect_err("sticky failure");
             assert!(again.to_string().contains("earlier tide call"), "{again}");
@@ -218,7 +268,12 @@ fn child_entry() {
     }
 }
 
-fn spawn_children(what: &str, topo: Topology, per_process: &[Vec<usize>], job: u64) -> Vec<(Vec<usize>, std::process::Output)> {
+fn spawn_children(
+    what: &str,
+    topo: Topology,
+    per_process: &[Vec<usize>],
+    job: u64,
+) -> Vec<(Vec<usize>, std::process::Output)> {
     let exe = std::env::current_exe().unwrap();
     let children: Vec<_> = per_process
         .iter()
@@ -226,7 +281,15 @@ fn spawn_children(what: &str, topo: Topology, per_process: &[Vec<usize>], job: u
             let list: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
             let child = Command::new(&exe)
                 .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
-                .env(CHILD_ENV, format!("{what}:{}:{}:{job}:{}", topo.nodes, topo.gpus_per_node, list.join(",")))
+                .env(
+                    CHILD_ENV,
+                    format!(
+                        "{what}:{}:{}:{job}:{}",
+                        topo.nodes,
+                        topo.gpus_per_node,
+                        list.join(",")
+                    ),
+                )
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
@@ -234,11 +297,18 @@ fn spawn_children(what: &str, topo: Topology, per_process: &[Vec<usize>], job: u
             (ranks.clone(), child)
         })
         .collect();
-    children.into_iter().map(|(r, c)| (r, c.wait_with_output().unwrap())).collect()
+    children
+        .into_iter()
+        .map(|(r, c)| (r, c.wait_with_output().unwrap()))
+        .collect()
 }
 
 fn report(out: &std::process::Output) -> String {
-    format!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+    format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
 }
 
 #[test]
@@ -256,8 +326,16 @@ fn processes_match_single_process_engine() {
     for (k, ((nodes, gpus), per_process)) in cases.into_iter().enumerate() {
         let topo = Topology::new(nodes, gpus).unwrap();
         for (ranks, out) in spawn_children("match", topo, &per_process, fresh_job(200 + k as u64)) {
-            assert!(out.status.success(), "{topo}: process with ranks {ranks:?} failed:\n{}", report(&out));
-            assert!(String::from_utf8_lossy(&out.stdout).contains("1 passed"), "{}", report(&out));
+            assert!(
+                out.status.success(),
+                "{topo}: process with ranks {ranks:?} failed:\n{}",
+                report(&out)
+            );
+            assert!(
+                String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+                "{}",
+                report(&out)
+            );
         }
     }
 }
@@ -291,8 +369,13 @@ fn timeout_names_the_missing_rank() {
     // Rank 1 (alive, same process) never makes its second call.
     let start = Instant::now();
     let err = run_rank(&plan, 0, 2, job, &o).unwrap_err().to_string();
-    assert!(start.elapsed() >= Duration::from_millis(900) && start.elapsed() < Duration::from_secs(10));
-    assert!(err.contains("timed out") && err.contains("ranks [1 (pid"), "{err}");
+    assert!(
+        start.elapsed() >= Duration::from_millis(900) && start.elapsed() < Duration::from_secs(10)
+    );
+    assert!(
+        err.contains("timed out") && err.contains("ranks [1 (pid"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -303,18 +386,32 @@ fn peer_failure_propagates_fast() {
     let o = opts(60.0);
     let start = Instant::now();
     std::thread::scope(|s| {
-        let waiters: Vec<_> = [0usize, 2].iter().map(|&r| s.spawn({
-            let (plan, o) = (&plan, &o);
-            move || run_rank(plan, r, 1, job, o)
-        })).collect();
+        let waiters: Vec<_> = [0usize, 2]
+            .iter()
+            .map(|&r| {
+                s.spawn({
+                    let (plan, o) = (&plan, &o);
+                    move || run_rank(plan, r, 1, job, o)
+                })
+            })
+            .collect();
         std::thread::sleep(Duration::from_millis(100));
         let inputs = inputs_for(&plan, 1, 1);
-        let mut outputs: Vec<Vec<u8>> = (0..plan.layout.len()).map(|i| vec![0; plan.output_bytes(i)]).collect();
+        let mut outputs: Vec<Vec<u8>> = (0..plan.layout.len())
+            .map(|i| vec![0; plan.output_bytes(i)])
+            .collect();
         let call = call_for(&plan, 1, &inputs, &mut outputs);
-        fail_cpu_multiprocess(&call, job, &TideError::InvalidArgument("gradient 'w' has the wrong shape".into()));
+        fail_cpu_multiprocess(
+            &call,
+            job,
+            &TideError::InvalidArgument("gradient 'w' has the wrong shape".into()),
+        );
         for w in waiters {
             let err = w.join().unwrap().unwrap_err().to_string();
-            assert!(err.contains("peer rank 1") && err.contains("wrong shape"), "{err}");
+            assert!(
+                err.contains("peer rank 1") && err.contains("wrong shape"),
+                "{err}"
+            );
         }
     });
     assert!(start.elapsed() < Duration::from_secs(10));
@@ -349,7 +446,12 @@ fn segments_are_unlinked_once_joined() {
     });
     let prefix = format!("tide-{job:016x}-");
     let left: Vec<String> = std::fs::read_dir("/dev/shm")
-        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(&prefix)).collect())
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(&prefix))
+                .collect()
+        })
         .unwrap_or_default();
     assert!(left.is_empty(), "segments left in /dev/shm: {left:?}");
 }

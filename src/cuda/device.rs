@@ -27,6 +27,11 @@ pub struct Module {
     pub sum_f16: CUfunction,
     pub sum_f32: CUfunction,
     pub copy: CUfunction,
+    /// The bulk-copy (TMA) variants, bf16/f16/f32, with their dynamic shared memory allowed up to
+    /// `kernels::BULK_SMEM_MAX`; `None` below compute capability 9.0 or if the attribute failed
+    /// (`bulk_why` says why).
+    pub sum_bulk: Option<[CUfunction; 3]>,
+    pub bulk_why: String,
 }
 
 impl Module {
@@ -42,6 +47,17 @@ impl Module {
                 })
             }
         })
+    }
+
+    /// The bulk variant for `dtype`, if this device runs it.
+    pub fn sum_bulk(&self, dtype: DType) -> Option<CUfunction> {
+        let b = self.sum_bulk.as_ref()?;
+        match dtype {
+            DType::BF16 => Some(b[0]),
+            DType::F16 => Some(b[1]),
+            DType::F32 => Some(b[2]),
+            _ => None,
+        }
     }
 }
 
@@ -371,12 +387,49 @@ impl DeviceState {
                 )?;
                 Ok(f)
             };
+            let (sum_bulk, bulk_why) = if self.cc.0 >= 9 {
+                let mut fs = [std::ptr::null_mut(); 3];
+                let mut why = String::new();
+                for (i, name) in kernels::BULK_KERNEL_NAMES.iter().enumerate() {
+                    fs[i] = get(name)?;
+                    // SAFETY: valid function handle; the context is current.
+                    let r = unsafe {
+                        sys::cuFuncSetAttribute(
+                            fs[i],
+                            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            kernels::BULK_SMEM_MAX as i32,
+                        )
+                    };
+                    if r != sys::CUresult::CUDA_SUCCESS {
+                        why = format!(
+                            "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES = {}) on {name}: {}",
+                            kernels::BULK_SMEM_MAX,
+                            super::driver::describe(r)
+                        );
+                    }
+                }
+                if why.is_empty() {
+                    (Some(fs), String::new())
+                } else {
+                    (None, why)
+                }
+            } else {
+                (
+                    None,
+                    format!(
+                        "compute capability {}.{} < 9.0 (no cp.async.bulk)",
+                        self.cc.0, self.cc.1
+                    ),
+                )
+            };
             let m = Module {
                 _module: module,
                 sum_bf16: get("rs_sum_bf16_f32")?,
                 sum_f16: get("rs_sum_f16_f32")?,
                 sum_f32: get("rs_sum_f32_f32")?,
                 copy: get("tide_copy")?,
+                sum_bulk,
+                bulk_why,
             };
             self.module = Some(m);
         }

@@ -22,6 +22,54 @@ pub const KERNEL_NAMES: [&str; 4] = [
     "tide_copy",
 ];
 
+/// The Hopper bulk-copy (TMA) variants of the `rs_sum_*` kernels (same parameters, same results),
+/// exported by the module on every architecture but only launched on compute capability >= 9.0.
+pub const BULK_KERNEL_NAMES: [&str; 3] = [
+    "rs_sum_bf16_f32_bulk",
+    "rs_sum_f16_f32_bulk",
+    "rs_sum_f32_f32_bulk",
+];
+/// Source bytes of one bulk tile (`TIDE_BULK_TILE`).
+pub const BULK_TILE: u64 = 16384;
+/// Sources one bulk launch may sum (`TIDE_BULK_MAX_SRCS`); more go to the LSU kernel.
+pub const BULK_MAX_SRCS: usize = 4;
+
+/// Ring stages of the bulk kernel for `nsrc` sources (`TIDE_BULK_STAGES_2` / `_4`).
+pub fn bulk_stages(nsrc: usize) -> u32 {
+    if nsrc <= 2 {
+        6
+    } else {
+        3
+    }
+}
+
+/// Dynamic shared memory of a bulk launch with `nsrc` sources (at most `BULK_SMEM_MAX`).
+pub fn bulk_smem(nsrc: usize) -> u32 {
+    bulk_stages(nsrc) * nsrc.max(1) as u32 * BULK_TILE as u32
+}
+
+/// The largest `bulk_smem`: set once as CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES.
+pub const BULK_SMEM_MAX: u32 = 6 * 2 * 16384;
+
+/// Whole bulk tiles of an `rs_sum` over `elems` elements of `dtype` (the rest is LSU code).
+pub fn bulk_tiles(elems: u64, dtype: DType) -> u64 {
+    elems * dtype.size_bytes() as u64 / BULK_TILE
+}
+
+/// Whether a launch may use the bulk kernel: 16-byte aligned, few sources, at least one tile.
+pub fn bulk_eligible(vectorized: bool, nsrc: usize, elems: u64, dtype: DType) -> bool {
+    vectorized && (1..=BULK_MAX_SRCS).contains(&nsrc) && bulk_tiles(elems, dtype) > 0
+}
+
+/// The bulk `rs_sum` kernel for sources of `dtype`.
+pub fn bulk_kernel(dtype: DType) -> Result<&'static str> {
+    Ok(match sum_kernel(dtype)? {
+        "rs_sum_bf16_f32" => BULK_KERNEL_NAMES[0],
+        "rs_sum_f16_f32" => BULK_KERNEL_NAMES[1],
+        _ => BULK_KERNEL_NAMES[2],
+    })
+}
+
 /// The `rs_sum` kernel for sources of `dtype`.
 pub fn sum_kernel(dtype: DType) -> Result<&'static str> {
     match dtype {
@@ -138,6 +186,16 @@ mod tests {
                 "kernel {k} not in source"
             );
         }
+        for k in BULK_KERNEL_NAMES {
+            assert!(
+                SOURCE.contains(&format!("\n{k}(")),
+                "kernel {k} not in source"
+            );
+        }
+        assert_eq!(define("TIDE_BULK_TILE"), BULK_TILE.to_string());
+        assert_eq!(define("TIDE_BULK_MAX_SRCS"), BULK_MAX_SRCS.to_string());
+        assert_eq!(define("TIDE_BULK_STAGES_2"), bulk_stages(2).to_string());
+        assert_eq!(define("TIDE_BULK_STAGES_4"), bulk_stages(4).to_string());
         assert_eq!(std::mem::size_of::<SrcPtrs>(), 8 * MAX_SRCS);
         // No CUDA headers, no multicast.
         assert!(!SOURCE.contains("#include"));
@@ -226,5 +284,16 @@ mod tests {
         assert_eq!(copy_width(0x1002, 0x2004), 2);
         assert_eq!(copy_width(0x1001, 0x2000), 1);
         assert_eq!(arch(9, 0), "sm_90");
+        assert_eq!(bulk_smem(1), 6 * 16384);
+        assert_eq!(bulk_smem(2), BULK_SMEM_MAX);
+        assert_eq!(bulk_smem(4), 3 * 4 * 16384);
+        assert!((1..=BULK_MAX_SRCS).all(|n| bulk_smem(n) <= BULK_SMEM_MAX));
+        assert_eq!(bulk_tiles(8192, DType::BF16), 1);
+        assert_eq!(bulk_tiles(8191, DType::BF16), 0);
+        assert!(bulk_eligible(true, 2, 8192, DType::BF16));
+        assert!(!bulk_eligible(false, 2, 8192, DType::BF16));
+        assert!(!bulk_eligible(true, 5, 1 << 20, DType::BF16));
+        assert!(!bulk_eligible(true, 2, 4095, DType::F32));
+        assert_eq!(bulk_kernel(DType::F16).unwrap(), "rs_sum_f16_f32_bulk");
     }
 }

@@ -65,10 +65,10 @@
 pub mod device;
 pub mod driver;
 pub mod ipc;
-pub mod multiproc;
-pub mod nccl;
 pub mod kernels;
 pub mod multicast;
+pub mod multiproc;
+pub mod nccl;
 pub mod nvrtc;
 pub mod schedule;
 
@@ -792,7 +792,9 @@ fn batch_copy_supported() -> bool {
     *SUPPORTED.get_or_init(|| {
         // SAFETY: only looks the symbol up; the library is the one the engine already loaded.
         std::panic::catch_unwind(|| unsafe {
-            sys::culib().get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync_v2\0").is_ok()
+            sys::culib()
+                .get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync_v2\0")
+                .is_ok()
         })
         .unwrap_or(false)
     })
@@ -1111,11 +1113,34 @@ fn issue(
                     ptrs.p[k] = address(infos, &o.region, elems * o.dtype.size_bytes())?;
                 }
                 let vectorized = kernels::sum_vectorized(da, &ptrs.p[..l.count]);
-                let grid = kernels::grid(
+                let mut grid = kernels::grid(
                     kernels::sum_units(*elems as u64, l.dtype, vectorized),
                     cfg.rs_max_ctas,
                 );
-                let f = m.sum(l.dtype)?;
+                let mut f = m.sum(l.dtype)?;
+                let mut smem = 0u32;
+                if cfg.rs_kernel == crate::config::RsKernel::Bulk {
+                    match m.sum_bulk(l.dtype) {
+                        Some(b) => {
+                            if kernels::bulk_eligible(vectorized, l.count, *elems as u64, l.dtype) {
+                                f = b;
+                                smem = kernels::bulk_smem(l.count);
+                                grid = kernels::bulk_tiles(*elems as u64, l.dtype)
+                                    .clamp(1, cfg.rs_max_ctas.max(1) as u64)
+                                    as u32;
+                            }
+                        }
+                        None => {
+                            static WARNED: std::sync::Once = std::sync::Once::new();
+                            WARNED.call_once(|| {
+                                log::warn!(
+                                    "tide: TIDE_RS_KERNEL=bulk unavailable ({}); using the ld kernel",
+                                    m.bulk_why
+                                )
+                            });
+                        }
+                    }
+                }
                 let mut d = da;
                 let mut nsrc = l.count as i32;
                 let mut n = *elems as u64;
@@ -1142,7 +1167,7 @@ fn issue(
                             kernels::THREADS,
                             1,
                             1,
-                            0,
+                            smem,
                             s,
                             params.as_mut_ptr(),
                             std::ptr::null_mut(),
@@ -1151,7 +1176,7 @@ fn issue(
                     "cuLaunchKernel(rs_sum)",
                     || {
                         format!(
-                            "{}, {} {} sources from {}, {elems} elements, grid {grid}",
+                            "{}, {} {} sources from {}, {elems} elements, grid {grid}, smem {smem}",
                             step_ctx(call, prepared, phase, *step, dst),
                             l.count,
                             l.dtype.name(),

@@ -50,7 +50,13 @@ pub fn f32_to_bf16(x: f32) -> u16 {
 ///
 /// # Safety
 /// `ptr` must be valid for reads of `elems * dtype.size_bytes()` bytes.
-unsafe fn widen(ptr: *const u8, dtype: DType, elems: usize, out: &mut [f32], acc: bool) -> Result<()> {
+unsafe fn widen(
+    ptr: *const u8,
+    dtype: DType,
+    elems: usize,
+    out: &mut [f32],
+    acc: bool,
+) -> Result<()> {
     let apply = |out: &mut f32, v: f32| {
         if acc {
             *out += v
@@ -68,13 +74,19 @@ unsafe fn widen(ptr: *const u8, dtype: DType, elems: usize, out: &mut [f32], acc
         DType::BF16 => {
             for (e, o) in out.iter_mut().enumerate().take(elems) {
                 // SAFETY: as above.
-                apply(o, bf16_to_f32(unsafe { (ptr as *const u16).add(e).read_unaligned() }));
+                apply(
+                    o,
+                    bf16_to_f32(unsafe { (ptr as *const u16).add(e).read_unaligned() }),
+                );
             }
         }
         DType::F16 => {
             for (e, o) in out.iter_mut().enumerate().take(elems) {
                 // SAFETY: as above.
-                apply(o, f16_to_f32(unsafe { (ptr as *const u16).add(e).read_unaligned() }));
+                apply(
+                    o,
+                    f16_to_f32(unsafe { (ptr as *const u16).add(e).read_unaligned() }),
+                );
             }
         }
         other => {
@@ -89,7 +101,11 @@ unsafe fn widen(ptr: *const u8, dtype: DType, elems: usize, out: &mut [f32], acc
 
 fn address(plan: &Plan, bufs: &[RankBuffers], r: &Region) -> Result<*mut u8> {
     let b = bufs.get(r.rank).ok_or_else(|| {
-        TideError::Internal(format!("CPU engine: no buffers for rank {} (have {})", r.rank, bufs.len()))
+        TideError::Internal(format!(
+            "CPU engine: no buffers for rank {} (have {})",
+            r.rank,
+            bufs.len()
+        ))
     })?;
     let list = match r.kind {
         BufKind::Input => &b.inputs,
@@ -107,7 +123,10 @@ fn address(plan: &Plan, bufs: &[RankBuffers], r: &Region) -> Result<*mut u8> {
         ))
     })?;
     if base == 0 {
-        return Err(TideError::Internal(format!("CPU engine: rank {} {:?} buffer {} is null", r.rank, r.kind, r.index)));
+        return Err(TideError::Internal(format!(
+            "CPU engine: rank {} {:?} buffer {} is null",
+            r.rank, r.kind, r.index
+        )));
     }
     Ok((base + r.offset) as *mut u8)
 }
@@ -119,7 +138,12 @@ fn address(plan: &Plan, bufs: &[RankBuffers], r: &Region) -> Result<*mut u8> {
 /// `bufs[q]` must hold, for every rank q of the plan, host pointers to live buffers of the sizes the
 /// plan names (`Plan::input_bytes`, `output_bytes`, `stage_slot_bytes`), not accessed by anything
 /// but this plan's executors until every rank has passed the last barrier.
-pub unsafe fn execute_rank(plan: &Plan, rank: usize, bufs: &[RankBuffers], barrier: &dyn Barrier) -> Result<()> {
+pub unsafe fn execute_rank(
+    plan: &Plan,
+    rank: usize,
+    bufs: &[RankBuffers],
+    barrier: &dyn Barrier,
+) -> Result<()> {
     if bufs.len() != plan.layout.world {
         return Err(TideError::Internal(format!(
             "CPU engine: {} rank buffer sets for world size {}",
@@ -177,10 +201,14 @@ unsafe impl Sync for StageBuffers {}
 impl StageBuffers {
     /// Allocates the plan's stage slots; an allocation failure is an error naming the slot, not an abort.
     pub fn new(plan: &Plan) -> Result<StageBuffers> {
-        let mut out = StageBuffers { slots: Vec::with_capacity(plan.stage_slot_bytes.len()) };
+        let mut out = StageBuffers {
+            slots: Vec::with_capacity(plan.stage_slot_bytes.len()),
+        };
         for (slot, &bytes) in plan.stage_slot_bytes.iter().enumerate() {
             let layout = std::alloc::Layout::from_size_align(bytes.max(1), 64).map_err(|_| {
-                TideError::InvalidArgument(format!("stage slot {slot}: {bytes} bytes is not allocatable"))
+                TideError::InvalidArgument(format!(
+                    "stage slot {slot}: {bytes} bytes is not allocatable"
+                ))
             })?;
             // SAFETY: layout has non-zero size.
             let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
@@ -226,7 +254,11 @@ impl ThreadBarrier {
         ThreadBarrier {
             world,
             timeout,
-            state: Mutex::new(BarrierState { arrived: 0, generation: 0, poisoned: None }),
+            state: Mutex::new(BarrierState {
+                arrived: 0,
+                generation: 0,
+                poisoned: None,
+            }),
             cv: Condvar::new(),
         }
     }
@@ -242,7 +274,9 @@ impl Barrier for ThreadBarrier {
     fn wait(&self, rank: usize, phase: usize) -> Result<()> {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(why) = &st.poisoned {
-            return Err(TideError::Rendezvous(format!("rank {rank} at phase {phase}: {why}")));
+            return Err(TideError::Rendezvous(format!(
+                "rank {rank} at phase {phase}: {why}"
+            )));
         }
         let gen = st.generation;
         st.arrived += 1;
@@ -255,16 +289,25 @@ impl Barrier for ThreadBarrier {
         let deadline = std::time::Instant::now() + self.timeout;
         while st.generation == gen {
             if let Some(why) = &st.poisoned {
-                return Err(TideError::Rendezvous(format!("rank {rank} at phase {phase}: {why}")));
+                return Err(TideError::Rendezvous(format!(
+                    "rank {rank} at phase {phase}: {why}"
+                )));
             }
             let now = std::time::Instant::now();
             if now >= deadline {
-                let why = format!("rank {rank} timed out at phase {phase} barrier after {:?}", self.timeout);
+                let why = format!(
+                    "rank {rank} timed out at phase {phase} barrier after {:?}",
+                    self.timeout
+                );
                 st.poisoned.get_or_insert(why.clone());
                 self.cv.notify_all();
                 return Err(TideError::Rendezvous(why));
             }
-            st = self.cv.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+            st = self
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
         Ok(())
     }
@@ -276,11 +319,17 @@ pub fn run_threads(plan: &Plan, inputs: &[Vec<Vec<u8>>]) -> Result<Vec<Vec<Vec<u
     let world = plan.layout.world;
     let n = plan.layout.len();
     if inputs.len() != world {
-        return crate::invalid!("run_threads: {} ranks of inputs for world size {world}", inputs.len());
+        return crate::invalid!(
+            "run_threads: {} ranks of inputs for world size {world}",
+            inputs.len()
+        );
     }
     for (r, ins) in inputs.iter().enumerate() {
         if ins.len() != n {
-            return crate::invalid!("run_threads: rank {r} has {} inputs, the group has {n} params", ins.len());
+            return crate::invalid!(
+                "run_threads: rank {r} has {} inputs, the group has {n} params",
+                ins.len()
+            );
         }
         for (i, b) in ins.iter().enumerate() {
             if b.len() != plan.input_bytes(i) {
@@ -293,15 +342,21 @@ pub fn run_threads(plan: &Plan, inputs: &[Vec<Vec<u8>>]) -> Result<Vec<Vec<Vec<u
             }
         }
     }
-    let mut outputs: Vec<Vec<Vec<u8>>> =
-        (0..world).map(|_| (0..n).map(|i| vec![0xa5u8; plan.output_bytes(i)]).collect()).collect();
-    let stages: Vec<StageBuffers> = (0..world).map(|_| StageBuffers::new(plan)).collect::<Result<_>>()?;
+    let mut outputs: Vec<Vec<Vec<u8>>> = (0..world)
+        .map(|_| (0..n).map(|i| vec![0xa5u8; plan.output_bytes(i)]).collect())
+        .collect();
+    let stages: Vec<StageBuffers> = (0..world)
+        .map(|_| StageBuffers::new(plan))
+        .collect::<Result<_>>()?;
     // Zero-byte buffers still need a distinct non-null address; none is ever dereferenced.
     let addr = |p: *const u8| p as usize;
     let bufs: Vec<RankBuffers> = (0..world)
         .map(|r| RankBuffers {
             inputs: inputs[r].iter().map(|b| addr(b.as_ptr())).collect(),
-            outputs: outputs[r].iter_mut().map(|b| addr(b.as_mut_ptr())).collect(),
+            outputs: outputs[r]
+                .iter_mut()
+                .map(|b| addr(b.as_mut_ptr()))
+                .collect(),
             stages: stages[r].addrs(),
         })
         .collect();
@@ -327,11 +382,21 @@ pub fn run_threads(plan: &Plan, inputs: &[Vec<Vec<u8>>]) -> Result<Vec<Vec<Vec<u
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(TideError::Internal("CPU engine rank thread panicked".into()))))
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(TideError::Internal(
+                        "CPU engine rank thread panicked".into(),
+                    ))
+                })
+            })
             .collect()
     });
     // The first real error (not a peer's "someone else failed").
-    if let Some(e) = results.iter().find_map(|r| r.as_ref().err().filter(|e| !matches!(e, TideError::Rendezvous(_)))) {
+    if let Some(e) = results.iter().find_map(|r| {
+        r.as_ref()
+            .err()
+            .filter(|e| !matches!(e, TideError::Rendezvous(_)))
+    }) {
         return Err(e.clone());
     }
     if let Some(Err(e)) = results.into_iter().find(|r| r.is_err()) {

@@ -203,7 +203,12 @@ pub fn execute_multiprocess(call: &CallInfo, job: u64) -> Result<()> {
     let rank = call.rank;
     let prepared = catch_unwind(AssertUnwindSafe(|| -> Result<Arc<Plan>> {
         let layout = call.layout()?;
-        let inputs = PlanInputs { op: call.op, topology: call.topology, layout, rs: rs_options() };
+        let inputs = PlanInputs {
+            op: call.op,
+            topology: call.topology,
+            layout,
+            rs: rs_options(),
+        };
         plan_for(call.site, inputs)
     }))
     .unwrap_or_else(|payload| {
@@ -219,7 +224,10 @@ pub fn execute_multiprocess(call: &CallInfo, job: u64) -> Result<()> {
             return Err(err);
         }
     };
-    catch_unwind(AssertUnwindSafe(|| crate::transport::run_cpu_multiprocess(call, &plan, job))).unwrap_or_else(|payload| {
+    catch_unwind(AssertUnwindSafe(|| {
+        crate::transport::run_cpu_multiprocess(call, &plan, job)
+    }))
+    .unwrap_or_else(|payload| {
         let err = TideError::Internal(format!(
             "{what} on rank {rank}: panic in the multi-process CPU path: {}",
             super::panic_message(&*payload)

@@ -60,7 +60,10 @@ pub struct RsOptions {
 
 impl Default for RsOptions {
     fn default() -> RsOptions {
-        RsOptions { stage_slots: 2, slot_bytes: 32 << 20 }
+        RsOptions {
+            stage_slots: 2,
+            slot_bytes: 32 << 20,
+        }
     }
 }
 
@@ -68,7 +71,10 @@ impl RsOptions {
     /// From the process configuration (TIDE_RS_STAGE_SLOTS, TIDE_RS_SLOT_BYTES).
     pub fn from_config() -> RsOptions {
         let c = crate::config::current();
-        RsOptions { stage_slots: c.rs_stage_slots, slot_bytes: c.rs_slot_bytes }
+        RsOptions {
+            stage_slots: c.rs_stage_slots,
+            slot_bytes: c.rs_slot_bytes,
+        }
     }
 }
 
@@ -85,11 +91,19 @@ fn check_topology(layout: &GroupLayout, topology: Topology, what: &str) -> Resul
 }
 
 fn region(rank: usize, kind: BufKind, index: usize, offset: usize) -> Region {
-    Region { rank, kind, index, offset }
+    Region {
+        rank,
+        kind,
+        index,
+        offset,
+    }
 }
 
 fn copy(executor: usize, src: Region, dst: Region, bytes: usize) -> Step {
-    Step { executor, action: Action::Copy { src, dst, bytes } }
+    Step {
+        executor,
+        action: Action::Copy { src, dst, bytes },
+    }
 }
 
 pub fn all_gather(layout: &GroupLayout, topology: Topology) -> Result<Plan> {
@@ -171,7 +185,12 @@ pub fn all_gather(layout: &GroupLayout, topology: Topology) -> Result<Plan> {
                 for (q, at) in sources {
                     let bytes = p.valid_rows(q) * p.row_bytes();
                     if bytes > 0 {
-                        let dst = region(exec, BufKind::Output, p.index, q * p.shard_rows * p.row_bytes());
+                        let dst = region(
+                            exec,
+                            BufKind::Output,
+                            p.index,
+                            q * p.shard_rows * p.row_bytes(),
+                        );
                         steps.push(copy(exec, at, dst, bytes));
                     }
                 }
@@ -187,12 +206,21 @@ pub fn all_gather(layout: &GroupLayout, topology: Topology) -> Result<Plan> {
         phases.push(Phase { name, steps });
     }
     let stage_slot_bytes = vec![packed; nodes - 1];
-    Ok(Plan { op: Op::AllGather, topology, layout: layout.clone(), phases, stage_slot_bytes })
+    Ok(Plan {
+        op: Op::AllGather,
+        topology,
+        layout: layout.clone(),
+        phases,
+        stage_slot_bytes,
+    })
 }
 
 /// Byte offset of parameter i's fp32 shard in a packed fp32 shard (the partial / receive buffers).
 pub fn fp32_prefix(layout: &GroupLayout, index: usize) -> usize {
-    layout.params[..index].iter().map(|p| p.shard_rows * p.row_elems * 4).sum()
+    layout.params[..index]
+        .iter()
+        .map(|p| p.shard_rows * p.row_elems * 4)
+        .sum()
 }
 
 /// Bytes of a packed fp32 shard: one rank's reduce-scatter output, all parameters.
@@ -243,7 +271,13 @@ struct Level1<'a> {
 }
 
 impl Level1<'_> {
-    fn emit(&mut self, exec: usize, q: usize, dst_of: &dyn Fn(usize, usize) -> Region, steps: &mut Vec<Step>) {
+    fn emit(
+        &mut self,
+        exec: usize,
+        q: usize,
+        dst_of: &dyn Fn(usize, usize) -> Region,
+        steps: &mut Vec<Step>,
+    ) {
         let node = self.topology.node_of(exec);
         let gpus = self.topology.gpus_per_node;
         let layout = self.layout;
@@ -271,18 +305,39 @@ impl Level1<'_> {
                     for l in 0..gpus {
                         let peer = self.topology.rank(node, l);
                         if peer == exec {
-                            srcs.push(Operand { region: region(exec, BufKind::Input, p.index, in_off), dtype: p.dtype });
+                            srcs.push(Operand {
+                                region: region(exec, BufKind::Input, p.index, in_off),
+                                dtype: p.dtype,
+                            });
                         } else {
                             let at = region(exec, BufKind::Stage, slot, piece * stride);
-                            steps.push(copy(exec, region(peer, BufKind::Input, p.index, in_off), at, elems * elem));
-                            srcs.push(Operand { region: at, dtype: p.dtype });
+                            steps.push(copy(
+                                exec,
+                                region(peer, BufKind::Input, p.index, in_off),
+                                at,
+                                elems * elem,
+                            ));
+                            srcs.push(Operand {
+                                region: at,
+                                dtype: p.dtype,
+                            });
                             piece += 1;
                         }
                     }
                 } else {
-                    srcs.push(Operand { region: region(exec, BufKind::Input, p.index, in_off), dtype: p.dtype });
+                    srcs.push(Operand {
+                        region: region(exec, BufKind::Input, p.index, in_off),
+                        dtype: p.dtype,
+                    });
                 }
-                steps.push(Step { executor: exec, action: Action::Reduce { dst: dst_of(p.index, off), srcs, elems } });
+                steps.push(Step {
+                    executor: exec,
+                    action: Action::Reduce {
+                        dst: dst_of(p.index, off),
+                        srcs,
+                        elems,
+                    },
+                });
                 off += elems;
             }
         }
@@ -308,8 +363,16 @@ pub fn reduce_scatter(layout: &GroupLayout, topology: Topology, opts: RsOptions)
         if opts.stage_slots == 0 {
             return crate::invalid!("reduce_scatter plan: stage_slots must be at least 1");
         }
-        let c = Chunking { peers: gpus - 1, per_piece: opts.slot_bytes / (gpus - 1) };
-        let widest = layout.params.iter().map(|p| p.dtype.size_bytes()).max().unwrap_or(4);
+        let c = Chunking {
+            peers: gpus - 1,
+            per_piece: opts.slot_bytes / (gpus - 1),
+        };
+        let widest = layout
+            .params
+            .iter()
+            .map(|p| p.dtype.size_bytes())
+            .max()
+            .unwrap_or(4);
         if c.cap_elems(widest) == 0 {
             return crate::invalid!(
                 "reduce_scatter plan: slot_bytes {} cannot hold one element from each of {} local peers ({} bytes each)",
@@ -355,20 +418,33 @@ pub fn reduce_scatter(layout: &GroupLayout, topology: Topology, opts: RsOptions)
             let q = topology.rank(m, l);
             let mut steps = Vec::new();
             if r == 0 {
-                level1.emit(exec, q, &|i, off| region(exec, BufKind::Output, i, off * 4), &mut steps);
+                level1.emit(
+                    exec,
+                    q,
+                    &|i, off| region(exec, BufKind::Output, i, off * 4),
+                    &mut steps,
+                );
                 for p in &layout.params {
                     let valid = p.valid_rows(q) * p.row_elems * 4;
                     let padded = p.shard_rows * p.row_elems * 4;
                     if padded > valid {
                         steps.push(Step {
                             executor: exec,
-                            action: Action::Zero { dst: region(exec, BufKind::Output, p.index, valid), bytes: padded - valid },
+                            action: Action::Zero {
+                                dst: region(exec, BufKind::Output, p.index, valid),
+                                bytes: padded - valid,
+                            },
                         });
                     }
                 }
             } else {
                 let slot = big(PARTIAL + r % 2);
-                level1.emit(exec, q, &|i, off| region(exec, BufKind::Stage, slot, prefixes[i] + off * 4), &mut steps);
+                level1.emit(
+                    exec,
+                    q,
+                    &|i, off| region(exec, BufKind::Stage, slot, prefixes[i] + off * 4),
+                    &mut steps,
+                );
             }
             l1[r][exec] = steps;
         }
@@ -416,9 +492,17 @@ pub fn reduce_scatter(layout: &GroupLayout, topology: Topology, opts: RsOptions)
                     action: Action::Reduce {
                         dst: out,
                         srcs: vec![
-                            Operand { region: out, dtype: DType::F32 },
                             Operand {
-                                region: region(recv, BufKind::Stage, big(RECV + r % 2), prefixes[p.index]),
+                                region: out,
+                                dtype: DType::F32,
+                            },
+                            Operand {
+                                region: region(
+                                    recv,
+                                    BufKind::Stage,
+                                    big(RECV + r % 2),
+                                    prefixes[p.index],
+                                ),
                                 dtype: DType::F32,
                             },
                         ],
@@ -430,7 +514,13 @@ pub fn reduce_scatter(layout: &GroupLayout, topology: Topology, opts: RsOptions)
     }
 
     let chunk_slots = if level1.chunking.is_some() {
-        level1.chunks_per_exec.iter().copied().max().unwrap_or(0).min(level1.slots)
+        level1
+            .chunks_per_exec
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            .min(level1.slots)
     } else {
         0
     };
@@ -443,7 +533,11 @@ pub fn reduce_scatter(layout: &GroupLayout, topology: Topology, opts: RsOptions)
     for k in 0..phase_count {
         let mut steps = Vec::new();
         for exec in 0..world {
-            for s in xfer[k][exec].drain(..).chain(l1[k][exec].drain(..)).chain(acc[k][exec].drain(..)) {
+            for s in xfer[k][exec]
+                .drain(..)
+                .chain(l1[k][exec].drain(..))
+                .chain(acc[k][exec].drain(..))
+            {
                 let mut s = s;
                 match &mut s.action {
                     Action::Copy { src, dst, .. } => {
@@ -482,5 +576,11 @@ pub fn reduce_scatter(layout: &GroupLayout, topology: Topology, opts: RsOptions)
     if nodes > 1 {
         stage_slot_bytes.extend([fp32_bytes; 4]);
     }
-    Ok(Plan { op: Op::ReduceScatter, topology, layout: layout.clone(), phases, stage_slot_bytes })
+    Ok(Plan {
+        op: Op::ReduceScatter,
+        topology,
+        layout: layout.clone(),
+        phases,
+        stage_slot_bytes,
+    })
 }

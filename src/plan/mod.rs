@@ -55,12 +55,20 @@ pub struct Operand {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
     /// Move `bytes` bytes from src to dst unchanged.
-    Copy { src: Region, dst: Region, bytes: usize },
+    Copy {
+        src: Region,
+        dst: Region,
+        bytes: usize,
+    },
     /// Write `bytes` zero bytes at dst (padding rows).
     Zero { dst: Region, bytes: usize },
     /// `dst[e] = (((f32(srcs[0][e]) + f32(srcs[1][e])) + ...)` for e in 0..elems, in fp32, in exactly
     /// the listed order (so results are bitwise reproducible). dst is fp32.
-    Reduce { dst: Region, srcs: Vec<Operand>, elems: usize },
+    Reduce {
+        dst: Region,
+        srcs: Vec<Operand>,
+        elems: usize,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -153,7 +161,11 @@ impl Plan {
             )));
         }
         let bad = |k: usize, s: &Step, why: String| -> TideError {
-            TideError::Internal(format!("invalid plan: phase {k} ('{}'), {}: {why}", self.phases[k].name, StepDisplay(s)))
+            TideError::Internal(format!(
+                "invalid plan: phase {k} ('{}'), {}: {why}",
+                self.phases[k].name,
+                StepDisplay(s)
+            ))
         };
         // (rank, kind, index) -> [(start, end, executor, is_write)]
         type Key = (usize, BufKind, usize);
@@ -165,17 +177,27 @@ impl Plan {
                 }
                 let mut check = |r: &Region, bytes: usize, write: bool| -> Result<()> {
                     if r.rank >= world {
-                        return Err(bad(k, s, format!("region on rank {} outside world size {world}", r.rank)));
+                        return Err(bad(
+                            k,
+                            s,
+                            format!("region on rank {} outside world size {world}", r.rank),
+                        ));
                     }
                     let size = self
                         .buffer_bytes(r.kind, r.index)
                         .ok_or_else(|| bad(k, s, format!("no buffer {:?}[{}]", r.kind, r.index)))?;
-                    let end = r.offset.checked_add(bytes).ok_or_else(|| bad(k, s, "region overflows".into()))?;
+                    let end = r
+                        .offset
+                        .checked_add(bytes)
+                        .ok_or_else(|| bad(k, s, "region overflows".into()))?;
                     if end > size {
                         return Err(bad(
                             k,
                             s,
-                            format!("{} + {bytes} bytes ends past the buffer's {size} bytes", RegionDisplay(r)),
+                            format!(
+                                "{} + {bytes} bytes ends past the buffer's {size} bytes",
+                                RegionDisplay(r)
+                            ),
                         ));
                     }
                     if write {
@@ -183,11 +205,18 @@ impl Plan {
                             return Err(bad(k, s, "writes an Input buffer".into()));
                         }
                         if r.rank != s.executor {
-                            return Err(bad(k, s, "writes another rank's memory (plans pull)".into()));
+                            return Err(bad(
+                                k,
+                                s,
+                                "writes another rank's memory (plans pull)".into(),
+                            ));
                         }
                     }
                     if bytes > 0 {
-                        touched.entry((r.rank, r.kind, r.index)).or_default().push((r.offset, end, s.executor, write));
+                        touched
+                            .entry((r.rank, r.kind, r.index))
+                            .or_default()
+                            .push((r.offset, end, s.executor, write));
                     }
                     Ok(())
                 };
@@ -202,27 +231,53 @@ impl Plan {
                             return Err(bad(k, s, "Reduce without sources".into()));
                         }
                         if dst.kind == BufKind::Output && self.op != Op::ReduceScatter {
-                            return Err(bad(k, s, "Reduce into an all-gather Output (not fp32)".into()));
+                            return Err(bad(
+                                k,
+                                s,
+                                "Reduce into an all-gather Output (not fp32)".into(),
+                            ));
                         }
-                        let bytes = elems.checked_mul(4).ok_or_else(|| bad(k, s, "size overflows".into()))?;
+                        let bytes = elems
+                            .checked_mul(4)
+                            .ok_or_else(|| bad(k, s, "size overflows".into()))?;
                         for o in srcs {
                             if !o.dtype.is_reducible() {
-                                return Err(bad(k, s, format!("operand dtype {} is not reducible", o.dtype.name())));
+                                return Err(bad(
+                                    k,
+                                    s,
+                                    format!("operand dtype {} is not reducible", o.dtype.name()),
+                                ));
                             }
-                            if self.topology.node_of(o.region.rank) != self.topology.node_of(s.executor) {
+                            if self.topology.node_of(o.region.rank)
+                                != self.topology.node_of(s.executor)
+                            {
                                 return Err(bad(k, s, "Reduce reads from another node".into()));
                             }
                             if o.region.kind != BufKind::Stage {
                                 let want = if o.region.kind == BufKind::Output {
                                     DType::F32
                                 } else {
-                                    self.layout.params.get(o.region.index).map(|p| p.dtype).unwrap_or(o.dtype)
+                                    self.layout
+                                        .params
+                                        .get(o.region.index)
+                                        .map(|p| p.dtype)
+                                        .unwrap_or(o.dtype)
                                 };
                                 if o.dtype != want {
-                                    return Err(bad(k, s, format!("operand read as {} but the buffer holds {}", o.dtype.name(), want.name())));
+                                    return Err(bad(
+                                        k,
+                                        s,
+                                        format!(
+                                            "operand read as {} but the buffer holds {}",
+                                            o.dtype.name(),
+                                            want.name()
+                                        ),
+                                    ));
                                 }
                             }
-                            let ob = elems.checked_mul(o.dtype.size_bytes()).ok_or_else(|| bad(k, s, "size overflows".into()))?;
+                            let ob = elems
+                                .checked_mul(o.dtype.size_bytes())
+                                .ok_or_else(|| bad(k, s, "size overflows".into()))?;
                             check(&o.region, ob, false)?;
                         }
                         check(dst, bytes, true)?;
@@ -235,7 +290,10 @@ impl Plan {
                 let mut active: Vec<(usize, usize, usize)> = Vec::new(); // (executor, read end, write end)
                 for (start, end, exec, write) in list {
                     active.retain(|a| a.1.max(a.2) > start);
-                    if let Some(a) = active.iter().find(|a| a.0 != exec && (a.2 > start || (write && a.1 > start))) {
+                    if let Some(a) = active
+                        .iter()
+                        .find(|a| a.0 != exec && (a.2 > start || (write && a.1 > start)))
+                    {
                         let other_writes = a.2 > start;
                         return Err(TideError::Internal(format!(
                             "invalid plan: phase {k} ('{}'): rank {exec} {} {:?}[{index}] of rank {rank} at bytes [{start}, {end}) while rank {} {} it in the same phase",
@@ -311,9 +369,20 @@ impl fmt::Display for StepDisplay<'_> {
         let s = self.0;
         match &s.action {
             Action::Copy { src, dst, bytes } => {
-                write!(f, "rank {}: copy {} -> {} ({bytes} B)", s.executor, RegionDisplay(src), RegionDisplay(dst))
+                write!(
+                    f,
+                    "rank {}: copy {} -> {} ({bytes} B)",
+                    s.executor,
+                    RegionDisplay(src),
+                    RegionDisplay(dst)
+                )
             }
-            Action::Zero { dst, bytes } => write!(f, "rank {}: zero {} ({bytes} B)", s.executor, RegionDisplay(dst)),
+            Action::Zero { dst, bytes } => write!(
+                f,
+                "rank {}: zero {} ({bytes} B)",
+                s.executor,
+                RegionDisplay(dst)
+            ),
             Action::Reduce { dst, srcs, elems } => {
                 write!(f, "rank {}: reduce {} = ", s.executor, RegionDisplay(dst))?;
                 for (k, o) in srcs.iter().enumerate() {

@@ -66,7 +66,11 @@ impl DataLayout {
                 o
             })
             .collect();
-        DataLayout { input_offsets, stage_offsets, bytes: at.max(ALIGN) }
+        DataLayout {
+            input_offsets,
+            stage_offsets,
+            bytes: at.max(ALIGN),
+        }
     }
 }
 
@@ -114,7 +118,10 @@ fn check_pull_only(plan: &Plan) -> Result<()> {
                 Action::Zero { .. } => vec![],
                 Action::Reduce { srcs, .. } => srcs.iter().map(|o| &o.region).collect(),
             };
-            if let Some(r) = reads.iter().find(|r| r.kind == BufKind::Output && r.rank != s.executor) {
+            if let Some(r) = reads
+                .iter()
+                .find(|r| r.kind == BufKind::Output && r.rank != s.executor)
+            {
                 return Err(TideError::Internal(format!(
                     "multi-process CPU transport: phase {k}: {s} reads rank {}'s Output; only inputs and \
                      stage slots are shared between processes",
@@ -174,7 +181,9 @@ pub struct ShmOptions {
 
 impl ShmOptions {
     pub fn from_config() -> ShmOptions {
-        ShmOptions { timing: Timing::from_config() }
+        ShmOptions {
+            timing: Timing::from_config(),
+        }
     }
 }
 
@@ -189,7 +198,8 @@ struct RankState {
 }
 
 type StateKey = (u64, usize, usize);
-static STATES: Lazy<Mutex<HashMap<StateKey, Arc<Mutex<RankState>>>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+static STATES: Lazy<Mutex<HashMap<StateKey, Arc<Mutex<RankState>>>>> =
+    Lazy::new(|| Mutex::new(HashMap::new()));
 
 fn op_name(op: Op) -> &'static str {
     match op {
@@ -198,7 +208,13 @@ fn op_name(op: Op) -> &'static str {
     }
 }
 
-fn state_for(job: u64, group: usize, rank: usize, world: usize, opts: &ShmOptions) -> Result<Arc<Mutex<RankState>>> {
+fn state_for(
+    job: u64,
+    group: usize,
+    rank: usize,
+    world: usize,
+    opts: &ShmOptions,
+) -> Result<Arc<Mutex<RankState>>> {
     let key = (job, group, rank);
     let states = STATES.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(s) = states.get(&key) {
@@ -208,7 +224,12 @@ fn state_for(job: u64, group: usize, rank: usize, world: usize, opts: &ShmOption
     drop(states);
     let mut pg = ProcessGroup::create(job, group, rank, world, opts.timing)?;
     let connected = pg.connect();
-    let state = Arc::new(Mutex::new(RankState { group: pg, seq: 0, own: BTreeMap::new(), peer: HashMap::new() }));
+    let state = Arc::new(Mutex::new(RankState {
+        group: pg,
+        seq: 0,
+        own: BTreeMap::new(),
+        peer: HashMap::new(),
+    }));
     let mut states = STATES.lock().unwrap_or_else(|e| e.into_inner());
     // Keep the state even when connecting failed: its failure is sticky and visible to peers.
     let s = states.entry(key).or_insert(state).clone();
@@ -224,10 +245,17 @@ pub fn run_cpu_multiprocess(call: &CallInfo, plan: &Plan, job: u64) -> Result<()
 }
 
 /// `run_cpu_multiprocess` with explicit options.
-pub fn run_cpu_multiprocess_with(call: &CallInfo, plan: &Plan, job: u64, opts: &ShmOptions) -> Result<()> {
+pub fn run_cpu_multiprocess_with(
+    call: &CallInfo,
+    plan: &Plan,
+    job: u64,
+    opts: &ShmOptions,
+) -> Result<()> {
     let what_base = op_name(call.op);
     if job == 0 {
-        return Err(TideError::Internal(format!("{what_base}: multi-process transport called with job id 0")));
+        return Err(TideError::Internal(format!(
+            "{what_base}: multi-process transport called with job id 0"
+        )));
     }
     let (rank, world) = (call.rank, call.world);
     if plan.world() != world || rank >= world || plan.op != call.op {
@@ -268,7 +296,14 @@ pub fn run_cpu_multiprocess_with(call: &CallInfo, plan: &Plan, job: u64, opts: &
     })
 }
 
-fn run_call(st: &mut RankState, call: &CallInfo, plan: &Plan, job: u64, seq: u64, what: &str) -> Result<()> {
+fn run_call(
+    st: &mut RankState,
+    call: &CallInfo,
+    plan: &Plan,
+    job: u64,
+    seq: u64,
+    what: &str,
+) -> Result<()> {
     let (rank, group) = (call.rank, call.group);
     check_pull_only(plan)?;
     let data = DataLayout::of(plan);
@@ -287,7 +322,9 @@ fn run_call(st: &mut RankState, call: &CallInfo, plan: &Plan, job: u64, seq: u64
                     unlink_name(&name);
                     match Segment::create(&name, 1usize << c)? {
                         Created::New(s) => s,
-                        Created::Exists => return Err(TideError::Rendezvous(format!("{name} keeps reappearing"))),
+                        Created::Exists => {
+                            return Err(TideError::Rendezvous(format!("{name} keeps reappearing")))
+                        }
                     }
                 }
             };
@@ -329,7 +366,13 @@ fn run_in_segment(
         for &(a, b) in ranges {
             // SAFETY: [a, b) lies within input i (validated plan; call checked against the layout
             // by the caller) and within our segment's image of it (DataLayout::of).
-            unsafe { std::ptr::copy_nonoverlapping((src + a) as *const u8, (base + data.input_offsets[i] + a) as *mut u8, b - a) };
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (src + a) as *const u8,
+                    (base + data.input_offsets[i] + a) as *mut u8,
+                    b - a,
+                )
+            };
         }
     }
 
@@ -358,7 +401,8 @@ fn run_in_segment(
             continue;
         }
         let theirs = st.group.announcement(q);
-        if theirs.seq != mine.seq || theirs.op != mine.op || theirs.fingerprint != mine.fingerprint {
+        if theirs.seq != mine.seq || theirs.op != mine.op || theirs.fingerprint != mine.fingerprint
+        {
             return Err(st.group.fail_with(format!(
                 "{what}: rank {q} (pid {}) is in a different call: its call {} is a {} (site {}, plan {:016x}), ours \
                  is call {} (plan {:016x}); every process must run the same program",
@@ -391,7 +435,10 @@ fn run_in_segment(
         });
     }
 
-    let barrier = PhaseBarrier { group: &st.group, what };
+    let barrier = PhaseBarrier {
+        group: &st.group,
+        what,
+    };
     // SAFETY: our inputs/outputs are XLA's live buffers of the planned sizes (checked by the
     // caller against the layout); peers' inputs and everyone's stages are mappings at least
     // `data.bytes` long laid out by `DataLayout::of` of the same plan (fingerprints agree). Peers'
@@ -408,19 +455,45 @@ fn run_in_segment(
 /// e.g. a bad operand), so its peers fail fast with it instead of timing out.
 pub fn fail_cpu_multiprocess(call: &CallInfo, job: u64, err: &TideError) {
     let key = (job, call.group, call.rank);
-    let existing = STATES.lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
-    let msg = format!("{} (site {}) on rank {}: {err}", op_name(call.op), call.site, call.rank);
+    let existing = STATES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&key)
+        .cloned();
+    let msg = format!(
+        "{} (site {}) on rank {}: {err}",
+        op_name(call.op),
+        call.site,
+        call.rank
+    );
     match existing {
         Some(s) => {
-            s.lock().unwrap_or_else(|e| e.into_inner()).group.fail_with(msg);
+            s.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .group
+                .fail_with(msg);
         }
         None => {
             // Not connected yet: publish the failure in a fresh control block; peers see it when
             // they map it. Kept (and unlinked at exit) so they can.
-            if let Ok(pg) = ProcessGroup::create(job, call.group, call.rank, call.world, Timing::from_config()) {
+            if let Ok(pg) = ProcessGroup::create(
+                job,
+                call.group,
+                call.rank,
+                call.world,
+                Timing::from_config(),
+            ) {
                 pg.fail_with(msg);
-                let state = RankState { group: pg, seq: 0, own: BTreeMap::new(), peer: HashMap::new() };
-                STATES.lock().unwrap_or_else(|e| e.into_inner()).insert(key, Arc::new(Mutex::new(state)));
+                let state = RankState {
+                    group: pg,
+                    seq: 0,
+                    own: BTreeMap::new(),
+                    peer: HashMap::new(),
+                };
+                STATES
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(key, Arc::new(Mutex::new(state)));
             }
         }
     }

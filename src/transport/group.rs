@@ -112,12 +112,18 @@ fn read_stat(pid: u64) -> std::io::Result<(char, u64)> {
 
 fn pid_namespace() -> u64 {
     use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self/ns/pid").map(|m| m.ino()).unwrap_or(0)
+    std::fs::metadata("/proc/self/ns/pid")
+        .map(|m| m.ino())
+        .unwrap_or(0)
 }
 
 fn this_process() -> ProcId {
     let pid = std::process::id() as u64;
-    ProcId { pid, start_time: read_stat(pid).map(|s| s.1).unwrap_or(0), pid_ns: pid_namespace() }
+    ProcId {
+        pid,
+        start_time: read_stat(pid).map(|s| s.1).unwrap_or(0),
+        pid_ns: pid_namespace(),
+    }
 }
 
 /// `None` if `who` is (as far as we can tell) alive, else why it is dead.
@@ -154,11 +160,22 @@ fn death_of(who: ProcId, me: ProcId) -> Option<&'static str> {
 
 #[cfg(target_os = "linux")]
 fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
-    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
     // SAFETY: FUTEX_WAIT on a valid, aligned u32 in shared memory; returns on wake, timeout,
     // signal or value mismatch, all of which the caller handles by re-checking.
     unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, expected, &ts as *const libc::timespec, 0usize, 0u32);
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            0usize,
+            0u32,
+        );
     }
 }
 
@@ -166,7 +183,15 @@ fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
 fn futex_wake(word: &AtomicU32) {
     // SAFETY: FUTEX_WAKE on a valid, aligned u32 in shared memory.
     unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32);
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            0usize,
+            0usize,
+            0u32,
+        );
     }
 }
 
@@ -211,9 +236,17 @@ impl ProcessGroup {
 
     /// Creates this rank's control block (not waiting for anyone). A failure recorded before
     /// `connect` is seen by peers as soon as they map the block.
-    pub fn create(job: u64, group: usize, rank: usize, world: usize, timing: Timing) -> Result<ProcessGroup> {
+    pub fn create(
+        job: u64,
+        group: usize,
+        rank: usize,
+        world: usize,
+        timing: Timing,
+    ) -> Result<ProcessGroup> {
         if rank >= world {
-            return crate::invalid!("tide multi-process group {group}: rank {rank} outside world size {world}");
+            return crate::invalid!(
+                "tide multi-process group {group}: rank {rank} outside world size {world}"
+            );
         }
         let me = this_process();
         let name = segment_name(job, group, rank, "ctl");
@@ -229,7 +262,9 @@ impl ProcessGroup {
                         start_time: b.start_time.load(Ordering::Acquire),
                         pid_ns: b.pid_ns.load(Ordering::Acquire),
                     };
-                    if b.magic.load(Ordering::Acquire) == CONTROL_MAGIC && death_of(owner, me).is_none() {
+                    if b.magic.load(Ordering::Acquire) == CONTROL_MAGIC
+                        && death_of(owner, me).is_none()
+                    {
                         return Err(TideError::Rendezvous(format!(
                             "rank {rank} of group {group} (job {job:016x}) is already held by pid {}; \
                              two processes claim the same rank (check JAX_PROCESS_ID / the mesh)",
@@ -258,7 +293,14 @@ impl ProcessGroup {
             timing,
             me,
             blocks,
-            peers: vec![ProcId { pid: 0, start_time: 0, pid_ns: 0 }; world],
+            peers: vec![
+                ProcId {
+                    pid: 0,
+                    start_time: 0,
+                    pid_ns: 0
+                };
+                world
+            ],
             failure: Mutex::new(None),
         };
         let b = pg.own();
@@ -350,7 +392,10 @@ impl ProcessGroup {
 
     /// The failure this rank recorded, if any.
     pub fn failure(&self) -> Option<String> {
-        self.failure.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Records `why` as this rank's failure (the first one sticks), publishes it to peers and wakes
@@ -384,7 +429,10 @@ impl ProcessGroup {
     fn peer_message(&self, q: usize) -> String {
         let b = self.block(q);
         let n = (b.msg_len.load(Ordering::Relaxed) as usize).min(MSG_CAP);
-        let bytes: Vec<u8> = b.msg[..n].iter().map(|x| x.load(Ordering::Relaxed)).collect();
+        let bytes: Vec<u8> = b.msg[..n]
+            .iter()
+            .map(|x| x.load(Ordering::Relaxed))
+            .collect();
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
@@ -399,7 +447,8 @@ impl ProcessGroup {
             }
             if self.block(q).failed.load(Ordering::Acquire) != 0 {
                 let msg = self.peer_message(q);
-                let origin = (self.block(q).origin.load(Ordering::Relaxed) as usize).min(self.world - 1);
+                let origin =
+                    (self.block(q).origin.load(Ordering::Relaxed) as usize).min(self.world - 1);
                 // Propagate the root cause unchanged; say who saw it only in our own error.
                 self.fail_from(origin, msg.clone());
                 let pid = self.peers[origin].pid;
@@ -477,14 +526,20 @@ impl ProcessGroup {
                 let now = Instant::now();
                 if now >= next_liveness {
                     let behind: Vec<usize> = (0..self.world)
-                        .filter(|&p| p != self.rank && !reached(self.block(p).epoch.load(Ordering::Acquire), target))
+                        .filter(|&p| {
+                            p != self.rank
+                                && !reached(self.block(p).epoch.load(Ordering::Acquire), target)
+                        })
                         .collect();
                     self.check_liveness(&behind, label)?;
                     next_liveness = now + self.timing.liveness_interval;
                 }
                 if now >= deadline {
                     let behind: Vec<String> = (0..self.world)
-                        .filter(|&p| p != self.rank && !reached(self.block(p).epoch.load(Ordering::Acquire), target))
+                        .filter(|&p| {
+                            p != self.rank
+                                && !reached(self.block(p).epoch.load(Ordering::Acquire), target)
+                        })
                         .map(|p| format!("{p} (pid {})", self.peers[p].pid))
                         .collect();
                     return Err(self.fail_with(format!(
@@ -496,7 +551,11 @@ impl ProcessGroup {
                         behind.join(", ")
                     )));
                 }
-                let slice = self.timing.poll.min(deadline - now).min(next_liveness.saturating_duration_since(now));
+                let slice = self
+                    .timing
+                    .poll
+                    .min(deadline - now)
+                    .min(next_liveness.saturating_duration_since(now));
                 futex_wait(word, seen, slice.max(Duration::from_micros(50)));
             }
         }
@@ -513,6 +572,7 @@ pub struct PhaseBarrier<'a> {
 
 impl crate::engine::Barrier for PhaseBarrier<'_> {
     fn wait(&self, _rank: usize, phase: usize) -> Result<()> {
-        self.group.barrier(&format!("phase {phase} of {}", self.what))
+        self.group
+            .barrier(&format!("phase {phase} of {}", self.what))
     }
 }

@@ -54,11 +54,17 @@ fn remember_owned(name: &str) {
         // SAFETY: registers a plain extern "C" function; failure only means no cleanup at exit.
         unsafe { libc::atexit(unlink_owned_at_exit) };
     });
-    OWNED.lock().unwrap_or_else(|e| e.into_inner()).push(name.to_string());
+    OWNED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(name.to_string());
 }
 
 fn forget_owned(name: &str) {
-    OWNED.lock().unwrap_or_else(|e| e.into_inner()).retain(|n| n != name);
+    OWNED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .retain(|n| n != name);
 }
 
 /// What `Segment::create` found when the name already existed.
@@ -72,9 +78,16 @@ impl Segment {
     /// Creates segment `name` of `len` bytes (zero-filled) and maps it, failing with `Exists`
     /// (not an error) when the name is taken.
     pub fn create(name: &str, len: usize) -> Result<Created> {
-        let c = CString::new(name).map_err(|_| TideError::Internal(format!("segment name {name:?} has a NUL")))?;
+        let c = CString::new(name)
+            .map_err(|_| TideError::Internal(format!("segment name {name:?} has a NUL")))?;
         // SAFETY: c is a valid NUL-terminated string.
-        let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600) };
+        let fd = unsafe {
+            libc::shm_open(
+                c.as_ptr(),
+                libc::O_CREAT | libc::O_EXCL | libc::O_RDWR,
+                0o600,
+            )
+        };
         if fd < 0 {
             if std::io::Error::last_os_error().raw_os_error() == Some(libc::EEXIST) {
                 return Ok(Created::Exists);
@@ -106,7 +119,8 @@ impl Segment {
     /// Maps the existing segment `name`; `Ok(None)` if it does not exist (yet). `min_len` is the
     /// size the caller expects: a shorter segment (its owner has not sized it yet) is `Ok(None)` too.
     pub fn open(name: &str, min_len: usize) -> Result<Option<Segment>> {
-        let c = CString::new(name).map_err(|_| TideError::Internal(format!("segment name {name:?} has a NUL")))?;
+        let c = CString::new(name)
+            .map_err(|_| TideError::Internal(format!("segment name {name:?} has a NUL")))?;
         // SAFETY: c is a valid NUL-terminated string.
         let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDWR, 0) };
         if fd < 0 {
@@ -136,15 +150,32 @@ impl Segment {
     fn map_fd(fd: libc::c_int, name: &str, len: usize, owner: bool) -> Result<Segment> {
         // SAFETY: maps `len` bytes of a descriptor we hold; the result is checked.
         let ptr = unsafe {
-            libc::mmap(std::ptr::null_mut(), len.max(1), libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+            libc::mmap(
+                std::ptr::null_mut(),
+                len.max(1),
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
         };
-        let err = if ptr == libc::MAP_FAILED { Some(errno_error("mmap", name)) } else { None };
+        let err = if ptr == libc::MAP_FAILED {
+            Some(errno_error("mmap", name))
+        } else {
+            None
+        };
         // SAFETY: the mapping (if any) keeps the memory; the descriptor is no longer needed.
         unsafe { libc::close(fd) };
         if let Some(e) = err {
             return Err(e);
         }
-        Ok(Segment { name: name.to_string(), ptr: ptr as *mut u8, len, owner, unlinked: false })
+        Ok(Segment {
+            name: name.to_string(),
+            ptr: ptr as *mut u8,
+            len,
+            owner,
+            unlinked: false,
+        })
     }
 
     pub fn name(&self) -> &str {
@@ -170,7 +201,11 @@ impl Segment {
         if let Ok(c) = CString::new(self.name.clone()) {
             // SAFETY: c is a valid NUL-terminated string.
             if unsafe { libc::shm_unlink(c.as_ptr()) } != 0 {
-                log::warn!("tide: shm_unlink({}) failed: {}", self.name, std::io::Error::last_os_error());
+                log::warn!(
+                    "tide: shm_unlink({}) failed: {}",
+                    self.name,
+                    std::io::Error::last_os_error()
+                );
             }
         }
     }
@@ -181,7 +216,11 @@ impl Drop for Segment {
         self.unlink();
         // SAFETY: ptr/len is a mapping made in map_fd and not unmapped elsewhere.
         if unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len.max(1)) } != 0 {
-            log::warn!("tide: munmap({}) failed: {}", self.name, std::io::Error::last_os_error());
+            log::warn!(
+                "tide: munmap({}) failed: {}",
+                self.name,
+                std::io::Error::last_os_error()
+            );
         }
     }
 }
