@@ -12,7 +12,6 @@
 //! Rerun with TIDE_LOCAL_COPY=sm to cover the SM local copy.
 
 use cudarc::driver::sys;
-use std::io::Write;
 use tide::call::{BufferView, CallInfo};
 use tide::cuda::driver::check;
 use tide::engine::cpu::run_threads;
@@ -20,9 +19,8 @@ use tide::layout::{DType, GroupLayout, ParamSpec};
 use tide::plan::{self, Op, Plan};
 use tide::topology::Topology;
 
-fn say(msg: &str) {
-    let _ = writeln!(std::io::stderr(), "{msg}");
-}
+mod common;
+use common::{fill, say};
 
 fn specs() -> Vec<ParamSpec> {
     vec![
@@ -33,36 +31,6 @@ fn specs() -> Vec<ParamSpec> {
         ParamSpec::new("norm", &[5], DType::BF16),
         ParamSpec::new("f32.mat", &[33, 40], DType::F32),
     ]
-}
-
-/// Finite values of the dtype (no inf/NaN), deterministic per (seed, rank, param).
-fn fill(bytes: &mut [u8], dtype: DType, mut x: u64) {
-    x |= 1;
-    let mut next = || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
-    match dtype {
-        DType::F32 => {
-            for c in bytes.chunks_mut(4) {
-                let v = ((next() % 2_000_001) as f32 - 1_000_000.0) * 1e-3;
-                c.copy_from_slice(&v.to_le_bytes());
-            }
-        }
-        DType::BF16 | DType::F16 => {
-            for c in bytes.chunks_mut(2) {
-                let mut h = (next() >> 17) as u16;
-                let exp_mask = if dtype == DType::BF16 { 0x7f80 } else { 0x7c00 };
-                if h & exp_mask == exp_mask {
-                    h &= !(exp_mask & (exp_mask >> 1));
-                }
-                c.copy_from_slice(&h.to_le_bytes());
-            }
-        }
-        _ => bytes.iter_mut().for_each(|b| *b = next() as u8),
-    }
 }
 
 struct Dev {

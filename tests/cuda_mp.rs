@@ -27,11 +27,10 @@ use tide::layout::{DType, GroupLayout, ParamSpec};
 use tide::plan::{self, Op, Plan};
 use tide::topology::Topology;
 
-const CHILD_ENV: &str = "TIDE_CUDA_MP_CHILD";
+mod common;
+use common::{fill, say};
 
-fn say(msg: &str) {
-    let _ = writeln!(std::io::stderr(), "{msg}");
-}
+const CHILD_ENV: &str = "TIDE_CUDA_MP_CHILD";
 
 fn specs() -> Vec<ParamSpec> {
     vec![
@@ -43,35 +42,6 @@ fn specs() -> Vec<ParamSpec> {
         ParamSpec::new("f32.mat", &[33, 40], DType::F32),
         ParamSpec::new("one_row", &[1, 7], DType::F32),
     ]
-}
-
-fn fill(bytes: &mut [u8], dtype: DType, mut x: u64) {
-    x |= 1;
-    let mut next = || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
-    match dtype {
-        DType::F32 => {
-            for c in bytes.chunks_mut(4) {
-                let v = ((next() % 2_000_001) as f32 - 1_000_000.0) * 1e-3;
-                c.copy_from_slice(&v.to_le_bytes());
-            }
-        }
-        DType::BF16 | DType::F16 => {
-            for c in bytes.chunks_mut(2) {
-                let mut h = (next() >> 17) as u16;
-                let exp_mask = if dtype == DType::BF16 { 0x7f80 } else { 0x7c00 };
-                if h & exp_mask == exp_mask {
-                    h &= !(exp_mask & (exp_mask >> 1));
-                }
-                c.copy_from_slice(&h.to_le_bytes());
-            }
-        }
-        _ => bytes.iter_mut().for_each(|b| *b = next() as u8),
-    }
 }
 
 fn ck(r: sys::CUresult, call: &str) {
