@@ -822,6 +822,7 @@ def section_env(section, args):
         env["JAX_PLATFORMS"] = "cpu"
         flags = [f for f in env.get("XLA_FLAGS", "").split() if "force_host_platform_device_count" not in f]
         env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=8"])
+        env.setdefault("NPROC", str(max(os.cpu_count() or 1, 16)))  # spare XLA:CPU pool threads (conftest.py)
     if section == "jaxflags":
         env["XLA_FLAGS"] = " ".join(env.get("XLA_FLAGS", "").split() + STRONG_XLA_FLAGS)
     return env

@@ -52,6 +52,10 @@ if not USE_GPU:
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={args.devices or 8}"])
     os.environ["JAX_PLATFORMS"] = "cpu"
+    # XLA:CPU's pool has max(NPROC or cores, devices) threads and every collective blocks one per
+    # device until all arrive: give it spare threads so a busy one cannot starve the last device
+    # (a 40 s XLA abort on 2-core machines otherwise).
+    os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 2 * (args.devices or 8))))
 # Running from a source checkout without `pip install .`: use python/.
 _repo_python = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
 if importlib.util.find_spec("tide_jax") is None and os.path.isdir(_repo_python):

@@ -103,6 +103,9 @@ def build_env(rank: int, n: int, port: int, job: int, args, gpus: list[str]) -> 
         flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
         flags.append(f"--xla_force_host_platform_device_count={args.cpu_devices}")
         env["XLA_FLAGS"] = " ".join(flags)
+        # Spare XLA:CPU pool threads (the pool has max(NPROC or cores, devices) and collectives block
+        # one per device): see tests/python/conftest.py.
+        env.setdefault("NPROC", str(max(os.cpu_count() or 1, 2 * args.cpu_devices)))
     elif gpus and not args.no_gpu_split:
         k = args.gpus_per_process
         mine = gpus[rank * k:(rank + 1) * k]

@@ -14,6 +14,11 @@ _flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
 os.environ["XLA_FLAGS"] = " ".join(
     _flags + ["--xla_force_host_platform_device_count=8", "--xla_allow_excess_precision=false"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU runs each device's program on a pool of max(NPROC or cores, devices) threads, and its
+# collectives (and tide's) block a pool thread until every device arrives: with exactly as many
+# threads as devices, one thread busy elsewhere starves the last device and XLA aborts the process
+# after 40 s ("only 7 of them arrived"; seen on the 2-core CI). Spare threads avoid it.
+os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 16)))
 # Test this checkout's package (python/), not a copy installed earlier; its native library is found
 # by tide_jax._lib: $TIDE_LIBRARY, else target/release/libtide.so (which `pip install .` and
 # `cargo build --release` both write). scripts/test checks the installed copy separately.
