@@ -1,6 +1,8 @@
 //! The multi-process CPU transport (src/transport): ranks in separate processes (this test binary
 //! re-run as children) and ranks as threads with separate mappings of the same segments, against
 //! the single-process CPU engine (bitwise); timeouts, peer errors, mismatched calls, dead peers.
+//! Topologies of several nodes run their cross-node copies over the TCP rail (loopback here), and
+//! one test gives each node its own /dev/shm (a private mount namespace), as separate hosts have.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -8,7 +10,7 @@ use tide::call::{BufferView, CallInfo};
 use tide::engine::cpu::{f32_to_bf16, run_threads};
 use tide::layout::{DType, GroupLayout, ParamSpec};
 use tide::plan::{self, Op, Plan, RsOptions};
-use tide::transport::{fail_cpu_multiprocess, run_cpu_multiprocess_with, ShmOptions, Timing};
+use tide::transport::{fail_cpu_multiprocess, rail, run_cpu_multiprocess_with, ShmOptions, Timing};
 use tide::{TideError, Topology};
 
 fn opts(timeout_s: f64) -> ShmOptions {
@@ -203,17 +205,58 @@ fn check_rank(topo: Topology, ranks: &[usize], job: u64) {
     }
 }
 
+/// Rail addresses when every rank of `job` lives in this process.
+fn rail_here(job: u64, world: usize) {
+    let port = rail::listen("127.0.0.1").unwrap();
+    for r in 0..world {
+        rail::register_peer(job, 0, r, &format!("127.0.0.1:{port}")).unwrap();
+    }
+}
+
+/// Rail addresses through files in `dir` (a stand-in for JAX's key-value store): process `me`
+/// publishes its port, then reads every other process's.
+fn rail_files(job: u64, dir: &str, me: usize, per_process: &[Vec<usize>]) {
+    let port = rail::listen("127.0.0.1").unwrap();
+    let tmp = format!("{dir}/p{me}.tmp");
+    std::fs::write(&tmp, port.to_string()).unwrap();
+    std::fs::rename(&tmp, format!("{dir}/p{me}.port")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for (p, ranks) in per_process.iter().enumerate() {
+        let port = loop {
+            if let Ok(t) = std::fs::read_to_string(format!("{dir}/p{p}.port")) {
+                break t;
+            }
+            assert!(Instant::now() < deadline, "process {p} never published its rail port");
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        for &r in ranks {
+            rail::register_peer(job, 0, r, &format!("127.0.0.1:{port}")).unwrap();
+        }
+    }
+}
+
 // ----- ranks as threads (each with its own mappings) -----
 
 #[test]
 fn threads_match_single_process_engine() {
-    for (k, topo) in [(1, 2), (1, 3), (1, 5), (2, 1), (3, 1), (5, 1), (2, 2)]
+    for (k, topo) in [(1, 2), (1, 3), (1, 5), (2, 1), (3, 1), (5, 1), (2, 2), (3, 2), (2, 3), (4, 2)]
         .into_iter()
         .enumerate()
     {
         let topo = Topology::new(topo.0, topo.1).unwrap();
         let ranks: Vec<usize> = (0..topo.world()).collect();
-        check_rank(topo, &ranks, fresh_job(100 + k as u64));
+        let job = fresh_job(100 + k as u64);
+        rail_here(job, topo.world());
+        let before = rail::bytes_received();
+        check_rank(topo, &ranks, job);
+        // Several nodes: the cross-node bytes went over the rail, not through shared memory.
+        assert_eq!(
+            rail::bytes_received() > before,
+            topo.nodes > 1,
+            "{topo}: rail bytes {} -> {}",
+            before,
+            rail::bytes_received()
+        );
     }
 }
 
@@ -227,7 +270,7 @@ fn child_entry() {
     let Ok(spec) = std::env::var(CHILD_ENV) else {
         return;
     };
-    // scenario:nodes:gpus:job:ranks(comma separated)
+    // scenario:nodes:gpus:job:ranks(comma separated):rail dir:process index:all ranks (a,b/c,d)
     let parts: Vec<&str> = spec.split(':').collect();
     let (what, nodes, gpus, job) = (
         parts[0],
@@ -237,6 +280,11 @@ fn child_entry() {
     );
     let ranks: Vec<usize> = parts[4].split(',').map(|r| r.parse().unwrap()).collect();
     let topo = Topology::new(nodes, gpus).unwrap();
+    let per_process: Vec<Vec<usize>> = parts[7]
+        .split('/')
+        .map(|l| l.split(',').map(|r| r.parse().unwrap()).collect())
+        .collect();
+    rail_files(job, parts[5], parts[6].parse().unwrap(), &per_process);
     match what {
         "match" => check_rank(topo, &ranks, job),
         "die" => {
@@ -252,8 +300,11 @@ fn child_entry() {
             let took = start.elapsed();
             println!("rank {rank} error after {took:?}: {err}");
             let msg = err.to_string();
+            // Same node: the control plane names the dead pid; another node: the rail names the
+            // rank whose stream closed.
             assert!(
-                msg.contains("rank 1 (pid") && msg.contains("died"),
+                (msg.contains("rank 1 (pid") && msg.contains("died"))
+                    || (msg.contains("rank 1 on node") && msg.contains("closed its rail stream")),
                 "unclear error: {msg}"
             );
             assert!(
@@ -268,26 +319,54 @@ fn child_entry() {
     }
 }
 
+fn join(ranks: &[usize]) -> String {
+    ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(",")
+}
+
 fn spawn_children(
     what: &str,
     topo: Topology,
     per_process: &[Vec<usize>],
     job: u64,
 ) -> Vec<(Vec<usize>, std::process::Output)> {
+    spawn_children_wrapped(what, topo, per_process, job, &[])
+}
+
+/// `spawn_children`, each child started through `wrapper` (a command prefix) when not empty.
+fn spawn_children_wrapped(
+    what: &str,
+    topo: Topology,
+    per_process: &[Vec<usize>],
+    job: u64,
+    wrapper: &[&str],
+) -> Vec<(Vec<usize>, std::process::Output)> {
     let exe = std::env::current_exe().unwrap();
+    let dir = std::env::temp_dir().join(format!("tide-rail-{job:016x}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let all: Vec<String> = per_process.iter().map(|r| join(r)).collect();
     let children: Vec<_> = per_process
         .iter()
-        .map(|ranks| {
-            let list: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
-            let child = Command::new(&exe)
+        .enumerate()
+        .map(|(p, ranks)| {
+            let mut cmd = match wrapper.split_first() {
+                Some((first, rest)) => {
+                    let mut c = Command::new(first);
+                    c.args(rest).arg(&exe);
+                    c
+                }
+                None => Command::new(&exe),
+            };
+            let child = cmd
                 .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
                 .env(
                     CHILD_ENV,
                     format!(
-                        "{what}:{}:{}:{job}:{}",
+                        "{what}:{}:{}:{job}:{}:{}:{p}:{}",
                         topo.nodes,
                         topo.gpus_per_node,
-                        list.join(",")
+                        join(ranks),
+                        dir.display(),
+                        all.join("/")
                     ),
                 )
                 .stdout(Stdio::piped())
@@ -322,6 +401,9 @@ fn processes_match_single_process_engine() {
         // several ranks per process (several CPU devices per process), hierarchical plan
         ((2, 2), vec![vec![0, 1], vec![2, 3]]),
         ((1, 5), vec![vec![0, 3], vec![1, 2, 4]]),
+        // a node split over processes, a process spanning nodes
+        ((2, 3), vec![vec![0], vec![1, 2], vec![3, 4, 5]]),
+        ((3, 2), vec![vec![0, 1, 2], vec![3, 4, 5]]),
     ];
     for (k, ((nodes, gpus), per_process)) in cases.into_iter().enumerate() {
         let topo = Topology::new(nodes, gpus).unwrap();
@@ -342,17 +424,64 @@ fn processes_match_single_process_engine() {
 
 #[test]
 fn dead_peer_is_named_within_bounded_time() {
-    let topo = Topology::new(1, 3).unwrap();
-    let start = Instant::now();
-    let outs = spawn_children("die", topo, &[vec![0], vec![1], vec![2]], fresh_job(300));
-    for (ranks, out) in &outs {
-        if ranks[0] == 1 {
-            assert_eq!(out.status.code(), Some(7), "{}", report(out));
-        } else {
-            assert!(out.status.success(), "rank {ranks:?}:\n{}", report(out));
+    // 1x3: rank 1 shares the node's control plane; 3x1: it is on another node (the rail);
+    // 2x2 with one rank per process: rank 1 is a node peer of rank 0 and a rail peer of rank 3.
+    for (k, (nodes, gpus)) in [(1, 3), (3, 1), (2, 2)].into_iter().enumerate() {
+        let topo = Topology::new(nodes, gpus).unwrap();
+        let procs: Vec<Vec<usize>> = (0..topo.world()).map(|r| vec![r]).collect();
+        let start = Instant::now();
+        let outs = spawn_children("die", topo, &procs, fresh_job(300 + k as u64));
+        for (ranks, out) in &outs {
+            if ranks[0] == 1 {
+                assert_eq!(out.status.code(), Some(7), "{topo}: {}", report(out));
+            } else {
+                assert!(out.status.success(), "{topo}: rank {ranks:?}:\n{}", report(out));
+            }
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "{topo}: {:?}", start.elapsed());
+    }
+}
+
+/// Each node in its own mount namespace with a private /dev/shm, as on separate hosts: nothing
+/// may cross nodes through shared memory. Needs `unshare -m` (root or user namespaces); says
+/// SKIPPED otherwise.
+#[test]
+fn nodes_share_no_memory() {
+    let probe = Command::new("unshare")
+        .args(["-m", "--propagation", "private", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"])
+        .output();
+    if !matches!(&probe, Ok(o) if o.status.success()) {
+        println!("SKIPPED: cannot give a process a private /dev/shm here (unshare -m): {probe:?}");
+        return;
+    }
+    let wrapper = [
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        "mount -t tmpfs tmpfs /dev/shm && exec \"$@\"",
+        "sh",
+    ];
+    for (k, ((nodes, gpus), per_process)) in [
+        ((2, 1), vec![vec![0], vec![1]]),
+        ((2, 2), vec![vec![0, 1], vec![2, 3]]),
+        ((3, 2), vec![vec![0, 1], vec![2, 3], vec![4, 5]]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let topo = Topology::new(nodes, gpus).unwrap();
+        let outs = spawn_children_wrapped("match", topo, &per_process, fresh_job(350 + k as u64), &wrapper);
+        for (ranks, out) in outs {
+            assert!(
+                out.status.success() && String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+                "{topo}: process with ranks {ranks:?} (its own /dev/shm) failed:\n{}",
+                report(&out)
+            );
         }
     }
-    assert!(start.elapsed() < Duration::from_secs(30));
 }
 
 #[test]

@@ -6,7 +6,7 @@
 //! is the barrier after each phase, which must give happens-before (a mutex/condvar barrier does).
 //! Reduce sums in fp32 in the listed order; bf16/f16 are widened exactly (subnormals, inf, nan).
 
-use super::{Barrier, RankBuffers};
+use super::{Barrier, RankBuffers, Rail};
 use crate::error::{Result, TideError};
 use crate::layout::DType;
 use crate::plan::{Action, BufKind, Plan, Region};
@@ -144,6 +144,24 @@ pub unsafe fn execute_rank(
     bufs: &[RankBuffers],
     barrier: &dyn Barrier,
 ) -> Result<()> {
+    // SAFETY: forwarded caller contract.
+    unsafe { execute_rank_with(plan, rank, bufs, barrier, None) }
+}
+
+/// `execute_rank` where the copies whose source rank `rail.is_remote` are received through `rail`
+/// (the multi-process transport's link between nodes) instead of read from `bufs`: the rail is
+/// told when each phase begins (to send what this rank owes) and ends (before the barrier), and
+/// each such copy becomes `rail.recv` into its destination, at its place in the plan.
+///
+/// # Safety
+/// As `execute_rank`, for every rank that is not remote; remote ranks' buffers are never addressed.
+pub unsafe fn execute_rank_with(
+    plan: &Plan,
+    rank: usize,
+    bufs: &[RankBuffers],
+    barrier: &dyn Barrier,
+    mut rail: Option<&mut dyn Rail>,
+) -> Result<()> {
     if bufs.len() != plan.layout.world {
         return Err(TideError::Internal(format!(
             "CPU engine: {} rank buffer sets for world size {}",
@@ -153,8 +171,17 @@ pub unsafe fn execute_rank(
     }
     let mut scratch: Vec<f32> = Vec::new();
     for (k, phase) in plan.phases.iter().enumerate() {
-        for step in phase.steps.iter().filter(|s| s.executor == rank) {
+        if let Some(r) = rail.as_deref_mut() {
+            r.begin_phase(k)?;
+        }
+        for (i, step) in phase.steps.iter().enumerate().filter(|(_, s)| s.executor == rank) {
             match &step.action {
+                Action::Copy { src, dst, bytes } if rail.as_deref().is_some_and(|r| r.is_remote(src.rank)) => {
+                    let d = address(plan, bufs, dst)?;
+                    let r = rail.as_deref_mut().expect("checked by the guard");
+                    // SAFETY: dst lies in this rank's live buffer (caller contract + validated plan).
+                    unsafe { r.recv(k, i, d, *bytes)? };
+                }
                 Action::Copy { src, dst, bytes } => {
                     let s = address(plan, bufs, src)?;
                     let d = address(plan, bufs, dst)?;
@@ -183,6 +210,9 @@ pub unsafe fn execute_rank(
                     }
                 }
             }
+        }
+        if let Some(r) = rail.as_deref_mut() {
+            r.end_phase(k)?;
         }
         barrier.wait(rank, k)?;
     }

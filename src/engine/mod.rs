@@ -21,3 +21,20 @@ pub struct RankBuffers {
 pub trait Barrier: Sync {
     fn wait(&self, rank: usize, phase: usize) -> Result<()>;
 }
+
+/// The link between nodes of a multi-process run (`transport::rail`): copies whose source rank is
+/// on another node arrive through it. Phase k's sends start at `begin_phase(k)` (their sources are
+/// final by then: written in earlier phases, not touched in phase k, which the transport checks)
+/// and are complete at `end_phase(k)`; `recv` blocks until the copy's bytes are in place.
+pub trait Rail {
+    /// Whether copies from `rank` arrive through the rail.
+    fn is_remote(&self, rank: usize) -> bool;
+    fn begin_phase(&mut self, phase: usize) -> Result<()>;
+    /// Receives step `step` (its index in phase `phase`) into `dst`.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writes of `bytes` bytes, and not accessed by anything else until
+    /// this returns.
+    unsafe fn recv(&mut self, phase: usize, step: usize, dst: *mut u8, bytes: usize) -> Result<()>;
+    fn end_phase(&mut self, phase: usize) -> Result<()>;
+}

@@ -21,9 +21,10 @@
 //! mapped it.
 
 use super::group::{Announcement, PhaseBarrier, ProcessGroup, Timing};
+use super::rail::{self, CallRail, RankRail};
 use super::shm::{segment_name, unlink_name, Created, Segment};
 use crate::call::CallInfo;
-use crate::engine::cpu::execute_rank;
+use crate::engine::cpu::execute_rank_with;
 use crate::engine::RankBuffers;
 use crate::error::{Result, TideError};
 use crate::plan::{Action, BufKind, Op, Plan};
@@ -74,11 +75,18 @@ impl DataLayout {
     }
 }
 
-/// The byte ranges `[start, end)` of each of `rank`'s inputs that another executor reads, merged.
+/// The byte ranges `[start, end)` of each of `rank`'s inputs that another executor of its node
+/// reads, merged (executors on other nodes get their bytes through the rail, not shared memory).
 pub fn shared_input_ranges(plan: &Plan, rank: usize) -> Vec<Vec<(usize, usize)>> {
+    let g = plan.topology.gpus_per_node.max(1);
     let mut ranges: Vec<Vec<(usize, usize)>> = vec![Vec::new(); plan.layout.len()];
     let mut note = |executor: usize, r: &crate::plan::Region, bytes: usize| {
-        if r.rank == rank && executor != rank && r.kind == BufKind::Input && bytes > 0 {
+        if r.rank == rank
+            && executor != rank
+            && executor / g == rank / g
+            && r.kind == BufKind::Input
+            && bytes > 0
+        {
             ranges[r.index].push((r.offset, r.offset + bytes));
         }
     };
@@ -187,9 +195,21 @@ impl ShmOptions {
     }
 }
 
+/// The ranks of `rank`'s node under `plan`'s topology: its control plane and shared memory.
+pub fn node_members(plan: &Plan, rank: usize) -> Vec<usize> {
+    let g = plan.topology.gpus_per_node.max(1);
+    let node = rank / g;
+    (node * g..((node + 1) * g).min(plan.world())).collect()
+}
+
 /// One rank's state in one job and group, kept across calls.
 struct RankState {
+    /// The control plane of this rank's node (every rank when there is one node).
     group: ProcessGroup,
+    /// The link to ranks on other nodes (plans with several nodes).
+    rail: RankRail,
+    /// The topology the group was created for (its control plane is one node of it).
+    topology: crate::topology::Topology,
     seq: u64,
     /// This rank's data segments by size class.
     own: BTreeMap<u32, Segment>,
@@ -212,9 +232,10 @@ fn state_for(
     job: u64,
     group: usize,
     rank: usize,
-    world: usize,
+    plan: &Plan,
     opts: &ShmOptions,
 ) -> Result<Arc<Mutex<RankState>>> {
+    let world = plan.world();
     let key = (job, group, rank);
     let states = STATES.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(s) = states.get(&key) {
@@ -222,10 +243,13 @@ fn state_for(
     }
     // Connect outside the registry lock: other ranks of this process connect concurrently.
     drop(states);
-    let mut pg = ProcessGroup::create(job, group, rank, world, opts.timing)?;
+    let members = node_members(plan, rank);
+    let mut pg = ProcessGroup::create_among(job, group, rank, world, members, opts.timing)?;
     let connected = pg.connect();
     let state = Arc::new(Mutex::new(RankState {
         group: pg,
+        rail: RankRail::new(job, group, rank, plan.topology.gpus_per_node),
+        topology: plan.topology,
         seq: 0,
         own: BTreeMap::new(),
         peer: HashMap::new(),
@@ -273,9 +297,18 @@ pub fn run_cpu_multiprocess_with(
             call.outputs.len()
         );
     }
-    let state = state_for(job, call.group, rank, world, opts)?;
+    let state = state_for(job, call.group, rank, plan, opts)?;
     let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
     let st = &mut *st;
+    if st.topology != plan.topology {
+        return crate::invalid!(
+            "{what_base} on rank {rank}: group {} of this job was first called with topology {}, now {}; \
+             one job keeps one topology per group",
+            call.group,
+            st.topology,
+            plan.topology
+        );
+    }
     if let Some(why) = st.group.failure() {
         return Err(TideError::Rendezvous(format!(
             "{what_base} on rank {rank}: an earlier tide call of this job failed, the group is unusable: {why}"
@@ -285,6 +318,10 @@ pub fn run_cpu_multiprocess_with(
     st.seq += 1;
     let what = format!("{what_base} call {seq} (site {}) on rank {rank}", call.site);
     run_call(st, call, plan, job, seq, &what).map_err(|e| match e {
+        // Rail errors: tell this node's peers (the rail told the other nodes by closing).
+        TideError::Rendezvous(m) if st.group.failure().is_none() => {
+            st.group.fail_with(if m.contains(&what) { m } else { format!("{what}: {m}") })
+        }
         // Barrier errors are already published to the peers and carry the root cause.
         TideError::Rendezvous(m) if m.contains(&what) => TideError::Rendezvous(m),
         TideError::Rendezvous(m) => TideError::Rendezvous(format!("{what}: {m}")),
@@ -389,9 +426,19 @@ fn run_in_segment(
     st.group.announce(mine);
     st.group.barrier(&format!("entry of {what}"))?;
 
-    // Everyone in the same call? Then map their data segments.
+    // Everyone of this node in the same call? Then map their data segments. Ranks on other nodes
+    // are never addressed (their copies come through the rail).
+    let members = st.group.members().to_vec();
     let mut bufs: Vec<RankBuffers> = Vec::with_capacity(world);
     for q in 0..world {
+        if !members.contains(&q) {
+            bufs.push(RankBuffers {
+                inputs: vec![0; plan.layout.len()],
+                outputs: vec![0; plan.layout.len()],
+                stages: vec![0; plan.stage_slot_bytes.len()],
+            });
+            continue;
+        }
         if q == rank {
             bufs.push(RankBuffers {
                 inputs: call.inputs.iter().map(|b| b.ptr).collect(),
@@ -439,12 +486,48 @@ fn run_in_segment(
         group: &st.group,
         what,
     };
-    // SAFETY: our inputs/outputs are XLA's live buffers of the planned sizes (checked by the
-    // caller against the layout); peers' inputs and everyone's stages are mappings at least
-    // `data.bytes` long laid out by `DataLayout::of` of the same plan (fingerprints agree). Peers'
-    // outputs are null and never addressed (`check_pull_only`). Nothing else touches the shared
-    // areas until every rank passed the plan's last barrier.
-    unsafe { execute_rank(plan, rank, &bufs, &barrier)? };
+    let transfers = if plan.topology.nodes > 1 {
+        rail::transfers(plan)?
+    } else {
+        Vec::new()
+    };
+    let result = if transfers.is_empty() {
+        // SAFETY: our inputs/outputs are XLA's live buffers of the planned sizes (checked by the
+        // caller against the layout); peers' inputs and everyone's stages are mappings at least
+        // `data.bytes` long laid out by `DataLayout::of` of the same plan (fingerprints agree).
+        // Peers' outputs are null and never addressed (`check_pull_only`). Nothing else touches
+        // the shared areas until every rank passed the plan's last barrier.
+        unsafe { execute_rank_with(plan, rank, &bufs, &barrier, None) }
+    } else {
+        let own = bufs[rank].clone();
+        let addr = |r: &crate::plan::Region| -> Result<usize> {
+            let list = match r.kind {
+                BufKind::Input => &own.inputs,
+                BufKind::Output => &own.outputs,
+                BufKind::Stage => &own.stages,
+            };
+            match list.get(r.index) {
+                Some(&b) if b != 0 => Ok(b + r.offset),
+                _ => Err(TideError::Internal(format!("{what}: rail source {r:?} has no buffer"))),
+            }
+        };
+        let mut rail = CallRail::open(
+            &mut st.rail,
+            &st.group,
+            st.group.timing(),
+            transfers,
+            &addr,
+            seq,
+            fingerprint(plan),
+            what,
+        )?;
+        // SAFETY: as above; in addition, ranks on other nodes are never addressed: their copies
+        // are received through the rail (`is_remote`), and `transfers` refused any other access.
+        let r = unsafe { execute_rank_with(plan, rank, &bufs, &barrier, Some(&mut rail)) };
+        rail.finish(&r);
+        r
+    };
+    result?;
     if plan.phases.is_empty() {
         st.group.barrier(&format!("exit of {what}"))?;
     }
@@ -466,26 +549,35 @@ pub fn fail_cpu_multiprocess(call: &CallInfo, job: u64, err: &TideError) {
         call.site,
         call.rank
     );
+    // Ranks on other nodes: streams from this rank are closed (they read end-of-stream at once).
+    rail::fail_rank(job, call.group, call.rank);
     match existing {
         Some(s) => {
-            s.lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .group
-                .fail_with(msg);
+            let mut st = s.lock().unwrap_or_else(|e| e.into_inner());
+            st.group.fail_with(msg.clone());
+            st.rail.abort(&msg, None);
         }
         None => {
-            // Not connected yet: publish the failure in a fresh control block; peers see it when
-            // they map it. Kept (and unlinked at exit) so they can.
-            if let Ok(pg) = ProcessGroup::create(
+            // Not connected yet: publish the failure in a fresh control block; peers of this node
+            // see it when they map it. Kept (and unlinked at exit) so they can.
+            let g = call.topology.gpus_per_node.max(1);
+            let node = call.rank / g;
+            let members: Vec<usize> = (node * g..((node + 1) * g).min(call.world)).collect();
+            if let Ok(pg) = ProcessGroup::create_among(
                 job,
                 call.group,
                 call.rank,
                 call.world,
+                members,
                 Timing::from_config(),
             ) {
-                pg.fail_with(msg);
+                pg.fail_with(msg.clone());
+                let mut rail = RankRail::new(job, call.group, call.rank, g);
+                rail.abort(&msg, None);
                 let state = RankState {
                     group: pg,
+                    rail,
+                    topology: call.topology,
                     seq: 0,
                     own: BTreeMap::new(),
                     peer: HashMap::new(),

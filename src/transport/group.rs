@@ -213,6 +213,10 @@ pub struct ProcessGroup {
     group: usize,
     rank: usize,
     world: usize,
+    /// The ranks of this group's control plane, sorted, `rank` among them: every rank of the
+    /// world, or (multi-node runs) the ranks of this rank's node; the rest are reached only
+    /// through the rail (`transport::rail`), never through this host's shared memory.
+    members: Vec<usize>,
     timing: Timing,
     me: ProcId,
     /// Every rank's control segment (ours included), indexed by rank; `None` until connected.
@@ -234,8 +238,9 @@ impl ProcessGroup {
         self.block(self.rank)
     }
 
-    /// Creates this rank's control block (not waiting for anyone). A failure recorded before
-    /// `connect` is seen by peers as soon as they map the block.
+    /// Creates this rank's control block (not waiting for anyone), in a control plane over every
+    /// rank of the world. A failure recorded before `connect` is seen by peers as soon as they map
+    /// the block.
     pub fn create(
         job: u64,
         group: usize,
@@ -243,9 +248,25 @@ impl ProcessGroup {
         world: usize,
         timing: Timing,
     ) -> Result<ProcessGroup> {
-        if rank >= world {
+        Self::create_among(job, group, rank, world, (0..world).collect(), timing)
+    }
+
+    /// `create` for a control plane over `members` only (the ranks of one node): barriers,
+    /// announcements and failures are shared with them and no one else.
+    pub fn create_among(
+        job: u64,
+        group: usize,
+        rank: usize,
+        world: usize,
+        mut members: Vec<usize>,
+        timing: Timing,
+    ) -> Result<ProcessGroup> {
+        members.sort_unstable();
+        members.dedup();
+        if rank >= world || !members.contains(&rank) || members.iter().any(|&q| q >= world) {
             return crate::invalid!(
-                "tide multi-process group {group}: rank {rank} outside world size {world}"
+                "tide multi-process group {group}: rank {rank} / members {members:?} outside world size {world} \
+                 (the rank must be a member)"
             );
         }
         let me = this_process();
@@ -290,6 +311,7 @@ impl ProcessGroup {
             group,
             rank,
             world,
+            members,
             timing,
             me,
             blocks,
@@ -322,7 +344,7 @@ impl ProcessGroup {
         let mut sleep = Duration::from_micros(200);
         loop {
             let mut missing = Vec::new();
-            for q in 0..self.world {
+            for &q in &self.members {
                 if self.blocks[q].is_some() {
                     continue;
                 }
@@ -386,6 +408,13 @@ impl ProcessGroup {
     pub fn world(&self) -> usize {
         self.world
     }
+    pub fn timing(&self) -> Timing {
+        self.timing
+    }
+    /// The ranks of this control plane (sorted, this rank included).
+    pub fn members(&self) -> &[usize] {
+        &self.members
+    }
     pub fn pid_of(&self, q: usize) -> u64 {
         self.peers[q].pid
     }
@@ -436,12 +465,18 @@ impl ProcessGroup {
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
+    /// Fails (and propagates) if this rank or a peer of its control plane has failed: for waits
+    /// outside the group's own barriers (the rail) that must not outlive a local failure.
+    pub fn poll_failures(&self, label: &str) -> Result<()> {
+        self.check_peer_failures(label)
+    }
+
     /// Fails (and propagates) if this rank or a mapped peer has failed.
     fn check_peer_failures(&self, label: &str) -> Result<()> {
         if let Some(why) = self.failure() {
             return Err(TideError::Rendezvous(why));
         }
-        for q in 0..self.world {
+        for &q in &self.members {
             if q == self.rank || self.blocks[q].is_none() {
                 continue;
             }
@@ -509,7 +544,7 @@ impl ProcessGroup {
         let start = Instant::now();
         let deadline = start + self.timing.timeout;
         let mut next_liveness = start + self.timing.liveness_interval;
-        for q in (0..self.world).filter(|&q| q != self.rank) {
+        for &q in self.members.iter().filter(|&&q| q != self.rank) {
             let word = &self.block(q).epoch;
             let mut spins = 0u32;
             loop {
@@ -525,7 +560,7 @@ impl ProcessGroup {
                 self.check_peer_failures(label)?;
                 let now = Instant::now();
                 if now >= next_liveness {
-                    let behind: Vec<usize> = (0..self.world)
+                    let behind: Vec<usize> = (self.members.iter().copied())
                         .filter(|&p| {
                             p != self.rank
                                 && !reached(self.block(p).epoch.load(Ordering::Acquire), target)
@@ -535,7 +570,7 @@ impl ProcessGroup {
                     next_liveness = now + self.timing.liveness_interval;
                 }
                 if now >= deadline {
-                    let behind: Vec<String> = (0..self.world)
+                    let behind: Vec<String> = (self.members.iter().copied())
                         .filter(|&p| {
                             p != self.rank
                                 && !reached(self.block(p).epoch.load(Ordering::Acquire), target)

@@ -8,10 +8,12 @@
 //!   propagation, dead-peer detection. Engine-independent: the CUDA path reuses it to exchange IPC
 //!   handles and to order host-side steps.
 //! - `cpu`: the CPU engine across processes (`run_cpu_multiprocess`): inputs and stage slots in
-//!   shared memory, outputs in XLA's buffers.
+//!   shared memory among the ranks of a node, outputs in XLA's buffers.
+//! - `rail`: copies between nodes over TCP for the CPU transport (no shared memory across hosts).
 
 pub mod cpu;
 pub mod group;
+pub mod rail;
 pub mod shm;
 
 pub use cpu::{fail_cpu_multiprocess, run_cpu_multiprocess, run_cpu_multiprocess_with, ShmOptions};
