@@ -12,10 +12,14 @@ process of the job agrees on through JAX's key-value store. This module:
   (the same non-zero value in every process);
 - `topology(mesh, axis)`: `(nodes, gpus_per_node)` along `axis`: `TIDE_TOPOLOGY` if set, else one
   node per host (hosts exchanged through the key-value store), checked against the mesh order
-  (ranks node-major: rank = node * gpus_per_node + local).
+  (ranks node-major: rank = node * gpus_per_node + local);
+- `setup_rail(layout)`: for CPU meshes over several nodes, starts this process's TCP rail endpoint
+  and tells the native library where every rank of the mesh listens (the CPU transport shares
+  memory only inside a node; copies between nodes go over the rail).
 
 Key-value store keys (all under `tide/`): `tide/job_id` (first writer wins, everyone reads it),
-`tide/host/<process_index>` (host identity: hostname and boot id).
+`tide/host/<process_index>` (host identity: hostname and boot id), `tide/rail/<job>/<process_index>`
+("host:port" of the process's rail endpoint).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ __all__ = [
     "topology",
     "process_hosts",
     "ffi_attrs",
+    "setup_rail",
     "KV_TIMEOUT_MS",
 ]
 
@@ -44,6 +49,8 @@ KV_TIMEOUT_MS = int(float(os.environ.get("TIDE_KV_TIMEOUT_S", "300")) * 1000)
 _lock = threading.Lock()
 _job_id: int | None = None
 _hosts: dict[int, str] | None = None
+_rail_addrs: dict[int, dict[int, str]] = {}  # job -> process index -> "host:port"
+_rail_registered: set[tuple[int, int, int]] = set()  # (job, group, rank)
 
 
 def _client():
@@ -174,8 +181,8 @@ def topology(mesh, axis: str) -> tuple[int, int]:
 
     From the hosts: along the axis (in every group of the other axes alike) the devices of one host
     must be consecutive and every host must hold the same number, so that rank = node *
-    gpus_per_node + local. A CPU mesh whose processes span several hosts is refused: tide's CPU
-    multi-process path moves data through shared memory of one host.
+    gpus_per_node + local. On CPU, ranks of one node share memory and nodes talk over the rail
+    (`setup_rail`), so a CPU mesh may span hosts.
     """
     names = list(mesh.axis_names)
     if axis not in names:
@@ -186,12 +193,6 @@ def topology(mesh, axis: str) -> tuple[int, int]:
     multi = is_multiprocess(mesh)
     if multi:
         hosts = process_hosts()
-        all_hosts = {hosts[int(d.process_index)] for d in devices.flat}
-        if devices.flat[0].platform == "cpu" and len(all_hosts) > 1:
-            raise ValueError(
-                f"tide: the mesh's processes run on {len(all_hosts)} hosts; tide's CPU multi-process "
-                "path needs them all on one host (it shares memory through /dev/shm)"
-            )
     if spec:
         return _parse(spec, world)
     if not multi:
@@ -223,3 +224,96 @@ def topology(mesh, axis: str) -> tuple[int, int]:
 def ffi_attrs(mesh) -> dict[str, np.int64]:
     """The multi-process FFI attributes of a call over `mesh` (docs/multiprocess.md)."""
     return {"job": np.int64(job_id(mesh))}
+
+
+def _advertised_host() -> str:
+    """The address other processes reach this one's rail endpoint at: `TIDE_RAIL_HOST` if set, else
+    the local address of the route to the JAX coordinator (loopback when it is local), else the
+    host name's address."""
+    env = os.environ.get("TIDE_RAIL_HOST", "").strip()
+    if env:
+        return env
+    coord = os.environ.get("JAX_COORDINATOR_ADDRESS", "")
+    try:
+        from jax._src import distributed
+
+        coord = coord or (distributed.global_state.coordinator_address or "")
+    except Exception:  # noqa: BLE001  (private API: best effort)
+        pass
+    host = coord.rsplit(":", 1)[0].strip("[]") if coord else ""
+    if host:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((socket.gethostbyname(host), 9))  # no packet is sent
+                return s.getsockname()[0]
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _rail_call(fn, *args) -> int:
+    import ctypes
+
+    err = ctypes.create_string_buffer(1024)
+    rc = fn(*args, err, ctypes.c_size_t(len(err)))
+    if rc < 0:
+        raise RuntimeError(f"tide: rail: {err.value.decode(errors='replace')}")
+    return rc
+
+
+def _rail_addresses(job: int) -> dict[int, str]:
+    """Every process's rail endpoint in `job`, starting this process's (once per job)."""
+    import ctypes
+
+    import jax
+
+    from . import _lib
+
+    if job in _rail_addrs:
+        return _rail_addrs[job]
+    lib = _lib.load()
+    lib.tide_rail_listen.restype = ctypes.c_int
+    lib.tide_rail_listen.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    host = _advertised_host()
+    bind = os.environ.get("TIDE_RAIL_BIND", "127.0.0.1" if host.startswith("127.") else "0.0.0.0")
+    port = _rail_call(lib.tide_rail_listen, bind.encode())
+    client = _client()
+    me = jax.process_index()
+    client.key_value_set(f"tide/rail/{job}/{me}", f"{host}:{port}", allow_overwrite=True)
+    addrs = {p: client.blocking_key_value_get(f"tide/rail/{job}/{p}", KV_TIMEOUT_MS) for p in range(jax.process_count())}
+    _rail_addrs[job] = addrs
+    return addrs
+
+
+def setup_rail(lay, job: int) -> None:
+    """Makes `lay`'s CPU mesh ready for plans over several nodes: this process's rail endpoint runs
+    and the native library knows, for every (group, rank) of the mesh, its process's endpoint.
+    Idempotent; a no-op for single-process meshes and single-node topologies."""
+    import ctypes
+
+    from . import _lib
+
+    if job == 0 or lay.nodes <= 1:
+        return
+    with _lock:
+        addrs = _rail_addresses(job)
+        lib = _lib.load()
+        lib.tide_rail_register.restype = ctypes.c_int
+        lib.tide_rail_register.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_char_p,
+                                           ctypes.c_char_p, ctypes.c_size_t]
+        names = list(lay.mesh.axis_names)
+        axis_pos = names.index(lay.axis)
+        devices = np.asarray(lay.mesh.devices)
+        other_dims = [devices.shape[i] for i in range(devices.ndim) if i != axis_pos]
+        for idx in np.ndindex(*devices.shape):
+            other = [idx[i] for i in range(len(idx)) if i != axis_pos]
+            group = int(np.ravel_multi_index(other, other_dims)) if other else 0
+            rank = int(idx[axis_pos])
+            if (job, group, rank) in _rail_registered:
+                continue
+            addr = addrs[int(devices[idx].process_index)]
+            _rail_call(lib.tide_rail_register, job, group, rank, addr.encode())
+            _rail_registered.add((job, group, rank))

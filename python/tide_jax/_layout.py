@@ -208,7 +208,10 @@ class Layout:
         """The FFI attribute `job`: 0 if every device of the mesh is in this process, else the
         multi-process job id (docs/multiprocess.md)."""
         if self._job is None:
-            self._job = _distributed.job_id(self.mesh)
+            job = _distributed.job_id(self.mesh)
+            if job and self.nodes > 1 and self.platform == "cpu":
+                _distributed.setup_rail(self, job)  # copies between nodes go over TCP (docs/multiprocess.md)
+            self._job = job
         return self._job
 
     @property

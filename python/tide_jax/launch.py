@@ -167,13 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, forward)
 
     first_failure: tuple[int, int] | None = None
+    stopped: set[int] = set()  # ranks this launcher terminated
     deadline = None
     terminated_at = None
     try:
         while True:
             codes = [proc.poll() for proc in procs]
             if first_failure is None:
-                for rank, code in enumerate(codes):
+                # Seen together, a rank killed by a signal is the likelier root cause than the ranks
+                # that failed because of it (tide fails them within milliseconds).
+                order = sorted(range(n), key=lambda r: (not (codes[r] is not None and codes[r] < 0), r))
+                for rank in order:
+                    code = codes[rank]
                     if code not in (None, 0):
                         first_failure = (rank, code)
                         deadline = time.monotonic() + args.grace
@@ -188,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
                 break
             now = time.monotonic()
             if deadline is not None and terminated_at is None and now >= deadline:
-                for proc in procs:
+                for rank, proc in enumerate(procs):
                     if proc.poll() is None:
+                        stopped.add(rank)
                         _kill_group(proc, signal.SIGTERM)
                 terminated_at = now
             if terminated_at is not None and now >= terminated_at + 5.0:
@@ -207,7 +213,13 @@ def main(argv: list[str] | None = None) -> int:
         _cleanup_shm(job)
     if first_failure is not None:
         rank, code = first_failure
-        sys.stderr.write(f"tide.launch: failed: rank {rank} (pid {procs[rank].pid}) {_describe(code)}\n")
+        others = [
+            f"rank {r} {_describe(p.returncode)}"
+            for r, p in enumerate(procs)
+            if r != rank and r not in stopped and p.returncode not in (None, 0)
+        ]
+        also = f" (also: {', '.join(others)})" if others else ""
+        sys.stderr.write(f"tide.launch: failed: rank {rank} (pid {procs[rank].pid}) {_describe(code)}{also}\n")
         return code if 0 < code < 256 else 1
     return 0
 

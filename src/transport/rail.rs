@@ -58,7 +58,9 @@ struct Endpoint {
 }
 
 static ENDPOINT: Lazy<Mutex<Option<Arc<Endpoint>>>> = Lazy::new(|| Mutex::new(None));
-static PEERS: Lazy<Mutex<HashMap<(u64, usize, usize), String>>> =
+/// (job, group, rank) -> "host:port" of its process's endpoint.
+type PeerTable = HashMap<(u64, usize, usize), String>;
+static PEERS: Lazy<Mutex<PeerTable>> =
     Lazy::new(|| Mutex::new(HashMap::new()));
 /// (job, group, rank) of this process's ranks that failed: their streams are refused.
 static FAILED: Lazy<Mutex<std::collections::HashSet<(u64, usize, usize)>>> =
@@ -437,6 +439,9 @@ struct Send {
     bytes: usize,
 }
 
+/// What a phase's sender thread ends with: on failure, its message and the torn destination.
+type SendResult = std::result::Result<(), (String, Option<usize>)>;
+
 /// The rail of one call on one rank, handed to `engine::cpu::execute_rank_with`.
 pub struct CallRail<'a> {
     rail: &'a mut RankRail,
@@ -450,7 +455,7 @@ pub struct CallRail<'a> {
     what: &'a str,
     /// The phase's sender thread: on failure, its message and the destination whose frame it left
     /// half written (if any).
-    sender: Option<std::thread::JoinHandle<std::result::Result<(), (String, Option<usize>)>>>,
+    sender: Option<std::thread::JoinHandle<SendResult>>,
     torn: Option<usize>,
     stop: Arc<AtomicBool>,
 }

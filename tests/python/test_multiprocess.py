@@ -114,7 +114,10 @@ def worker(out_dir: str, die: int | None) -> None:
             results[f"rs_{k}_{r}"] = got
     os.makedirs(out_dir, exist_ok=True)
     np.savez(os.path.join(out_dir, f"p{jax.process_index()}.npz"), **{k: np.ascontiguousarray(v).reshape(-1).view(np.uint8) for k, v in results.items()})
-    print(f"worker {jax.process_index()}: ok ({len(results)} arrays, job {lay.job}, topology {lay.nodes}x{lay.gpus_per_node})", flush=True)
+    rail_bytes = tide_jax._lib.load().tide_rail_bytes_received
+    rail_bytes.restype = __import__("ctypes").c_uint64
+    print(f"worker {jax.process_index()}: ok ({len(results)} arrays, job {lay.job}, topology {lay.nodes}x{lay.gpus_per_node}, "
+          f"rail {rail_bytes()} bytes)", flush=True)
 
     if die is not None:
         # Process `die` is killed before a call; the others must fail, not hang.
@@ -196,23 +199,32 @@ def test_multiprocess_matches_jax_and_single_process(tmp_path, nprocs, devs):
         assert np.array_equal(multi[k], single[k]), f"{k}: multi-process result differs from the single-process run"
 
 
-def test_forced_two_node_topology(tmp_path):
-    """TIDE_TOPOLOGY=2x2 runs the hierarchical plans across 2 processes x 2 devices of one host."""
-    r = _launch(2, 2, tmp_path / "multi", env=_env(TIDE_TOPOLOGY="2x2"))
+@pytest.mark.parametrize("nprocs,devs,topo", [(2, 2, "2x2"), (2, 1, "2x1"), (3, 2, "3x2"), (4, 1, "2x2")])
+def test_forced_multi_node_topology(tmp_path, nprocs, devs, topo):
+    """TIDE_TOPOLOGY=NxG runs the hierarchical plans across processes of one host as if the nodes
+    were hosts: node-local shared memory, the TCP rail between nodes (every process receives bytes
+    through it), results bitwise equal to the single-process engine on the same topology. (4, 1,
+    "2x2"): two processes per node."""
+    r = _launch(nprocs, devs, tmp_path / "multi", env=_env(TIDE_TOPOLOGY=topo))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "topology 2x2" in r.stdout
+    assert r.stdout.count(f"topology {topo}") == nprocs, r.stdout
+    assert " rail 0 bytes" not in r.stdout, r.stdout
     multi = _load(tmp_path / "multi")
-    single = _single(4, tmp_path / "single", TIDE_TOPOLOGY="2x2")
+    single = _single(nprocs * devs, tmp_path / "single", TIDE_TOPOLOGY=topo)
     assert multi.keys() == single.keys()
     for k in single:
         assert np.array_equal(multi[k], single[k]), k
 
 
-def test_killed_process_fails_the_others_in_bounded_time(tmp_path):
+@pytest.mark.parametrize("topo", [None, "3x1"])
+def test_killed_process_fails_the_others_in_bounded_time(tmp_path, topo):
+    """One node (shared control plane: the dead pid is named) and 3 nodes (the rail: the rank whose
+    stream closed is named)."""
     t0 = time.monotonic()
     cmd = [sys.executable, "-m", "tide_jax.launch", "-n", "3", "--cpu-devices", "1", "--grace", "60", "--",
            sys.executable, WORKER, "worker", "--out", str(tmp_path), "--die", "1"]
-    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+    env = _env(TIDE_TOPOLOGY=topo) if topo else _env()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     took = time.monotonic() - t0
     out = r.stdout + r.stderr
     assert r.returncode != 0, out
@@ -220,7 +232,10 @@ def test_killed_process_fails_the_others_in_bounded_time(tmp_path):
     for survivor in (0, 2):
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith(f"[rank {survivor}] TIDE_ERROR")]
         assert lines, out
-        assert "rank 1 (pid" in lines[0] and "died" in lines[0], lines[0]
+        if topo is None:
+            assert "rank 1 (pid" in lines[0] and "died" in lines[0], lines[0]
+        else:
+            assert "rank 1 on node 1" in lines[0], lines[0]
     assert "NO_ERROR" not in out
     assert took < 120, f"took {took:.0f}s"
 
