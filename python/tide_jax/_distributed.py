@@ -40,6 +40,8 @@ __all__ = [
     "process_hosts",
     "ffi_attrs",
     "setup_rail",
+    "setup_nccl",
+    "nccl_roles",
     "KV_TIMEOUT_MS",
 ]
 
@@ -317,3 +319,62 @@ def setup_rail(lay, job: int) -> None:
             addr = addrs[int(devices[idx].process_index)]
             _rail_call(lib.tide_rail_register, job, group, rank, addr.encode())
             _rail_registered.add((job, group, rank))
+
+
+def nccl_roles(process_of_rank: np.ndarray, gpus_per_node: int, me: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Which NCCL rail ids process `me` creates and which it needs, for a mesh whose process
+    indices are `process_of_rank[group, rank]` (ranks node-major, `gpus_per_node` per node).
+
+    Rail r of a group joins the ranks with local index r of every node; its id is made by the rank
+    of node 0 (rank r). Returns (create, need): lists of (group, rail)."""
+    create, need = [], []
+    groups, world = process_of_rank.shape
+    g = max(1, gpus_per_node)
+    for group in range(groups):
+        for rail in range(min(g, world)):
+            members = range(rail, world, g)
+            if int(process_of_rank[group, rail]) == me:
+                create.append((group, rail))
+            if any(int(process_of_rank[group, q]) == me for q in members):
+                need.append((group, rail))
+    return create, need
+
+
+def setup_nccl(lay, job: int) -> None:
+    """GPU meshes over several nodes whose processes span hosts (or `TIDE_NODE_LOCAL=1`): makes the
+    job's control plane per node and registers every rail's `ncclUniqueId` through the key-value
+    store (`tide/nccl/<job>/<group>/<rail>`), since no memory is shared between hosts. On one host
+    without `TIDE_NODE_LOCAL=1` nothing changes: the library shares the ids through its mailboxes."""
+    import ctypes
+
+    import jax
+
+    from . import _lib
+
+    if job == 0 or lay.nodes <= 1:
+        return
+    hosts = process_hosts()
+    procs = {int(d.process_index) for d in np.asarray(lay.mesh.devices).flat}
+    spans_hosts = len({hosts[p] for p in procs}) > 1
+    if not (spans_hosts or os.environ.get("TIDE_NODE_LOCAL", "").strip() == "1"):
+        return
+    names = list(lay.mesh.axis_names)
+    devices = np.moveaxis(np.asarray(lay.mesh.devices), names.index(lay.axis), -1).reshape(-1, lay.world)
+    process_of_rank = np.vectorize(lambda d: int(d.process_index))(devices)
+    create, need = nccl_roles(process_of_rank, lay.gpus_per_node, jax.process_index())
+    with _lock:
+        lib = _lib.load()
+        lib.tide_cuda_node_local.argtypes = [ctypes.c_uint64]
+        lib.tide_cuda_node_local(job)
+        lib.tide_nccl_unique_id.restype = ctypes.c_int
+        lib.tide_nccl_unique_id.argtypes = [ctypes.c_char_p]
+        lib.tide_nccl_set_unique_id.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_char_p]
+        client = _client()
+        for group, rail in create:
+            buf = ctypes.create_string_buffer(128)
+            if lib.tide_nccl_unique_id(buf) != 0:
+                raise RuntimeError(f"tide: ncclGetUniqueId failed for rail {rail} of group {group} (is libnccl.so.2 loadable?)")
+            client.key_value_set(f"tide/nccl/{job}/{group}/{rail}", buf.raw.hex(), allow_overwrite=True)
+        for group, rail in need:
+            value = client.blocking_key_value_get(f"tide/nccl/{job}/{group}/{rail}", KV_TIMEOUT_MS)
+            lib.tide_nccl_set_unique_id(job, group, rail, bytes.fromhex(value))

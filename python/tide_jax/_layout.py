@@ -211,6 +211,8 @@ class Layout:
             job = _distributed.job_id(self.mesh)
             if job and self.nodes > 1 and self.platform == "cpu":
                 _distributed.setup_rail(self, job)  # copies between nodes go over TCP (docs/multiprocess.md)
+            elif job and self.nodes > 1:
+                _distributed.setup_nccl(self, job)  # per-node control plane when processes span hosts
             self._job = job
         return self._job
 

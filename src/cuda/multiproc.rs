@@ -104,7 +104,49 @@ type Key = (u64, usize, usize);
 static STATES: Lazy<Mutex<HashMap<Key, Arc<Mutex<RankState>>>>> =
     Lazy::new(|| Mutex::new(HashMap::new()));
 
-fn state_for(job: u64, group: usize, rank: usize, world: usize) -> Result<Arc<Mutex<RankState>>> {
+/// Jobs whose control plane is per node (`tide_cuda_node_local`): set by `tide_jax` when the
+/// processes span hosts (or `TIDE_NODE_LOCAL=1`), together with every rail's `ncclUniqueId`.
+static NODE_LOCAL: Lazy<Mutex<HashSet<u64>>> = Lazy::new(|| Mutex::new(HashSet::new()));
+
+/// Makes `job`'s control plane per node: barriers, announcements, mailboxes and events of the
+/// ranks of one node only, nothing read from another node's memory; the rail's `ncclUniqueId` must
+/// then be registered (`nccl::set_unique_id`) before the first call. Without it the control plane
+/// spans every rank of the group, which only works on one host.
+pub fn set_node_local(job: u64) {
+    NODE_LOCAL
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(job);
+}
+
+/// The ranks of `rank`'s control plane: its node's (`set_node_local` jobs), else every rank.
+pub fn control_members(job: u64, rank: usize, world: usize, gpus_per_node: usize) -> Vec<usize> {
+    let node_local = NODE_LOCAL
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .contains(&job);
+    if node_local {
+        let g = gpus_per_node.max(1);
+        let node = rank / g;
+        (node * g..((node + 1) * g).min(world)).collect()
+    } else {
+        (0..world).collect()
+    }
+}
+
+/// C entry for `tide_jax`: `set_node_local(job)`.
+#[no_mangle]
+pub extern "C" fn tide_cuda_node_local(job: u64) {
+    set_node_local(job);
+}
+
+fn state_for(
+    job: u64,
+    group: usize,
+    rank: usize,
+    world: usize,
+    members: Vec<usize>,
+) -> Result<Arc<Mutex<RankState>>> {
     let key = (job, group, rank);
     if let Some(s) = STATES.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
         return Ok(s.clone());
@@ -131,7 +173,7 @@ fn state_for(job: u64, group: usize, rank: usize, world: usize) -> Result<Arc<Mu
             "rank {rank} of group {group} (job {job:016x}): {e}"
         ))
     })?;
-    let mut pg = ProcessGroup::create(job, group, rank, world, Timing::from_config())?;
+    let mut pg = ProcessGroup::create_among(job, group, rank, world, members, Timing::from_config())?;
     let connected = pg.connect();
     let mut st = RankState {
         group: pg,
@@ -146,7 +188,8 @@ fn state_for(job: u64, group: usize, rank: usize, world: usize) -> Result<Arc<Mu
         checked: HashSet::new(),
     };
     let result = connected.and_then(|()| {
-        for q in 0..world {
+        let members = st.group.members().to_vec();
+        for q in members {
             if q == rank {
                 continue;
             }
@@ -228,11 +271,14 @@ pub fn fail(call: &CallInfo, job: u64, err: &TideError) {
                 .fail_with(msg);
         }
         None => {
-            if let Ok(pg) = ProcessGroup::create(
+            let members =
+                control_members(job, call.rank, call.world, call.topology.gpus_per_node);
+            if let Ok(pg) = ProcessGroup::create_among(
                 job,
                 call.group,
                 call.rank,
                 call.world,
+                members,
                 Timing::from_config(),
             ) {
                 pg.fail_with(msg);
@@ -251,7 +297,8 @@ fn execute_inner(call: &CallInfo, job: u64, what_base: &str) -> Result<()> {
     if call.rank >= call.world {
         return crate::invalid!("{what_base}: rank outside world size {}", call.world);
     }
-    let state = state_for(job, call.group, call.rank, call.world)?;
+    let members = control_members(job, call.rank, call.world, call.topology.gpus_per_node);
+    let state = state_for(job, call.group, call.rank, call.world, members)?;
     let mut guard = state.lock().unwrap_or_else(|e| e.into_inner());
     let rs = &mut *guard;
     if rs.world != call.world {
@@ -728,7 +775,8 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
         data_class: 0,
     });
     rs.group.barrier(&format!("entry of {what}"))?;
-    for q in (0..call.world).filter(|&q| q != me) {
+    let members = rs.group.members().to_vec();
+    for q in members.iter().copied().filter(|&q| q != me) {
         let a = rs.group.announcement(q);
         if a.seq != seq || a.op != op || a.fingerprint != fp {
             return Err(rs.group.fail_with(format!(
@@ -752,6 +800,15 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
         if q == me {
             // Own events: the device's (ready, done, phases), as the in-process engine uses them.
             infos.push(local.info.clone());
+            continue;
+        }
+        if !members.contains(&q) {
+            // Another node under a per-node control plane: reached only through the rail, never
+            // addressed (its copies are NCCL transfers on this rank's own buffers).
+            infos.push(RankInfo {
+                device: -1,
+                ..Default::default()
+            });
             continue;
         }
         let pid = rs.group.pid_of(q);
@@ -870,11 +927,18 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
                 .or(if my_node == 0 { mail.nccl_id } else { None })
                 .ok_or_else(|| {
                     TideError::Internal(format!(
-                        "{what}: rank {rail} (node 0 of rail {rail}) published no ncclUniqueId"
+                        "{what}: no ncclUniqueId for rail {rail}: rank {rail} (node 0 of the rail) published \
+                         none{}",
+                        if members.contains(&rail) {
+                            ""
+                        } else {
+                            " it could share with this node; with a per-node control plane tide_jax \
+                             registers each rail's id from the key-value store before the first call"
+                        }
                     ))
                 })?,
         };
-        let mut alive = rail_alive(rs, call, me, g);
+        let mut alive = rail_alive(rs, me, g);
         let comm = nccl::Comm::init(
             &id,
             nodes,
@@ -896,11 +960,16 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
 /// is host-local); a pid of another pid namespace is left to the timeout.
 fn rail_alive<'a>(
     rs: &'a RankState,
-    call: &CallInfo,
     me: usize,
     g: usize,
 ) -> impl FnMut() -> Result<()> + 'a {
-    let peers: Vec<(usize, u64)> = (0..call.world)
+    // Only pids of this control plane mean something here (ranks of other nodes under a per-node
+    // control plane may live on other hosts): NCCL's errors and the timeout cover those.
+    let peers: Vec<(usize, u64)> = rs
+        .group
+        .members()
+        .iter()
+        .copied()
         .filter(|&q| q != me && q % g == me % g)
         .map(|q| (q, rs.group.pid_of(q)))
         .collect();
@@ -1050,7 +1119,7 @@ fn run_phases(
                         comm.recv(addr, op.bytes, op.peer_node, rsx as usize, label)?;
                     }
                 }
-                let mut alive = rail_alive(rs, call, me, g);
+                let mut alive = rail_alive(rs, me, g);
                 comm.group_end(
                     || format!("{what}: phase {p}, {} transfers", ops.len()),
                     &mut alive,

@@ -129,3 +129,25 @@ def test_layout_errors():
         lay.shard({"w": np.zeros((5, 2), np.float32)})
     with pytest.raises(ValueError, match="structure"):
         lay.shard([np.zeros((5, 3), np.float32)])
+
+
+def test_nccl_roles_rail_ids_made_by_node0_and_read_by_every_member():
+    """Multi-host GPU bootstrap: rail r of a group (ranks r, r+G, r+2G, ...) gets its ncclUniqueId
+    from the process of rank r (node 0); every process holding a member reads it."""
+    from tide_jax._distributed import nccl_roles
+
+    # 2 groups (another mesh axis), 3 nodes x 2 GPUs, one process per node holding both its GPUs.
+    procs = np.array([[0, 0, 1, 1, 2, 2], [3, 3, 4, 4, 5, 5]])
+    assert nccl_roles(procs, 2, 0) == ([(0, 0), (0, 1)], [(0, 0), (0, 1)])
+    assert nccl_roles(procs, 2, 1) == ([], [(0, 0), (0, 1)])
+    assert nccl_roles(procs, 2, 5) == ([], [(1, 0), (1, 1)])
+    # One process per GPU: process q holds rank q; rail 1 = ranks 1, 3, 5.
+    procs = np.arange(6).reshape(1, 6)
+    assert nccl_roles(procs, 2, 1) == ([(0, 1)], [(0, 1)])
+    assert nccl_roles(procs, 2, 4) == ([], [(0, 0)])
+    # A node split unevenly over processes; every (group, rail) needed somewhere is created once.
+    procs = np.array([[0, 1, 1, 2, 2, 2, 3, 3, 3]])
+    made = [c for p in range(4) for c in nccl_roles(procs, 3, p)[0]]
+    assert sorted(made) == [(0, 0), (0, 1), (0, 2)]
+    needed = {c for p in range(4) for c in nccl_roles(procs, 3, p)[1]}
+    assert needed == set(made)
