@@ -23,10 +23,11 @@
 //! (default 25), TIDE_BENCH_QUICK=1 (small sweep), TIDE_BENCH_TIMEOUT_S (default 220: exits 3).
 //! Prints SKIPPED without a CUDA driver or GPU.
 //!
-//! TIDE_BENCH_RSKERNEL=1: only the fp32 reduction comparison, ld (LSU) vs bulk (cp.async.bulk, sm_90)
-//! kernels: bulk-vs-ld bitwise check (1-4 sources, bf16/f32, accumulate, tails), kernel-alone rows
-//! (ld 16/64/132 CTAs, bulk 8/16/32/64), full reduce-scatter rows at 16 and 64 CTAs per kernel,
-//! and the CPU-engine bitwise check of the bulk reduce-scatters (< 60 s).
+//! TIDE_BENCH_RSKERNEL=1: only the fp32 reduction comparison, ld (LSU), st (ld with 8-byte loads and
+//! coalesced 16-byte fp32 stores) and bulk (cp.async.bulk, sm_90) kernels: bulk-vs-ld and st-vs-ld
+//! bitwise checks (1-4 sources, bf16/f32, accumulate, tails), kernel-alone rows (ld 16/64/132 CTAs,
+//! st 16/64, bulk 8/16/32/64), full reduce-scatter rows at 16 and 64 CTAs per kernel, and the
+//! CPU-engine bitwise check of the st and bulk reduce-scatters (< 60 s).
 //!
 //! Build here: cargo build --release --example cuda_bench  -> target/release/examples/cuda_bench
 //! Run on the GPU machine: TIDE_BENCH_OUT=$OUT/cuda_bench.json <binary>
@@ -635,11 +636,13 @@ fn launch_smem(
     );
 }
 
-/// One rs_sum launch (ld or bulk kernel `f`): dst = sum of srcs (or += when acc), n elements.
+/// One rs_sum launch (ld or bulk kernel `f`; `st`: the ld kernel's coalesced-store mode):
+/// dst = sum of srcs (or += when acc), n elements.
 #[allow(clippy::too_many_arguments)]
 fn sum_launch(
     f: sys::CUfunction,
     bulk: bool,
+    st: bool,
     dtype: DType,
     grid: u32,
     stream: sys::CUstream,
@@ -656,7 +659,7 @@ fn sum_launch(
     let mut nsrc = srcs.len() as i32;
     let mut n = n;
     let mut a = acc as i32;
-    let mut vec = kernels::sum_vectorized(dst, srcs) as i32;
+    let mut vec = kernels::sum_mode(kernels::sum_vectorized(dst, srcs), dtype, st);
     let mut params: [*mut std::ffi::c_void; 6] = [
         &mut d as *mut u64 as *mut _,
         &mut ptrs as *mut kernels::SrcPtrs as *mut _,
@@ -670,7 +673,6 @@ fn sum_launch(
     } else {
         0
     };
-    let _ = dtype;
     launch_smem(f, grid, smem, stream, &mut params);
 }
 
@@ -703,6 +705,7 @@ fn bulk_vs_ld_check(d: &Dev) -> (usize, usize) {
                         sum_launch(
                             d.sum_ld[ti],
                             false,
+                            false,
                             dtype,
                             16,
                             d.stream,
@@ -714,6 +717,7 @@ fn bulk_vs_ld_check(d: &Dev) -> (usize, usize) {
                         sum_launch(
                             bulk[ti],
                             true,
+                            false,
                             dtype,
                             grid,
                             d.stream,
@@ -724,10 +728,34 @@ fn bulk_vs_ld_check(d: &Dev) -> (usize, usize) {
                         );
                         sync(d);
                         cases += 1;
-                        if download(d, da, n * 4) != download(d, db, n * 4) {
+                        let want = download(d, da, n * 4);
+                        if want != download(d, db, n * 4) {
                             bad += 1;
                             println!(
                                 "MISMATCH bulk vs ld: {} nsrc={nsrc} n={n} acc={acc} grid={grid}",
+                                dtype.name()
+                            );
+                        }
+                        // The coalesced-store mode of the ld kernel (TIDE_RS_KERNEL=st).
+                        upload(d, db, &init);
+                        sum_launch(
+                            d.sum_ld[ti],
+                            false,
+                            true,
+                            dtype,
+                            grid,
+                            d.stream,
+                            db,
+                            &srcs[..nsrc],
+                            n as u64,
+                            acc,
+                        );
+                        sync(d);
+                        cases += 1;
+                        if want != download(d, db, n * 4) {
+                            bad += 1;
+                            println!(
+                                "MISMATCH st vs ld: {} nsrc={nsrc} n={n} acc={acc} grid={grid}",
                                 dtype.name()
                             );
                         }
@@ -1035,11 +1063,13 @@ fn main() {
         } else {
             &[8, 16, 32, 64, 132, 264]
         };
-        let mut kvariants: Vec<(bool, u32)> = kctas.iter().map(|&c| (false, c)).collect();
+        // (bulk, st, ctas)
+        let mut kvariants: Vec<(bool, bool, u32)> = kctas.iter().map(|&c| (false, false, c)).collect();
+        kvariants.extend([16u32, 64].iter().map(|&c| (false, true, c)));
         if devs[0].sum_bulk.is_some() {
-            kvariants.extend([8u32, 16, 32, 64].iter().map(|&c| (true, c)));
+            kvariants.extend([8u32, 16, 32, 64].iter().map(|&c| (true, false, c)));
         }
-        for &(bulk, ctas) in &kvariants {
+        for &(bulk, st, ctas) in &kvariants {
             let s = measure(&devs, world, warm, reps, &|| 9, &|r| {
                 let d = &devs[r];
                 set_ctx(d);
@@ -1063,7 +1093,11 @@ fn main() {
                         (
                             d.sum_bf16,
                             kernels::grid(
-                                kernels::sum_units(elems as u64, DType::BF16, vecd),
+                                kernels::sum_units_mode(
+                                    elems as u64,
+                                    DType::BF16,
+                                    kernels::sum_mode(vecd, DType::BF16, st),
+                                ),
                                 ctas,
                             ),
                         )
@@ -1071,6 +1105,7 @@ fn main() {
                     sum_launch(
                         f,
                         use_bulk,
+                        st && !use_bulk,
                         DType::BF16,
                         grid,
                         d.stream,
@@ -1083,6 +1118,8 @@ fn main() {
             });
             let name = if bulk {
                 "rs_sum_bf16_f32_bulk"
+            } else if st {
+                "rs_sum_bf16_f32 (st: coalesced stores)"
             } else {
                 "rs_sum_bf16_f32"
             };
@@ -1098,7 +1135,7 @@ fn main() {
         rep.header(&format!(
             "(c'') tide reduce-scatter, ld vs bulk reduction kernel, {g} (GB/s: peer bf16 bytes received per GPU)"
         ));
-        let mut kinds = vec![RsKernel::Ld];
+        let mut kinds = vec![RsKernel::Ld, RsKernel::St];
         if devs[0].sum_bulk.is_some() {
             kinds.push(RsKernel::Bulk);
         }
@@ -1130,7 +1167,7 @@ fn main() {
                     c.rs_copy_streams
                 );
                 rep.row("reduce_scatter_kernel", &g, &v, &s, recv);
-                if kind == RsKernel::Bulk {
+                if kind != RsKernel::Ld {
                     best_rs.push((h, c, s.median));
                 }
             }

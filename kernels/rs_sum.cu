@@ -6,6 +6,10 @@
 // f32 is a bit shift, f16 -> f32 is the PTX instruction cvt.f32.f16.
 //
 // rs_sum_<src>_f32(dst, srcs, nsrc, n, accumulate, vectorized):
+//   vectorized: 0 scalar; 1 16-byte source vectors (a 2-byte source's 8 elements become two 16-byte
+//   stores 32 bytes apart per thread: each warp store instruction half-fills its sectors); 2 (2-byte
+//   sources only, else as 1) 8-byte source quads, so each thread stores one 16-byte float4 and a warp
+//   store instruction writes 512 contiguous bytes (TIDE_RS_KERNEL=st). All three give the same bits.
 //   dst[e] = ((f32(srcs[0][e]) + f32(srcs[1][e])) + ...) + f32(srcs[nsrc-1][e])   (accumulate == 0)
 //   dst[e] = ((dst[e] + f32(srcs[0][e])) + ...) + f32(srcs[nsrc-1][e])          (accumulate != 0)
 //   for e in [0, n), in exactly this order, fp32 adds (no fast math), so results are bitwise equal to
@@ -171,6 +175,80 @@ TIDE_DEV void tide_sum_vec(float* dst, const TideSrcs& srcs, unsigned long long 
     }
 }
 
+// Quad body (2-byte sources, vectorized == 2): thread i of the grid sums elements [4q, 4q + 4) for
+// quads q = i, i + stride, ... (U quads per iteration, U * NSRC independent 8-byte loads in flight):
+// lane l of a warp loads 8 bytes at quad q0 + l and stores the float4 at q0 + l, so both the loads
+// (256 bytes per warp instruction) and the fp32 stores (512 bytes) are contiguous.
+template <class E, int NSRC, int U>
+TIDE_DEV void tide_sum_quad(float* dst, const TideSrcs& srcs, unsigned long long nquad, int accumulate) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long q0 = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; q0 < nquad;
+         q0 += stride * U) {
+        uint2 raw[U][NSRC];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const unsigned long long q = q0 + (unsigned long long)u * stride;
+            if (q < nquad) {
+#pragma unroll
+                for (int s = 0; s < NSRC; ++s) raw[u][s] = ((const uint2*)srcs.p[s])[q];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const unsigned long long q = q0 + (unsigned long long)u * stride;
+            if (q < nquad) {
+                float acc[4];
+                float x[4];
+                float4* out = (float4*)dst + q;
+                int first = 0;
+                if (accumulate) {
+                    const float4 d = *out;
+                    acc[0] = d.x;
+                    acc[1] = d.y;
+                    acc[2] = d.z;
+                    acc[3] = d.w;
+                } else {
+                    E::word(raw[u][0].x, acc + 0);
+                    E::word(raw[u][0].y, acc + 2);
+                    first = 1;
+                }
+#pragma unroll
+                for (int s = 0; s < NSRC; ++s) {
+                    if (s >= first) {
+                        E::word(raw[u][s].x, x + 0);
+                        E::word(raw[u][s].y, x + 2);
+#pragma unroll
+                        for (int k = 0; k < 4; ++k) acc[k] = acc[k] + x[k];
+                    }
+                }
+                float4 d;
+                d.x = acc[0];
+                d.y = acc[1];
+                d.z = acc[2];
+                d.w = acc[3];
+                *out = d;
+            }
+        }
+    }
+}
+
+template <class E>
+TIDE_DEV void tide_sum_quads(float* dst, const TideSrcs& srcs, int nsrc, unsigned long long nquad, int accumulate) {
+    switch (nsrc) {
+        // U * NSRC 8-byte loads in flight per thread (16 for 1 to 4 sources: 128 bytes per thread,
+        // 64 KiB per 512-thread CTA), bounded by the registers of __launch_bounds__(512) without
+        // spills (tests/kernels_nvrtc.rs).
+        case 1: tide_sum_quad<E, 1, 16>(dst, srcs, nquad, accumulate); break;
+        case 2: tide_sum_quad<E, 2, 8>(dst, srcs, nquad, accumulate); break;
+        case 3: tide_sum_quad<E, 3, 4>(dst, srcs, nquad, accumulate); break;
+        case 4: tide_sum_quad<E, 4, 4>(dst, srcs, nquad, accumulate); break;
+        case 5: tide_sum_quad<E, 5, 2>(dst, srcs, nquad, accumulate); break;
+        case 6: tide_sum_quad<E, 6, 2>(dst, srcs, nquad, accumulate); break;
+        case 7: tide_sum_quad<E, 7, 2>(dst, srcs, nquad, accumulate); break;
+        default: tide_sum_quad<E, 8, 2>(dst, srcs, nquad, accumulate); break;
+    }
+}
+
 // Scalar body for elements [begin, n): the tail after the vectors, or everything when unaligned.
 template <class E>
 TIDE_DEV void tide_sum_scalar(float* dst, const TideSrcs& srcs, int nsrc, unsigned long long begin,
@@ -199,6 +277,14 @@ template <class E>
 TIDE_DEV void tide_sum(float* dst, const TideSrcs& srcs, int nsrc, unsigned long long n, int accumulate,
                        int vectorized) {
     if (nsrc < 1 || nsrc > TIDE_MAX_SRCS) return;  // the host never launches this
+    if constexpr (E::PER_VEC == 8) {  // 2-byte sources
+        if (vectorized == 2) {
+            const unsigned long long nquad = n / 4;
+            tide_sum_quads<E>(dst, srcs, nsrc, nquad, accumulate);
+            tide_sum_scalar<E>(dst, srcs, nsrc, nquad * 4, n, accumulate);
+            return;
+        }
+    }
     const unsigned long long nvec = vectorized ? n / E::PER_VEC : 0;
     if (nvec > 0) {
         switch (nsrc) {

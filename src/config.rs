@@ -53,6 +53,8 @@ pub struct Config {
 pub enum RsKernel {
     Ld,
     Bulk,
+    /// The ld kernel with 8-byte source loads and one contiguous 16-byte fp32 store per thread.
+    St,
 }
 
 impl std::str::FromStr for RsKernel {
@@ -61,7 +63,8 @@ impl std::str::FromStr for RsKernel {
         match s.to_ascii_lowercase().as_str() {
             "ld" | "lsu" => Ok(RsKernel::Ld),
             "bulk" | "tma" => Ok(RsKernel::Bulk),
-            other => Err(format!("{other:?}: expected ld or bulk")),
+            "st" | "coalesced" => Ok(RsKernel::St),
+            other => Err(format!("{other:?}: expected ld, bulk or st")),
         }
     }
 }

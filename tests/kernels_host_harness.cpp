@@ -11,6 +11,7 @@
 #define __global__
 #define __launch_bounds__(x)
 struct uint4 { unsigned int x, y, z, w; };
+struct uint2 { unsigned int x, y; };
 struct float4 { float x, y, z, w; };
 struct TideDim { unsigned int x; };
 static TideDim threadIdx, blockIdx, blockDim, gridDim;
@@ -101,7 +102,7 @@ static int failures = 0;
 static long checks = 0;
 
 static void check_sum(int dtype, int nsrc, size_t n, int accumulate, size_t misalign, unsigned grid,
-                      unsigned block, std::mt19937_64& rng) {
+                      unsigned block, int mode, std::mt19937_64& rng) {
     static const SumKernel kernels[3] = {rs_sum_bf16_f32, rs_sum_f16_f32, rs_sum_f32_f32};
     const size_t esize = dtype == 2 ? 4 : 2;
     // Buffers over-allocated so a 16-byte-aligned base plus `misalign` elements stays in bounds.
@@ -132,15 +133,16 @@ static void check_sum(int dtype, int nsrc, size_t n, int accumulate, size_t misa
         for (; s < nsrc; ++s) acc = acc + ref_one(dtype, sp[s], i);
         expect[i] = acc;
     }
-    const int vectorized = misalign == 0 ? 1 : 0;
+    // mode 1: 16-byte vectors; mode 2: the quad (coalesced-store) body; unaligned: scalar.
+    const int vectorized = misalign == 0 ? mode : 0;
     SumKernel k = kernels[dtype];
     launch(grid, block, [&] { k(dst, srcs, nsrc, (unsigned long long)n, accumulate, vectorized); });
     for (size_t i = 0; i < n; ++i) {
         ++checks;
         if (f32_bits(dst[i]) != f32_bits(expect[i])) {
             if (failures < 20)
-                std::printf("MISMATCH sum dtype=%d nsrc=%d n=%zu acc=%d misalign=%zu grid=%u block=%u at %zu: got %a want %a\n",
-                            dtype, nsrc, n, accumulate, misalign, grid, block, i, dst[i], expect[i]);
+                std::printf("MISMATCH sum dtype=%d nsrc=%d n=%zu acc=%d misalign=%zu grid=%u block=%u mode=%d at %zu: got %a want %a\n",
+                            dtype, nsrc, n, accumulate, misalign, grid, block, mode, i, dst[i], expect[i]);
             ++failures;
             return;
         }
@@ -185,7 +187,8 @@ int main() {
             for (size_t n : sizes)
                 for (int acc = 0; acc < 2; ++acc)
                     for (size_t mis : {(size_t)0, (size_t)1, (size_t)3})
-                        for (auto& g : grids) check_sum(dtype, nsrc, n, acc, mis, g[0], g[1], rng);
+                        for (auto& g : grids)
+                            for (int mode = 1; mode <= 2; ++mode) check_sum(dtype, nsrc, n, acc, mis, g[0], g[1], mode, rng);
     for (size_t bytes : {0, 1, 2, 15, 16, 17, 100, 4096, 5003})
         for (size_t doff : {0, 1, 2, 4, 8})
             for (size_t soff : {0, 2, 8})

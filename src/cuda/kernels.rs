@@ -148,6 +148,25 @@ pub fn sum_units(elems: u64, dtype: DType, vectorized: bool) -> u64 {
     }
 }
 
+/// The `vectorized` argument of an `rs_sum` launch: 0 scalar, 1 16-byte vectors, 2 8-byte quads
+/// with coalesced fp32 stores (`TIDE_RS_KERNEL=st`; 2-byte sources only, else 1).
+pub fn sum_mode(vectorized: bool, dtype: DType, coalesced_stores: bool) -> i32 {
+    match (vectorized, coalesced_stores && dtype.size_bytes() == 2) {
+        (false, _) => 0,
+        (true, false) => 1,
+        (true, true) => 2,
+    }
+}
+
+/// Work items of an `rs_sum` launch in `mode` (`sum_mode`).
+pub fn sum_units_mode(elems: u64, dtype: DType, mode: i32) -> u64 {
+    if mode == 2 {
+        (elems / 4).max(elems % 4)
+    } else {
+        sum_units(elems, dtype, mode != 0)
+    }
+}
+
 /// The copy unit of `tide_copy`: the largest of 16, 8, 4, 2, 1 dividing both addresses.
 pub fn copy_width(dst: u64, src: u64) -> i32 {
     let both = dst | src;
@@ -263,6 +282,19 @@ mod tests {
         );
         assert!(sum_launches(&[]).is_err());
         assert!(sum_launches(&[BF16, S32]).is_err());
+    }
+
+    #[test]
+    fn store_modes() {
+        use DType::*;
+        assert_eq!(sum_mode(false, BF16, true), 0);
+        assert_eq!(sum_mode(true, BF16, false), 1);
+        assert_eq!(sum_mode(true, BF16, true), 2);
+        assert_eq!(sum_mode(true, F16, true), 2);
+        assert_eq!(sum_mode(true, F32, true), 1);
+        assert_eq!(sum_units_mode(4099, BF16, 2), 1024);
+        assert_eq!(sum_units_mode(3, BF16, 2), 3);
+        assert_eq!(sum_units_mode(4099, BF16, 1), sum_units(4099, BF16, true));
     }
 
     #[test]

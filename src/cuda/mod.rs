@@ -1113,8 +1113,13 @@ fn issue(
                     ptrs.p[k] = address(infos, &o.region, elems * o.dtype.size_bytes())?;
                 }
                 let vectorized = kernels::sum_vectorized(da, &ptrs.p[..l.count]);
+                let mode = kernels::sum_mode(
+                    vectorized,
+                    l.dtype,
+                    cfg.rs_kernel == crate::config::RsKernel::St,
+                );
                 let mut grid = kernels::grid(
-                    kernels::sum_units(*elems as u64, l.dtype, vectorized),
+                    kernels::sum_units_mode(*elems as u64, l.dtype, mode),
                     cfg.rs_max_ctas,
                 );
                 let mut f = m.sum(l.dtype)?;
@@ -1145,7 +1150,7 @@ fn issue(
                 let mut nsrc = l.count as i32;
                 let mut n = *elems as u64;
                 let mut acc = l.accumulate as i32;
-                let mut vec = vectorized as i32;
+                let mut vec = mode;
                 let mut params: [*mut std::ffi::c_void; 6] = [
                     &mut d as *mut u64 as *mut _,
                     &mut ptrs as *mut kernels::SrcPtrs as *mut _,
