@@ -1064,7 +1064,8 @@ fn main() {
             &[8, 16, 32, 64, 132, 264]
         };
         // (bulk, st, ctas)
-        let mut kvariants: Vec<(bool, bool, u32)> = kctas.iter().map(|&c| (false, false, c)).collect();
+        let mut kvariants: Vec<(bool, bool, u32)> =
+            kctas.iter().map(|&c| (false, false, c)).collect();
         kvariants.extend([16u32, 64].iter().map(|&c| (false, true, c)));
         if devs[0].sum_bulk.is_some() {
             kvariants.extend([8u32, 16, 32, 64].iter().map(|&c| (true, false, c)));

@@ -45,6 +45,12 @@ impl Topology {
     pub fn local_of(&self, rank: usize) -> usize {
         rank % self.gpus_per_node
     }
+    /// The ranks of `rank`'s node (the ranks that share its copy-engine domain and memory).
+    pub fn node_ranks(&self, rank: usize) -> std::ops::Range<usize> {
+        let g = self.gpus_per_node.max(1);
+        let node = rank / g;
+        node * g..(node + 1) * g
+    }
     pub fn rank(&self, node: usize, local: usize) -> usize {
         node * self.gpus_per_node + local
     }

@@ -226,7 +226,10 @@ fn rail_files(job: u64, dir: &str, me: usize, per_process: &[Vec<usize>]) {
             if let Ok(t) = std::fs::read_to_string(format!("{dir}/p{p}.port")) {
                 break t;
             }
-            assert!(Instant::now() < deadline, "process {p} never published its rail port");
+            assert!(
+                Instant::now() < deadline,
+                "process {p} never published its rail port"
+            );
             std::thread::sleep(Duration::from_millis(5));
         };
         for &r in ranks {
@@ -239,9 +242,20 @@ fn rail_files(job: u64, dir: &str, me: usize, per_process: &[Vec<usize>]) {
 
 #[test]
 fn threads_match_single_process_engine() {
-    for (k, topo) in [(1, 2), (1, 3), (1, 5), (2, 1), (3, 1), (5, 1), (2, 2), (3, 2), (2, 3), (4, 2)]
-        .into_iter()
-        .enumerate()
+    for (k, topo) in [
+        (1, 2),
+        (1, 3),
+        (1, 5),
+        (2, 1),
+        (3, 1),
+        (5, 1),
+        (2, 2),
+        (3, 2),
+        (2, 3),
+        (4, 2),
+    ]
+    .into_iter()
+    .enumerate()
     {
         let topo = Topology::new(topo.0, topo.1).unwrap();
         let ranks: Vec<usize> = (0..topo.world()).collect();
@@ -320,7 +334,11 @@ fn child_entry() {
 }
 
 fn join(ranks: &[usize]) -> String {
-    ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(",")
+    ranks
+        .iter()
+        .map(|r| r.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 fn spawn_children(
@@ -435,10 +453,18 @@ fn dead_peer_is_named_within_bounded_time() {
             if ranks[0] == 1 {
                 assert_eq!(out.status.code(), Some(7), "{topo}: {}", report(out));
             } else {
-                assert!(out.status.success(), "{topo}: rank {ranks:?}:\n{}", report(out));
+                assert!(
+                    out.status.success(),
+                    "{topo}: rank {ranks:?}:\n{}",
+                    report(out)
+                );
             }
         }
-        assert!(start.elapsed() < Duration::from_secs(30), "{topo}: {:?}", start.elapsed());
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "{topo}: {:?}",
+            start.elapsed()
+        );
     }
 }
 
@@ -448,7 +474,14 @@ fn dead_peer_is_named_within_bounded_time() {
 #[test]
 fn nodes_share_no_memory() {
     let probe = Command::new("unshare")
-        .args(["-m", "--propagation", "private", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"])
+        .args([
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            "mount -t tmpfs tmpfs /dev/shm",
+        ])
         .output();
     if !matches!(&probe, Ok(o) if o.status.success()) {
         println!("SKIPPED: cannot give a process a private /dev/shm here (unshare -m): {probe:?}");
@@ -473,7 +506,13 @@ fn nodes_share_no_memory() {
     .enumerate()
     {
         let topo = Topology::new(nodes, gpus).unwrap();
-        let outs = spawn_children_wrapped("match", topo, &per_process, fresh_job(350 + k as u64), &wrapper);
+        let outs = spawn_children_wrapped(
+            "match",
+            topo,
+            &per_process,
+            fresh_job(350 + k as u64),
+            &wrapper,
+        );
         for (ranks, out) in outs {
             assert!(
                 out.status.success() && String::from_utf8_lossy(&out.stdout).contains("1 passed"),

@@ -120,15 +120,18 @@ pub fn set_node_local(job: u64) {
 }
 
 /// The ranks of `rank`'s control plane: its node's (`set_node_local` jobs), else every rank.
-pub fn control_members(job: u64, rank: usize, world: usize, gpus_per_node: usize) -> Vec<usize> {
+pub fn control_members(
+    job: u64,
+    rank: usize,
+    world: usize,
+    topology: crate::topology::Topology,
+) -> Vec<usize> {
     let node_local = NODE_LOCAL
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .contains(&job);
     if node_local {
-        let g = gpus_per_node.max(1);
-        let node = rank / g;
-        (node * g..((node + 1) * g).min(world)).collect()
+        topology.node_ranks(rank).filter(|&q| q < world).collect()
     } else {
         (0..world).collect()
     }
@@ -173,7 +176,8 @@ fn state_for(
             "rank {rank} of group {group} (job {job:016x}): {e}"
         ))
     })?;
-    let mut pg = ProcessGroup::create_among(job, group, rank, world, members, Timing::from_config())?;
+    let mut pg =
+        ProcessGroup::create_among(job, group, rank, world, members, Timing::from_config())?;
     let connected = pg.connect();
     let mut st = RankState {
         group: pg,
@@ -271,8 +275,7 @@ pub fn fail(call: &CallInfo, job: u64, err: &TideError) {
                 .fail_with(msg);
         }
         None => {
-            let members =
-                control_members(job, call.rank, call.world, call.topology.gpus_per_node);
+            let members = control_members(job, call.rank, call.world, call.topology);
             if let Ok(pg) = ProcessGroup::create_among(
                 job,
                 call.group,
@@ -297,7 +300,7 @@ fn execute_inner(call: &CallInfo, job: u64, what_base: &str) -> Result<()> {
     if call.rank >= call.world {
         return crate::invalid!("{what_base}: rank outside world size {}", call.world);
     }
-    let members = control_members(job, call.rank, call.world, call.topology.gpus_per_node);
+    let members = control_members(job, call.rank, call.world, call.topology);
     let state = state_for(job, call.group, call.rank, call.world, members)?;
     let mut guard = state.lock().unwrap_or_else(|e| e.into_inner());
     let rs = &mut *guard;
@@ -958,11 +961,7 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
 /// Between NCCL polls: fails when a member of this rank's rail (same local index, other nodes)
 /// has died or this rank's group has failed. Peers are processes of this host (the control plane
 /// is host-local); a pid of another pid namespace is left to the timeout.
-fn rail_alive<'a>(
-    rs: &'a RankState,
-    me: usize,
-    g: usize,
-) -> impl FnMut() -> Result<()> + 'a {
+fn rail_alive<'a>(rs: &'a RankState, me: usize, g: usize) -> impl FnMut() -> Result<()> + 'a {
     // Only pids of this control plane mean something here (ranks of other nodes under a per-node
     // control plane may live on other hosts): NCCL's errors and the timeout cover those.
     let peers: Vec<(usize, u64)> = rs

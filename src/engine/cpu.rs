@@ -6,7 +6,7 @@
 //! is the barrier after each phase, which must give happens-before (a mutex/condvar barrier does).
 //! Reduce sums in fp32 in the listed order; bf16/f16 are widened exactly (subnormals, inf, nan).
 
-use super::{Barrier, RankBuffers, Rail};
+use super::{Barrier, Rail, RankBuffers};
 use crate::error::{Result, TideError};
 use crate::layout::DType;
 use crate::plan::{Action, BufKind, Plan, Region};
@@ -174,9 +174,16 @@ pub unsafe fn execute_rank_with(
         if let Some(r) = rail.as_deref_mut() {
             r.begin_phase(k)?;
         }
-        for (i, step) in phase.steps.iter().enumerate().filter(|(_, s)| s.executor == rank) {
+        for (i, step) in phase
+            .steps
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.executor == rank)
+        {
             match &step.action {
-                Action::Copy { src, dst, bytes } if rail.as_deref().is_some_and(|r| r.is_remote(src.rank)) => {
+                Action::Copy { src, dst, bytes }
+                    if rail.as_deref().is_some_and(|r| r.is_remote(src.rank)) =>
+                {
                     let d = address(plan, bufs, dst)?;
                     let r = rail.as_deref_mut().expect("checked by the guard");
                     // SAFETY: dst lies in this rank's live buffer (caller contract + validated plan).

@@ -195,13 +195,6 @@ impl ShmOptions {
     }
 }
 
-/// The ranks of `rank`'s node under `plan`'s topology: its control plane and shared memory.
-pub fn node_members(plan: &Plan, rank: usize) -> Vec<usize> {
-    let g = plan.topology.gpus_per_node.max(1);
-    let node = rank / g;
-    (node * g..((node + 1) * g).min(plan.world())).collect()
-}
-
 /// One rank's state in one job and group, kept across calls.
 struct RankState {
     /// The control plane of this rank's node (every rank when there is one node).
@@ -243,7 +236,7 @@ fn state_for(
     }
     // Connect outside the registry lock: other ranks of this process connect concurrently.
     drop(states);
-    let members = node_members(plan, rank);
+    let members: Vec<usize> = plan.topology.node_ranks(rank).collect();
     let mut pg = ProcessGroup::create_among(job, group, rank, world, members, opts.timing)?;
     let connected = pg.connect();
     let state = Arc::new(Mutex::new(RankState {
@@ -320,7 +313,11 @@ pub fn run_cpu_multiprocess_with(
     run_call(st, call, plan, job, seq, &what).map_err(|e| match e {
         // Rail errors: tell this node's peers (the rail told the other nodes by closing).
         TideError::Rendezvous(m) if st.group.failure().is_none() => {
-            st.group.fail_with(if m.contains(&what) { m } else { format!("{what}: {m}") })
+            st.group.fail_with(if m.contains(&what) {
+                m
+            } else {
+                format!("{what}: {m}")
+            })
         }
         // Barrier errors are already published to the peers and carry the root cause.
         TideError::Rendezvous(m) if m.contains(&what) => TideError::Rendezvous(m),
@@ -508,7 +505,9 @@ fn run_in_segment(
             };
             match list.get(r.index) {
                 Some(&b) if b != 0 => Ok(b + r.offset),
-                _ => Err(TideError::Internal(format!("{what}: rail source {r:?} has no buffer"))),
+                _ => Err(TideError::Internal(format!(
+                    "{what}: rail source {r:?} has no buffer"
+                ))),
             }
         };
         let mut rail = CallRail::open(
@@ -560,9 +559,7 @@ pub fn fail_cpu_multiprocess(call: &CallInfo, job: u64, err: &TideError) {
         None => {
             // Not connected yet: publish the failure in a fresh control block; peers of this node
             // see it when they map it. Kept (and unlinked at exit) so they can.
-            let g = call.topology.gpus_per_node.max(1);
-            let node = call.rank / g;
-            let members: Vec<usize> = (node * g..((node + 1) * g).min(call.world)).collect();
+            let members: Vec<usize> = call.topology.node_ranks(call.rank).collect();
             if let Ok(pg) = ProcessGroup::create_among(
                 job,
                 call.group,
@@ -572,7 +569,8 @@ pub fn fail_cpu_multiprocess(call: &CallInfo, job: u64, err: &TideError) {
                 Timing::from_config(),
             ) {
                 pg.fail_with(msg.clone());
-                let mut rail = RankRail::new(job, call.group, call.rank, g);
+                let mut rail =
+                    RankRail::new(job, call.group, call.rank, call.topology.gpus_per_node);
                 rail.abort(&msg, None);
                 let state = RankState {
                     group: pg,

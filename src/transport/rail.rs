@@ -60,8 +60,7 @@ struct Endpoint {
 static ENDPOINT: Lazy<Mutex<Option<Arc<Endpoint>>>> = Lazy::new(|| Mutex::new(None));
 /// (job, group, rank) -> "host:port" of its process's endpoint.
 type PeerTable = HashMap<(u64, usize, usize), String>;
-static PEERS: Lazy<Mutex<PeerTable>> =
-    Lazy::new(|| Mutex::new(HashMap::new()));
+static PEERS: Lazy<Mutex<PeerTable>> = Lazy::new(|| Mutex::new(HashMap::new()));
 /// (job, group, rank) of this process's ranks that failed: their streams are refused.
 static FAILED: Lazy<Mutex<std::collections::HashSet<(u64, usize, usize)>>> =
     Lazy::new(|| Mutex::new(std::collections::HashSet::new()));
@@ -156,7 +155,11 @@ pub fn fail_rank(job: u64, group: usize, rank: usize) {
 
 /// Records where rank `rank` of `group` in `job` listens ("host:port").
 pub fn register_peer(job: u64, group: usize, rank: usize, addr: &str) -> Result<()> {
-    if addr.to_socket_addrs().map(|mut a| a.next().is_none()).unwrap_or(true) {
+    if addr
+        .to_socket_addrs()
+        .map(|mut a| a.next().is_none())
+        .unwrap_or(true)
+    {
         return crate::invalid!(
             "tide rail: rank {rank} of group {group}: address {addr:?} does not resolve"
         );
@@ -204,7 +207,10 @@ pub fn transfers(plan: &Plan) -> Result<Vec<Transfer>> {
                     });
                 }
                 Action::Reduce { srcs, .. } => {
-                    if let Some(o) = srcs.iter().find(|o| node(o.region.rank) != node(s.executor)) {
+                    if let Some(o) = srcs
+                        .iter()
+                        .find(|o| node(o.region.rank) != node(s.executor))
+                    {
                         return Err(TideError::Internal(format!(
                             "tide rail: phase {k} step {i}: {s} reduces rank {}'s memory on another node; \
                              only copies cross nodes",
@@ -224,7 +230,8 @@ pub fn transfers(plan: &Plan) -> Result<Vec<Transfer>> {
                     Action::Zero { dst, bytes } => (dst, *bytes),
                     Action::Reduce { dst, elems, .. } => (dst, elems * 4),
                 };
-                let same = dst.rank == t.src.rank && dst.kind == t.src.kind && dst.index == t.src.index;
+                let same =
+                    dst.rank == t.src.rank && dst.kind == t.src.kind && dst.index == t.src.index;
                 if same && dst.offset < a1 && a0 < dst.offset + n {
                     return Err(TideError::Internal(format!(
                         "tide rail: phase {k}: rank {} writes the source of its rail copy to rank {} in the \
@@ -285,7 +292,8 @@ impl RankRail {
                 let deadline = Instant::now() + Duration::from_secs(1);
                 let mut h = frame(0, 0, 0, 0, msg.len());
                 h[4..8].copy_from_slice(&KIND_ERROR.to_le_bytes());
-                let _ = write_sliced(s, &h, deadline, &never).and_then(|()| write_sliced(s, msg, deadline, &never));
+                let _ = write_sliced(s, &h, deadline, &never)
+                    .and_then(|()| write_sliced(s, msg, deadline, &never));
             }
         }
         for s in self.out.values().chain(self.inc.values()) {
@@ -296,7 +304,13 @@ impl RankRail {
     /// Opens the streams `list` needs that are not open yet: first this rank's incoming ones
     /// (connect to the source's endpoint, send the hello), then its outgoing ones (wait for the
     /// destination's hello at this process's endpoint).
-    fn connect(&mut self, list: &[Transfer], group: &ProcessGroup, timing: &Timing, what: &str) -> Result<()> {
+    fn connect(
+        &mut self,
+        list: &[Transfer],
+        group: &ProcessGroup,
+        timing: &Timing,
+        what: &str,
+    ) -> Result<()> {
         let mut need_in: Vec<usize> = list
             .iter()
             .filter(|t| t.dst_rank == self.rank && !self.inc.contains_key(&t.src.rank))
@@ -350,7 +364,13 @@ impl RankRail {
             };
             let _ = stream.set_nodelay(true);
             let mut hello = Vec::with_capacity(HELLO_BYTES);
-            for w in [HELLO_MAGIC, self.job, self.group as u64, q as u64, self.rank as u64] {
+            for w in [
+                HELLO_MAGIC,
+                self.job,
+                self.group as u64,
+                q as u64,
+                self.rank as u64,
+            ] {
                 hello.extend_from_slice(&w.to_le_bytes());
             }
             (&stream).write_all(&hello).map_err(|e| {
@@ -411,17 +431,38 @@ fn frame(seq: u64, fingerprint: u64, phase: usize, step: usize, bytes: usize) ->
 }
 
 /// Writes all of `buf`, in slices of `poll`, until `deadline` or `stop`.
-fn write_sliced(s: &TcpStream, mut buf: &[u8], deadline: Instant, stop: &AtomicBool) -> std::io::Result<()> {
+fn write_sliced(
+    s: &TcpStream,
+    mut buf: &[u8],
+    deadline: Instant,
+    stop: &AtomicBool,
+) -> std::io::Result<()> {
     while !buf.is_empty() {
         if stop.load(Ordering::Relaxed) {
-            return Err(std::io::Error::new(ErrorKind::Interrupted, "stopped: this rank failed"));
+            return Err(std::io::Error::new(
+                ErrorKind::Interrupted,
+                "stopped: this rank failed",
+            ));
         }
         match (&*s).write(buf) {
-            Ok(0) => return Err(std::io::Error::new(ErrorKind::WriteZero, "connection closed")),
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    ErrorKind::WriteZero,
+                    "connection closed",
+                ))
+            }
             Ok(n) => buf = &buf[n..],
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                ) =>
+            {
                 if Instant::now() >= deadline {
-                    return Err(std::io::Error::new(ErrorKind::TimedOut, "the receiver did not read in time"));
+                    return Err(std::io::Error::new(
+                        ErrorKind::TimedOut,
+                        "the receiver did not read in time",
+                    ));
                 }
             }
             Err(e) => return Err(e),
@@ -480,7 +521,11 @@ impl<'a> CallRail<'a> {
             )));
         }
         let mut src_addr = HashMap::new();
-        for (i, t) in list.iter().enumerate().filter(|(_, t)| t.src.rank == rail.rank) {
+        for (i, t) in list
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.src.rank == rail.rank)
+        {
             src_addr.insert(i, addr(&t.src)?);
         }
         rail.connect(&list, group, &timing, what)?;
@@ -507,7 +552,12 @@ impl<'a> CallRail<'a> {
                     self.torn = torn;
                     return Err(rail_err(format!("{}: {m}", self.what)));
                 }
-                Err(_) => return Err(rail_err(format!("{}: the rail sender thread panicked", self.what))),
+                Err(_) => {
+                    return Err(rail_err(format!(
+                        "{}: the rail sender thread panicked",
+                        self.what
+                    )))
+                }
             }
         }
         Ok(())
@@ -535,9 +585,12 @@ impl crate::engine::Rail for CallRail<'_> {
             if t.phase != phase || t.src.rank != self.rail.rank {
                 continue;
             }
-            let stream = self.rail.out[&t.dst_rank]
-                .try_clone()
-                .map_err(|e| rail_err(format!("{}: rail stream to rank {}: {e}", self.what, t.dst_rank)))?;
+            let stream = self.rail.out[&t.dst_rank].try_clone().map_err(|e| {
+                rail_err(format!(
+                    "{}: rail stream to rank {}: {e}",
+                    self.what, t.dst_rank
+                ))
+            })?;
             sends.push(Send {
                 stream,
                 dst: t.dst_rank,
@@ -549,7 +602,12 @@ impl crate::engine::Rail for CallRail<'_> {
         if sends.is_empty() {
             return Ok(());
         }
-        let (stop, timing, rank, g) = (self.stop.clone(), self.timing, self.rail.rank, self.rail.gpus_per_node);
+        let (stop, timing, rank, g) = (
+            self.stop.clone(),
+            self.timing,
+            self.rail.rank,
+            self.rail.gpus_per_node,
+        );
         let handle = std::thread::Builder::new()
             .name("tide-rail-send".into())
             .spawn(move || {
@@ -595,12 +653,19 @@ impl crate::engine::Rail for CallRail<'_> {
             .iter()
             .find(|t| t.phase == phase && t.step == step)
             .copied()
-            .ok_or_else(|| rail_err(format!("{}: phase {phase} step {step} is not a rail copy", self.what)))?;
+            .ok_or_else(|| {
+                rail_err(format!(
+                    "{}: phase {phase} step {step} is not a rail copy",
+                    self.what
+                ))
+            })?;
         let q = t.src.rank;
         let node_q = self.rail.node(q);
-        let stream = self.rail.inc.get(&q).ok_or_else(|| {
-            rail_err(format!("{}: no rail stream from rank {q}", self.what))
-        })?;
+        let stream = self
+            .rail
+            .inc
+            .get(&q)
+            .ok_or_else(|| rail_err(format!("{}: no rail stream from rank {q}", self.what)))?;
         let _ = stream.set_read_timeout(Some(self.timing.poll));
         let deadline = Instant::now() + self.timing.timeout;
         let what = self.what;
@@ -683,7 +748,8 @@ impl Drop for CallRail<'_> {
         if self.sender.is_some() {
             self.stop.store(true, Ordering::Relaxed);
             let _ = self.join_sender();
-            self.rail.abort(&format!("{}: ended early", self.what), self.torn);
+            self.rail
+                .abort(&format!("{}: ended early", self.what), self.torn);
         }
     }
 }
