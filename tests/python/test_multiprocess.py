@@ -46,7 +46,7 @@ def _data(world: int):
     return params, grads
 
 
-def worker(out_dir: str, die: int | None) -> None:
+def worker(out_dir: str, die: int | None, hsdp: int = 0) -> None:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -57,11 +57,19 @@ def worker(out_dir: str, die: int | None) -> None:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    world = len(devices)
-    mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
+    if hsdp:
+        # HSDP: a ("rep", "fsdp") mesh whose fsdp axis takes one device from each of `hsdp` blocks
+        # (processes, when run under the launcher): several groups, each spanning the processes.
+        grid = np.array(devices).reshape(hsdp, -1).T
+        mesh = jax.sharding.Mesh(grid, ("rep", "fsdp"))
+        world = hsdp
+        rank_of = {d: int(np.argwhere(grid == d)[0][1]) for d in devices}
+    else:
+        world = len(devices)
+        mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
+        rank_of = {d: r for r, d in enumerate(devices)}
     params, grads = _data(world)
     lay = tide_jax.layout(params, mesh, "fsdp")
-    rank_of = {d: r for r, d in enumerate(devices)}
 
     def global_array(full: np.ndarray, shape, spec=P("fsdp")):
         sharding = NamedSharding(mesh, spec)
@@ -100,6 +108,7 @@ def worker(out_dir: str, die: int | None) -> None:
             want = np.asarray(s_ref.data)[0][: p.rows].reshape(params[k].shape)
             assert got.dtype == params[k].dtype and got.tobytes() == want.tobytes(), f"all_gather {k} rank {r}"
             assert got.tobytes() == params[k].tobytes()
+            assert f"ag_{k}_{r}" not in results or results[f"ag_{k}_{r}"].tobytes() == got.tobytes(), "groups differ"
             results[f"ag_{k}_{r}"] = got
         exact = grads[k].astype(np.float64).sum(axis=0).reshape(p.rows, p.row_elems)
         for s in rs[k].addressable_shards:
@@ -111,12 +120,14 @@ def worker(out_dir: str, die: int | None) -> None:
             tol = 1e-5 * world * np.abs(grads[k].astype(np.float64)).max() + 1e-30
             assert got.dtype == np.float32 and np.abs(got - want).max() <= tol, f"reduce_scatter {k} rank {r}"
             assert not got[hi - lo :].any(), f"padding rows of {k} rank {r} not zero"
+            assert f"rs_{k}_{r}" not in results or results[f"rs_{k}_{r}"].tobytes() == got.tobytes(), "groups differ"
             results[f"rs_{k}_{r}"] = got
     os.makedirs(out_dir, exist_ok=True)
     np.savez(os.path.join(out_dir, f"p{jax.process_index()}.npz"), **{k: np.ascontiguousarray(v).reshape(-1).view(np.uint8) for k, v in results.items()})
     rail_bytes = tide_jax._lib.load().tide_rail_bytes_received
     rail_bytes.restype = __import__("ctypes").c_uint64
     print(f"worker {jax.process_index()}: ok ({len(results)} arrays, job {lay.job}, topology {lay.nodes}x{lay.gpus_per_node}, "
+          f"mesh {dict(mesh.shape)}, "
           f"rail {rail_bytes()} bytes)", flush=True)
 
     if die is not None:
@@ -164,17 +175,18 @@ def _native_available() -> bool:
 pytestmark = pytest.mark.skipif(not _native_available(), reason="tide_jax native library not built, or the multi-process `job` attribute not wired")
 
 
-def _launch(n, devs, out, *extra, timeout=300, env=None):
+def _launch(n, devs, out, *extra, timeout=300, env=None, worker_args=()):
     cmd = [sys.executable, "-m", "tide_jax.launch", "-n", str(n), "--cpu-devices", str(devs), *extra, "--",
-           sys.executable, WORKER, "worker", "--out", str(out)]
+           sys.executable, WORKER, "worker", "--out", str(out), *worker_args]
     return subprocess.run(cmd, env=env or _env(), capture_output=True, text=True, timeout=timeout)
 
 
-def _single(world, out, **extra):
+def _single(world, out, worker_args=(), **extra):
     env = _env(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={world}", **extra)
     for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(k, None)
-    r = subprocess.run([sys.executable, WORKER, "worker", "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, WORKER, "worker", "--out", str(out), *worker_args], env=env,
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     return _load(out)
 
@@ -211,6 +223,25 @@ def test_forced_multi_node_topology(tmp_path, nprocs, devs, topo):
     assert " rail 0 bytes" not in r.stdout, r.stdout
     multi = _load(tmp_path / "multi")
     single = _single(nprocs * devs, tmp_path / "single", TIDE_TOPOLOGY=topo)
+    assert multi.keys() == single.keys()
+    for k in single:
+        assert np.array_equal(multi[k], single[k]), k
+
+
+@pytest.mark.parametrize("topo", [None, "2x1"])
+def test_hsdp_mesh_groups_span_processes(tmp_path, topo):
+    """A ("rep", "fsdp") mesh over 2 processes x 2 CPU devices whose fsdp axis pairs one device of
+    each process: 2 groups, each across both processes; one node (shared memory) and forced 2x1
+    (the rail, registered per group). Bitwise equal to the same mesh in one process."""
+    env = _env(TIDE_TOPOLOGY=topo) if topo else _env()
+    r = _launch(2, 2, tmp_path / "multi", env=env, worker_args=("--hsdp", "2"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("'rep': 2, 'fsdp': 2") == 2, r.stdout
+    if topo:
+        assert " rail 0 bytes" not in r.stdout, r.stdout
+    multi = _load(tmp_path / "multi")
+    extra = {"TIDE_TOPOLOGY": topo} if topo else {}
+    single = _single(4, tmp_path / "single", worker_args=("--hsdp", "2"), **extra)
     assert multi.keys() == single.keys()
     for k in single:
         assert np.array_equal(multi[k], single[k]), k
@@ -258,5 +289,6 @@ if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "worker":
     ap.add_argument("worker")
     ap.add_argument("--out", required=True)
     ap.add_argument("--die", type=int, default=None)
+    ap.add_argument("--hsdp", type=int, default=0, help="fsdp axis size of a (rep, fsdp) mesh")
     a = ap.parse_args()
-    worker(a.out, a.die)
+    worker(a.out, a.die, a.hsdp)
