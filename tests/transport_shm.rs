@@ -274,6 +274,42 @@ fn threads_match_single_process_engine() {
     }
 }
 
+/// Many ranks and nodes through the rail: 8x8 (64 ranks, recursive doubling over 8 nodes) and 3x5,
+/// both ops, odd shapes, bitwise equal to the single-process engine.
+#[test]
+fn many_nodes_over_the_rail() {
+    for (k, (nodes, gpus)) in [(8usize, 8usize), (3, 5)].into_iter().enumerate() {
+        let topo = Topology::new(nodes, gpus).unwrap();
+        let job = fresh_job(150 + k as u64);
+        rail_here(job, topo.world());
+        let o = opts(120.0);
+        for (op, scale, seed) in [
+            (Op::AllGather, 3, 31u64),
+            (Op::ReduceScatter, 5, 32),
+            (Op::AllGather, 1, 33),
+        ] {
+            let plan = build(op, topo, scale);
+            let want = reference(&plan, seed);
+            std::thread::scope(|s| {
+                let handles: Vec<_> = (0..topo.world())
+                    .map(|rank| {
+                        let (plan, o) = (&plan, &o);
+                        s.spawn(move || (rank, run_rank(plan, rank, seed, job, o)))
+                    })
+                    .collect();
+                for h in handles {
+                    let (rank, got) = h.join().unwrap();
+                    let got = got.unwrap_or_else(|e| panic!("{topo} {op:?} rank {rank}: {e}"));
+                    assert!(
+                        got == want[rank],
+                        "{topo} {op:?}: rank {rank} differs from the single-process engine"
+                    );
+                }
+            });
+        }
+    }
+}
+
 // ----- ranks in separate processes: this binary re-run as children -----
 
 const CHILD_ENV: &str = "TIDE_TRANSPORT_TEST_CHILD";
