@@ -48,7 +48,8 @@ def _parse_args():
 
 args = _parse_args()
 USE_GPU = not args.cpu and _gpu_present()
-if not USE_GPU:
+MULTIPROCESS = int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1  # under python -m tide_jax.launch
+if not USE_GPU and not MULTIPROCESS:  # (the launcher's --cpu-devices sets the count per process)
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={args.devices or 8}"])
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -213,7 +214,9 @@ def synthetic_batches(rng, steps, batch, seq, vocab):
 
 
 def main():
+    tide_jax.initialize()  # jax.distributed under a launcher; nothing for one process
     devices = jax.devices("gpu") if USE_GPU else jax.devices("cpu")
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
     if args.devices:
         devices = devices[: args.devices]
     mesh = Mesh(np.array(devices), (AXIS,))

@@ -145,7 +145,7 @@ fn call_for(plan: &Plan, rank: usize, inputs: &[Vec<u8>], outputs: &mut [Vec<u8>
     }
 }
 
-/// Runs one rank's call over the transport and returns its outputs.
+/// Runs one rank's call over the transport and returns its outputs (call site 1 + op).
 fn run_rank(
     plan: &Plan,
     rank: usize,
@@ -153,11 +153,26 @@ fn run_rank(
     job: u64,
     o: &ShmOptions,
 ) -> Result<Vec<Vec<u8>>, TideError> {
+    run_rank_at(plan, rank, seed, job, o, None)
+}
+
+/// `run_rank` at call site `site` (None: 1 + op).
+fn run_rank_at(
+    plan: &Plan,
+    rank: usize,
+    seed: u64,
+    job: u64,
+    o: &ShmOptions,
+    site: Option<i64>,
+) -> Result<Vec<Vec<u8>>, TideError> {
     let inputs = inputs_for(plan, rank, seed);
     let mut outputs: Vec<Vec<u8>> = (0..plan.layout.len())
         .map(|i| vec![0x5au8; plan.output_bytes(i)])
         .collect();
-    let call = call_for(plan, rank, &inputs, &mut outputs);
+    let mut call = call_for(plan, rank, &inputs, &mut outputs);
+    if let Some(site) = site {
+        call.site = site;
+    }
     run_cpu_multiprocess_with(&call, plan, job, o)?;
     Ok(outputs)
 }
@@ -307,6 +322,62 @@ fn many_nodes_over_the_rail() {
                 }
             });
         }
+    }
+}
+
+/// XLA:CPU may run independent calls of one program concurrently, in different orders on
+/// different ranks: calls of different sites are independent lanes. Every rank runs 4 sites at
+/// once (both ops, one node and 2x2 through the rail), each site twice, threads started in a
+/// different order per rank; every result bitwise equal to the single-process engine.
+#[test]
+fn concurrent_call_sites_in_any_order() {
+    for (k, (nodes, gpus)) in [(1usize, 3usize), (2, 2)].into_iter().enumerate() {
+        let topo = Topology::new(nodes, gpus).unwrap();
+        let job = fresh_job(170 + k as u64);
+        rail_here(job, topo.world());
+        let o = opts(60.0);
+        let calls: Vec<(i64, Plan, u64)> = vec![
+            (11, build(Op::AllGather, topo, 2), 41),
+            (12, build(Op::ReduceScatter, topo, 3), 42),
+            (13, build(Op::AllGather, topo, 1), 43),
+            (14, build(Op::ReduceScatter, topo, 1), 44),
+        ];
+        let wants: Vec<_> = calls
+            .iter()
+            .map(|(_, p, seed)| reference(p, *seed))
+            .collect();
+        std::thread::scope(|s| {
+            let mut handles = Vec::new();
+            for rank in 0..topo.world() {
+                // Rank r starts the sites rotated by r (and reversed on odd ranks).
+                let mut order: Vec<usize> = (0..calls.len()).collect();
+                order.rotate_left(rank % calls.len());
+                if rank % 2 == 1 {
+                    order.reverse();
+                }
+                for c in order {
+                    let (site, plan, seed) = (&calls[c].0, &calls[c].1, calls[c].2);
+                    let o = &o;
+                    handles.push(s.spawn(move || {
+                        let a = run_rank_at(plan, rank, seed, job, o, Some(*site));
+                        let b = run_rank_at(plan, rank, seed, job, o, Some(*site));
+                        (c, rank, a, b)
+                    }));
+                }
+            }
+            for h in handles {
+                let (c, rank, a, b) = h.join().unwrap();
+                for got in [a, b] {
+                    let got = got
+                        .unwrap_or_else(|e| panic!("{topo} site {} rank {rank}: {e}", calls[c].0));
+                    assert!(
+                        got == wants[c][rank],
+                        "{topo} site {}: rank {rank} differs",
+                        calls[c].0
+                    );
+                }
+            }
+        });
     }
 }
 
@@ -628,9 +699,13 @@ fn different_calls_are_an_error_not_garbage() {
     let rs = build(Op::ReduceScatter, topo, 1);
     let job = fresh_job(600);
     let o = opts(20.0);
+    // Same call site, different plans on the two ranks (calls of different sites are independent
+    // lanes: a site one rank never calls is a timeout naming the site instead).
     std::thread::scope(|s| {
-        let other = s.spawn(|| run_rank(&rs, 1, 1, job, &o));
-        let err = run_rank(&ag, 0, 1, job, &o).unwrap_err().to_string();
+        let other = s.spawn(|| run_rank_at(&rs, 1, 1, job, &o, Some(9)));
+        let err = run_rank_at(&ag, 0, 1, job, &o, Some(9))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("different call"), "{err}");
         let err1 = other.join().unwrap().unwrap_err().to_string();
         assert!(err1.contains("different call"), "{err1}");

@@ -20,7 +20,7 @@
 //! a new segment's name after the exit barrier of the call that created it, when every peer has
 //! mapped it.
 
-use super::group::{Announcement, PhaseBarrier, ProcessGroup, Timing};
+use super::group::{lane_name, Announcement, PhaseBarrier, ProcessGroup, Timing};
 use super::rail::{self, CallRail, RankRail};
 use super::shm::{segment_name, unlink_name, Created, Segment};
 use crate::call::CallInfo;
@@ -197,8 +197,8 @@ impl ShmOptions {
 
 /// One rank's state in one job and group, kept across calls.
 struct RankState {
-    /// The control plane of this rank's node (every rank when there is one node).
-    group: ProcessGroup,
+    /// The control plane of this rank's node (every rank when there is one node), in this lane.
+    group: Arc<ProcessGroup>,
     /// The link to ranks on other nodes (plans with several nodes).
     rail: RankRail,
     /// The topology the group was created for (its control plane is one node of it).
@@ -210,7 +210,41 @@ struct RankState {
     peer: HashMap<(usize, u32), Segment>,
 }
 
-type StateKey = (u64, usize, usize);
+/// (job, group, call site, rank): every call site is a lane of its own (its own control plane,
+/// data segments and rail streams), because XLA:CPU may run independent calls of one program
+/// concurrently, in different orders on different ranks; calls of one site are sequential.
+/// Every lane's control plane of (job, group, rank) in this process, so a failure in one lane
+/// fails them all (without taking a lane's state lock, which a blocked call may hold).
+type LaneKey = (u64, usize, usize);
+static LANES: Lazy<Mutex<HashMap<LaneKey, Vec<Arc<ProcessGroup>>>>> =
+    Lazy::new(|| Mutex::new(HashMap::new()));
+
+fn register_lane(job: u64, group: usize, rank: usize, pg: &Arc<ProcessGroup>) {
+    LANES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry((job, group, rank))
+        .or_default()
+        .push(pg.clone());
+}
+
+/// Records `msg` as the failure of every lane of (job, group, rank) in this process (the first
+/// failure of each sticks) and closes the rank's rail streams not taken yet: peers in any lane fail
+/// fast instead of waiting for a call that will never come.
+fn fail_all_lanes(job: u64, group: usize, rank: usize, msg: &str) {
+    let lanes = LANES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&(job, group, rank))
+        .cloned()
+        .unwrap_or_default();
+    for pg in lanes {
+        pg.fail_with(msg.to_string());
+    }
+    rail::fail_rank(job, group, rank);
+}
+
+type StateKey = (u64, usize, i64, usize);
 static STATES: Lazy<Mutex<HashMap<StateKey, Arc<Mutex<RankState>>>>> =
     Lazy::new(|| Mutex::new(HashMap::new()));
 
@@ -224,12 +258,13 @@ fn op_name(op: Op) -> &'static str {
 fn state_for(
     job: u64,
     group: usize,
+    site: i64,
     rank: usize,
     plan: &Plan,
     opts: &ShmOptions,
 ) -> Result<Arc<Mutex<RankState>>> {
     let world = plan.world();
-    let key = (job, group, rank);
+    let key = (job, group, site, rank);
     let states = STATES.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(s) = states.get(&key) {
         return Ok(s.clone());
@@ -237,11 +272,13 @@ fn state_for(
     // Connect outside the registry lock: other ranks of this process connect concurrently.
     drop(states);
     let members: Vec<usize> = plan.topology.node_ranks(rank).collect();
-    let mut pg = ProcessGroup::create_among(job, group, rank, world, members, opts.timing)?;
+    let mut pg = ProcessGroup::create_lane(job, group, site, rank, world, members, opts.timing)?;
     let connected = pg.connect();
+    let pg = Arc::new(pg);
+    register_lane(job, group, rank, &pg);
     let state = Arc::new(Mutex::new(RankState {
         group: pg,
-        rail: RankRail::new(job, group, rank, plan.topology.gpus_per_node),
+        rail: RankRail::new(job, group, site, rank, plan.topology.gpus_per_node),
         topology: plan.topology,
         seq: 0,
         own: BTreeMap::new(),
@@ -290,7 +327,7 @@ pub fn run_cpu_multiprocess_with(
             call.outputs.len()
         );
     }
-    let state = state_for(job, call.group, rank, plan, opts)?;
+    let state = state_for(job, call.group, call.site, rank, plan, opts)?;
     let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
     let st = &mut *st;
     if st.topology != plan.topology {
@@ -310,7 +347,7 @@ pub fn run_cpu_multiprocess_with(
     let seq = st.seq;
     st.seq += 1;
     let what = format!("{what_base} call {seq} (site {}) on rank {rank}", call.site);
-    run_call(st, call, plan, job, seq, &what).map_err(|e| match e {
+    let result = run_call(st, call, plan, job, seq, &what).map_err(|e| match e {
         // Rail errors: tell this node's peers (the rail told the other nodes by closing).
         TideError::Rendezvous(m) if st.group.failure().is_none() => {
             st.group.fail_with(if m.contains(&what) {
@@ -327,7 +364,17 @@ pub fn run_cpu_multiprocess_with(
             st.group.fail_with(format!("{what}: {other}"));
             other
         }
-    })
+    });
+    if let Err(e) = &result {
+        // The job is unusable for this rank: fail its other lanes (call sites) too.
+        fail_all_lanes(
+            job,
+            call.group,
+            rank,
+            &st.group.failure().unwrap_or_else(|| e.to_string()),
+        );
+    }
+    result
 }
 
 fn run_call(
@@ -348,7 +395,7 @@ fn run_call(
         Some((&c, _)) => c,
         None => {
             let c = class_for(data.bytes);
-            let name = segment_name(job, group, rank, &format!("d{c}"));
+            let name = segment_name(job, group, rank, &lane_name(call.site, &format!("d{c}")));
             let seg = match Segment::create(&name, 1usize << c)? {
                 Created::New(s) => s,
                 Created::Exists => {
@@ -462,7 +509,7 @@ fn run_in_segment(
         let c = theirs.data_class as u32;
         let key = (q, c);
         if !st.peer.contains_key(&key) {
-            let name = segment_name(job, group, q, &format!("d{c}"));
+            let name = segment_name(job, group, q, &lane_name(call.site, &format!("d{c}")));
             let seg = Segment::open(&name, data.bytes)?.ok_or_else(|| {
                 st.group.fail_with(format!(
                     "{what}: rank {q}'s data segment {name} is missing or smaller than {} bytes",
@@ -536,7 +583,7 @@ fn run_in_segment(
 /// Records `err` as this rank's failure in `job` (for a call that failed before it could run,
 /// e.g. a bad operand), so its peers fail fast with it instead of timing out.
 pub fn fail_cpu_multiprocess(call: &CallInfo, job: u64, err: &TideError) {
-    let key = (job, call.group, call.rank);
+    let key = (job, call.group, call.site, call.rank);
     let existing = STATES
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -548,43 +595,52 @@ pub fn fail_cpu_multiprocess(call: &CallInfo, job: u64, err: &TideError) {
         call.site,
         call.rank
     );
-    // Ranks on other nodes: streams from this rank are closed (they read end-of-stream at once).
-    rail::fail_rank(job, call.group, call.rank);
-    match existing {
-        Some(s) => {
-            let mut st = s.lock().unwrap_or_else(|e| e.into_inner());
-            st.group.fail_with(msg.clone());
-            st.rail.abort(&msg, None);
-        }
-        None => {
-            // Not connected yet: publish the failure in a fresh control block; peers of this node
-            // see it when they map it. Kept (and unlinked at exit) so they can.
-            let members: Vec<usize> = call.topology.node_ranks(call.rank).collect();
-            if let Ok(pg) = ProcessGroup::create_among(
+    if existing.is_none() {
+        // This lane is not connected yet: publish the failure in a fresh control block; peers of
+        // this node see it when they map it. Kept (and unlinked at exit) so they can.
+        let members: Vec<usize> = call.topology.node_ranks(call.rank).collect();
+        if let Ok(pg) = ProcessGroup::create_lane(
+            job,
+            call.group,
+            call.site,
+            call.rank,
+            call.world,
+            members,
+            Timing::from_config(),
+        ) {
+            let pg = Arc::new(pg);
+            register_lane(job, call.group, call.rank, &pg);
+            let mut rail = RankRail::new(
                 job,
                 call.group,
+                call.site,
                 call.rank,
-                call.world,
-                members,
-                Timing::from_config(),
-            ) {
-                pg.fail_with(msg.clone());
-                let mut rail =
-                    RankRail::new(job, call.group, call.rank, call.topology.gpus_per_node);
-                rail.abort(&msg, None);
-                let state = RankState {
-                    group: pg,
-                    rail,
-                    topology: call.topology,
-                    seq: 0,
-                    own: BTreeMap::new(),
-                    peer: HashMap::new(),
-                };
-                STATES
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(key, Arc::new(Mutex::new(state)));
-            }
+                call.topology.gpus_per_node,
+            );
+            rail.abort(&msg, None);
+            let state = RankState {
+                group: pg,
+                rail,
+                topology: call.topology,
+                seq: 0,
+                own: BTreeMap::new(),
+                peer: HashMap::new(),
+            };
+            STATES
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(key, Arc::new(Mutex::new(state)));
         }
+    }
+    // Every lane of this rank fails with it (peers in any call fail fast); streams of this rank
+    // to other nodes not taken yet are closed (they read end-of-stream at once).
+    fail_all_lanes(job, call.group, call.rank, &msg);
+    if let Some(s) = existing {
+        // The lane's own rail: error frames and shutdown. Its lock is free (calls of one site are
+        // sequential and this one never started).
+        s.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .rail
+            .abort(&msg, None);
     }
 }

@@ -203,6 +203,15 @@ fn futex_wait(_word: &AtomicU32, _expected: u32, timeout: Duration) {
 #[cfg(not(target_os = "linux"))]
 fn futex_wake(_word: &AtomicU32) {}
 
+/// The segment suffix of `what` in lane `lane` ("ctl", "s7-ctl", ...).
+pub fn lane_name(lane: i64, what: &str) -> String {
+    if lane == 0 {
+        what.to_string()
+    } else {
+        format!("s{lane}-{what}")
+    }
+}
+
 fn reached(epoch: u32, target: u32) -> bool {
     (epoch.wrapping_sub(target) as i32) >= 0
 }
@@ -217,6 +226,8 @@ pub struct ProcessGroup {
     /// world, or (multi-node runs) the ranks of this rank's node; the rest are reached only
     /// through the rail (`transport::rail`), never through this host's shared memory.
     members: Vec<usize>,
+    /// Which independent control plane of the group this is (`create_lane`; 0: the plain one).
+    lane: i64,
     timing: Timing,
     me: ProcId,
     /// Every rank's control segment (ours included), indexed by rank; `None` until connected.
@@ -258,6 +269,21 @@ impl ProcessGroup {
         group: usize,
         rank: usize,
         world: usize,
+        members: Vec<usize>,
+        timing: Timing,
+    ) -> Result<ProcessGroup> {
+        Self::create_lane(job, group, 0, rank, world, members, timing)
+    }
+
+    /// `create_among` for lane `lane` of the group: an independent control plane (its own blocks,
+    /// barriers and announcements) for calls that may run concurrently with other lanes' calls
+    /// (the CPU transport gives each call site its own lane). Lane 0 is the group's plain plane.
+    pub fn create_lane(
+        job: u64,
+        group: usize,
+        lane: i64,
+        rank: usize,
+        world: usize,
         mut members: Vec<usize>,
         timing: Timing,
     ) -> Result<ProcessGroup> {
@@ -270,7 +296,7 @@ impl ProcessGroup {
             );
         }
         let me = this_process();
-        let name = segment_name(job, group, rank, "ctl");
+        let name = segment_name(job, group, rank, &lane_name(lane, "ctl"));
         let seg = match Segment::create(&name, CONTROL_BYTES)? {
             Created::New(seg) => seg,
             Created::Exists => {
@@ -312,6 +338,7 @@ impl ProcessGroup {
             rank,
             world,
             members,
+            lane,
             timing,
             me,
             blocks,
@@ -348,7 +375,7 @@ impl ProcessGroup {
                 if self.blocks[q].is_some() {
                     continue;
                 }
-                let name = segment_name(self.job, self.group, q, "ctl");
+                let name = segment_name(self.job, self.group, q, &lane_name(self.lane, "ctl"));
                 let ready = match Segment::open(&name, CONTROL_BYTES)? {
                     Some(seg) => {
                         // SAFETY: as in `block`.
@@ -383,13 +410,18 @@ impl ProcessGroup {
                 break;
             }
             if Instant::now() >= deadline {
+                let site = if self.lane != 0 {
+                    format!(" at call site {}", self.lane)
+                } else {
+                    String::new()
+                };
                 return Err(self.fail_with(format!(
-                    "rank {} of group {} waited {:.1?} for ranks {missing:?} to join (no control block \
-                     {}): did every process start, with the same TIDE job id?",
+                    "rank {} of group {} waited {:.1?} for ranks {missing:?} to join{site} (no control block \
+                     {}): did every process start, with the same TIDE job id, and trace the same tide calls?",
                     self.rank,
                     self.group,
                     self.timing.timeout,
-                    segment_name(self.job, self.group, missing[0], "ctl")
+                    segment_name(self.job, self.group, missing[0], &lane_name(self.lane, "ctl"))
                 )));
             }
             std::thread::sleep(sleep);

@@ -41,14 +41,15 @@ use std::time::{Duration, Instant};
 
 const HELLO_MAGIC: u64 = 0x7469_6465_7261_696c; // "tiderail"
 const FRAME_MAGIC: u32 = 0x7469_6466; // "tidf"
-const HELLO_BYTES: usize = 40;
+const HELLO_BYTES: usize = 48;
 const FRAME_BYTES: usize = 40;
 /// Frame kinds (bytes 4..8 of the header): data, or the sender's failure message.
 const KIND_ERROR: u32 = 2;
 const MAX_ERR_BYTES: usize = 4000;
 
-/// (job, group, src rank, dst rank) of one stream.
-type StreamKey = (u64, usize, usize, usize);
+/// (job, group, call site, src rank, dst rank) of one stream: each call site (lane) has its own
+/// streams, since calls of different sites may run concurrently.
+type StreamKey = (u64, usize, i64, usize, usize);
 
 /// This process's endpoint: the listener's port and the streams accepted so far.
 struct Endpoint {
@@ -114,15 +115,16 @@ fn accept_loop(listener: TcpListener, ep: Arc<Endpoint>) {
         let key = (
             word(1),
             word(2) as usize,
-            word(3) as usize,
+            word(3) as i64,
             word(4) as usize,
+            word(5) as usize,
         );
         let _ = stream.set_read_timeout(None);
         let _ = stream.set_nodelay(true);
         if FAILED
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .contains(&(key.0, key.1, key.2))
+            .contains(&(key.0, key.1, key.3))
         {
             // The source rank failed here: its peer reads end-of-stream and fails at once.
             let _ = stream.shutdown(Shutdown::Both);
@@ -144,7 +146,7 @@ pub fn fail_rank(job: u64, group: usize, rank: usize) {
     if let Some(ep) = ENDPOINT.lock().unwrap_or_else(|e| e.into_inner()).clone() {
         let mut map = ep.accepted.lock().unwrap_or_else(|e| e.into_inner());
         map.retain(|k, s| {
-            let drop = k.0 == job && k.1 == group && k.2 == rank;
+            let drop = k.0 == job && k.1 == group && k.3 == rank;
             if drop {
                 let _ = s.shutdown(Shutdown::Both);
             }
@@ -249,6 +251,7 @@ pub fn transfers(plan: &Plan) -> Result<Vec<Transfer>> {
 pub struct RankRail {
     job: u64,
     group: usize,
+    site: i64,
     rank: usize,
     gpus_per_node: usize,
     /// Streams this rank sends on, by destination rank.
@@ -259,10 +262,11 @@ pub struct RankRail {
 }
 
 impl RankRail {
-    pub fn new(job: u64, group: usize, rank: usize, gpus_per_node: usize) -> RankRail {
+    pub fn new(job: u64, group: usize, site: i64, rank: usize, gpus_per_node: usize) -> RankRail {
         RankRail {
             job,
             group,
+            site,
             rank,
             gpus_per_node: gpus_per_node.max(1),
             out: HashMap::new(),
@@ -368,6 +372,7 @@ impl RankRail {
                 HELLO_MAGIC,
                 self.job,
                 self.group as u64,
+                self.site as u64,
                 q as u64,
                 self.rank as u64,
             ] {
@@ -392,7 +397,7 @@ impl RankRail {
             })?;
         let mut map = ep.accepted.lock().unwrap_or_else(|e| e.into_inner());
         for r in need_out {
-            let key = (self.job, self.group, self.rank, r);
+            let key = (self.job, self.group, self.site, self.rank, r);
             loop {
                 if let Some(s) = map.remove(&key) {
                     self.out.insert(r, s);

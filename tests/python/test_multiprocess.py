@@ -271,6 +271,25 @@ def test_killed_process_fails_the_others_in_bounded_time(tmp_path, topo):
     assert took < 120, f"took {took:.0f}s"
 
 
+@pytest.mark.parametrize("topo", [None, "2x4"])
+def test_fsdp_example_under_the_launcher(topo):
+    """The README's example as a 2-process job (4 CPU devices each): a real training step has many
+    independent tide calls, which XLA:CPU runs concurrently and in different orders on different
+    devices; every process must print the same losses as the plain-JAX run, flat and through the
+    rail."""
+    cmd = [sys.executable, "-m", "tide_jax.launch", "-n", "2", "--cpu-devices", "4", "--",
+           sys.executable, os.path.join(REPO, "examples", "fsdp_train.py"), "--cpu", "--steps", "4"]
+    env = _env(TIDE_TOPOLOGY=topo) if topo else _env()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] OK: the two loss curves agree" in r.stdout, r.stdout
+    # Both processes saw the same (global) losses.
+    lines = lambda k: [ln.split("] ", 1)[1] for ln in r.stdout.splitlines()  # noqa: E731
+                       if ln.startswith(f"[rank {k}]") and ln.split("] ", 1)[1].strip()[:1].isdigit()]
+    assert lines(0) == lines(1) and len(lines(0)) == 4, r.stdout
+
+
 def test_launcher_reports_failing_rank(tmp_path):
     cmd = [sys.executable, "-m", "tide_jax.launch", "-n", "2", "--cpu-devices", "1", "--grace", "2", "--",
            sys.executable, "-c", "import os,time; r=int(os.environ['TIDE_LOCAL_RANK']); print('hello', r, os.environ['JAX_NUM_PROCESSES']); time.sleep(600 if r else 0); raise SystemExit(5 if r == 0 else 0)"]
