@@ -20,6 +20,12 @@
 //
 // Buffers are borrowed views owned by XLA; only their addresses, dtypes and dims cross to Rust.
 // No handler claims command-buffer compatibility: execution talks to the host (rendezvous).
+//
+// The CPU handlers are asynchronous: they decode the frame, hand it to Rust with a heap-allocated
+// `Promise`, and return its `Future` at once; Rust runs the call on a tide worker thread and
+// completes the promise through `tide_complete_cpu` (docs/design.md "CPU handlers are
+// asynchronous": blocking XLA:CPU's pool threads in rendezvous can starve it). Buffers stay valid
+// until the future completes: XLA keeps them for the thunk until then.
 
 #include "tide/cxxbridge/tide_ffi.h"
 
@@ -60,17 +66,15 @@ FfiBuffer ToBuffer(const ::ffi::AnyBuffer& buf) {
   return out;
 }
 
-::ffi::Error Run(Op op, Platform platform, ::ffi::RemainingArgs args, ::ffi::RemainingRets rets,
-                 int64_t site, int64_t world, int64_t nodes, int64_t gpus_per_node,
-                 ::ffi::Span<const int64_t> device_ordinals, ::ffi::Span<const int64_t> device_ranks,
-                 ::ffi::Span<const int64_t> device_groups, std::string_view names, int64_t job,
-                 int32_t device_ordinal, ::ffi::RunId run_id, void* stream) {
-  // Nothing may escape a handler: a C++ exception (allocation failure, a cxx conversion) becomes
-  // an internal error; Rust catches its own panics (src/ffi/mod.rs).
-  try {
+// Fills `call` from the frame; an error for a non-buffer operand or result. May throw (allocation).
+::ffi::Error Decode(Op op, ::ffi::RemainingArgs args, ::ffi::RemainingRets rets, int64_t site,
+                    int64_t world, int64_t nodes, int64_t gpus_per_node,
+                    ::ffi::Span<const int64_t> device_ordinals,
+                    ::ffi::Span<const int64_t> device_ranks,
+                    ::ffi::Span<const int64_t> device_groups, std::string_view names, int64_t job,
+                    int32_t device_ordinal, ::ffi::RunId run_id, void* stream, FfiCall& call) {
     std::string where = std::string(OpName(op)) + " site " + std::to_string(site) +
                         " on device " + std::to_string(device_ordinal);
-    FfiCall call;
     call.site = site;
     call.world = world;
     call.nodes = nodes;
@@ -103,7 +107,33 @@ FfiBuffer ToBuffer(const ::ffi::AnyBuffer& buf) {
       }
       call.outputs.push_back(ToBuffer(**buf));
     }
+    return ::ffi::Error::Success();
+}
 
+::ffi::Error ToError(const FfiStatus& status) {
+    switch (status.code) {
+      case StatusCode::Ok:
+        return ::ffi::Error::Success();
+      case StatusCode::InvalidArgument:
+        return ::ffi::Error::InvalidArgument(std::string(status.message));
+      default:
+        return ::ffi::Error::Internal(std::string(status.message));
+    }
+}
+
+::ffi::Error Run(Op op, Platform platform, ::ffi::RemainingArgs args, ::ffi::RemainingRets rets,
+                 int64_t site, int64_t world, int64_t nodes, int64_t gpus_per_node,
+                 ::ffi::Span<const int64_t> device_ordinals, ::ffi::Span<const int64_t> device_ranks,
+                 ::ffi::Span<const int64_t> device_groups, std::string_view names, int64_t job,
+                 int32_t device_ordinal, ::ffi::RunId run_id, void* stream) {
+  // Nothing may escape a handler: a C++ exception (allocation failure, a cxx conversion) becomes
+  // an internal error; Rust catches its own panics (src/ffi/mod.rs).
+  try {
+    FfiCall call;
+    ::ffi::Error decoded = Decode(op, args, rets, site, world, nodes, gpus_per_node,
+                                  device_ordinals, device_ranks, device_groups, names, job,
+                                  device_ordinal, run_id, stream, call);
+    if (!decoded.success()) return decoded;
     FfiStatus status;
     switch (platform) {
       case Platform::kCpu:
@@ -113,14 +143,7 @@ FfiBuffer ToBuffer(const ::ffi::AnyBuffer& buf) {
         status = op == Op::kAllGather ? tide_all_gather_cuda(call) : tide_reduce_scatter_cuda(call);
         break;
     }
-    switch (status.code) {
-      case StatusCode::Ok:
-        return ::ffi::Error::Success();
-      case StatusCode::InvalidArgument:
-        return ::ffi::Error::InvalidArgument(std::string(status.message));
-      default:
-        return ::ffi::Error::Internal(std::string(status.message));
-    }
+    return ToError(status);
   } catch (const std::exception& e) {
     return ::ffi::Error::Internal(std::string(OpName(op)) + " site " + std::to_string(site) +
                                   ": C++ exception in the FFI handler: " + e.what());
@@ -131,14 +154,49 @@ FfiBuffer ToBuffer(const ::ffi::AnyBuffer& buf) {
 }
 
 template <Op op>
-::ffi::Error RunCpu(::ffi::RemainingArgs args, ::ffi::RemainingRets rets, int64_t site,
-                    int64_t world, int64_t nodes, int64_t gpus_per_node,
-                    ::ffi::Span<const int64_t> device_ordinals,
-                    ::ffi::Span<const int64_t> device_ranks,
-                    ::ffi::Span<const int64_t> device_groups, std::string_view names,
-                    int64_t job, int32_t device_ordinal, ::ffi::RunId run_id) {
-  return Run(op, Platform::kCpu, args, rets, site, world, nodes, gpus_per_node, device_ordinals,
-             device_ranks, device_groups, names, job, device_ordinal, run_id, nullptr);
+::ffi::Future RunCpu(::ffi::RemainingArgs args, ::ffi::RemainingRets rets, int64_t site,
+                     int64_t world, int64_t nodes, int64_t gpus_per_node,
+                     ::ffi::Span<const int64_t> device_ordinals,
+                     ::ffi::Span<const int64_t> device_ranks,
+                     ::ffi::Span<const int64_t> device_groups, std::string_view names,
+                     int64_t job, int32_t device_ordinal, ::ffi::RunId run_id) {
+  ::ffi::Promise promise;
+  ::ffi::Future future(promise);
+  // Owned by Rust from the start call on; completed and deleted by tide_complete_cpu.
+  auto* box = new ::ffi::Promise(std::move(promise));
+  try {
+    FfiCall call;
+    ::ffi::Error decoded = Decode(op, args, rets, site, world, nodes, gpus_per_node,
+                                  device_ordinals, device_ranks, device_groups, names, job,
+                                  device_ordinal, run_id, nullptr, call);
+    if (!decoded.success()) {
+      box->SetError(decoded);
+      delete box;
+      return future;
+    }
+    size_t handle = reinterpret_cast<size_t>(box);
+    box = nullptr;  // Rust completes it, exactly once, on every path (src/ffi/mod.rs)
+    if (op == Op::kAllGather) {
+      tide_all_gather_cpu_start(std::move(call), handle);
+    } else {
+      tide_reduce_scatter_cpu_start(std::move(call), handle);
+    }
+  } catch (const std::exception& e) {
+    if (box != nullptr) {
+      box->SetError(::ffi::Error::Internal(std::string(OpName(op)) + " site " +
+                                           std::to_string(site) +
+                                           ": C++ exception in the FFI handler: " + e.what()));
+      delete box;
+    }
+  } catch (...) {
+    if (box != nullptr) {
+      box->SetError(::ffi::Error::Internal(std::string(OpName(op)) + " site " +
+                                           std::to_string(site) +
+                                           ": unknown C++ exception in the FFI handler"));
+      delete box;
+    }
+  }
+  return future;
 }
 
 template <Op op>
@@ -171,6 +229,18 @@ auto Bind() {
 }
 
 }  // namespace
+
+void tide_complete_cpu(size_t promise, int32_t code, rust::Str message) {
+  auto* box = reinterpret_cast<::ffi::Promise*>(promise);
+  if (code == 0) {
+    box->SetAvailable();
+  } else {
+    std::string msg(message.data(), message.size());
+    box->SetError(code == 1 ? ::ffi::Error::InvalidArgument(msg) : ::ffi::Error::Internal(msg));
+  }
+  delete box;
+}
+
 }  // namespace tide::ffi
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tide_cxx_all_gather_cpu,

@@ -7,7 +7,18 @@
 // a Rust cdylib exports only Rust-defined symbols.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+
+#include "rust/cxx.h"
 #include "xla/ffi/api/c_api.h"
+
+namespace tide::ffi {
+// Completes the asynchronous CPU call whose `xla::ffi::Promise*` is `promise` (code 0: ok,
+// 1: invalid argument, else internal, with `message`) and deletes the promise. Called by Rust,
+// exactly once per started call, from any thread.
+void tide_complete_cpu(std::size_t promise, std::int32_t code, rust::Str message);
+}  // namespace tide::ffi
 
 extern "C" {
 XLA_FFI_Error* tide_cxx_all_gather_cpu(XLA_FFI_CallFrame* call_frame);

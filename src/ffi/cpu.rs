@@ -117,7 +117,13 @@ fn same_plan(what: &str, key: Key, published: &[Published]) -> Result<Vec<RankBu
 /// Runs `call` as one rank of a CPU collective in XLA's run `run_id`. Returns once every rank of
 /// the call is done with this rank's buffers.
 pub fn execute(call: &CallInfo, run_id: i64) -> Result<()> {
-    let seq = run_seq(call.site, call.group, call.rank, run_id);
+    execute_seq(call, run_seq(call.site, call.group, call.rank, run_id))
+}
+
+/// `execute` with the rendezvous sequence number already taken (`rendezvous::run_seq`, in the
+/// order XLA invoked the handler: the asynchronous handler takes it on XLA's thread, then runs
+/// this on a tide worker thread).
+pub fn execute_seq(call: &CallInfo, seq: u64) -> Result<()> {
     let what = format!("{} site {}", op_name(call.op), call.site);
     let key = Key {
         site: call.site,

@@ -14,6 +14,7 @@
 //! stay internal to the library.
 
 pub mod cpu;
+pub mod worker;
 
 use crate::call::{BufferView, CallInfo};
 use crate::error::{Result, TideError};
@@ -74,12 +75,17 @@ mod bridge {
     extern "Rust" {
         fn tide_all_gather_cpu(call: &FfiCall) -> FfiStatus;
         fn tide_reduce_scatter_cpu(call: &FfiCall) -> FfiStatus;
+        /// Asynchronous CPU entry: runs the call on a tide worker thread, then completes
+        /// `promise` (an `xla::ffi::Promise*`) through `tide_complete_cpu`, exactly once.
+        fn tide_all_gather_cpu_start(call: FfiCall, promise: usize);
+        fn tide_reduce_scatter_cpu_start(call: FfiCall, promise: usize);
         fn tide_all_gather_cuda(call: &FfiCall) -> FfiStatus;
         fn tide_reduce_scatter_cuda(call: &FfiCall) -> FfiStatus;
     }
 
     unsafe extern "C++" {
         include!("tide/cxxbridge/tide_ffi.h");
+        fn tide_complete_cpu(promise: usize, code: i32, message: &str);
     }
 }
 
@@ -149,6 +155,64 @@ fn tide_all_gather_cuda(call: &FfiCall) -> FfiStatus {
 }
 fn tide_reduce_scatter_cuda(call: &FfiCall) -> FfiStatus {
     entry(Op::ReduceScatter, Platform::Cuda, call)
+}
+
+fn tide_all_gather_cpu_start(call: FfiCall, promise: usize) {
+    start_cpu(Op::AllGather, call, promise)
+}
+fn tide_reduce_scatter_cpu_start(call: FfiCall, promise: usize) {
+    start_cpu(Op::ReduceScatter, call, promise)
+}
+
+/// The asynchronous CPU handlers' entry (docs/design.md "CPU handlers are asynchronous"). On
+/// XLA's thread: decode, and for in-process calls take the rendezvous sequence number (so it
+/// follows the order XLA invoked the handler). Then the call runs on a tide worker thread, which
+/// completes the promise. Never unwinds; completes the promise exactly once on every path.
+fn start_cpu(op: Op, call: FfiCall, promise: usize) {
+    let complete = move |st: FfiStatus| {
+        bridge::tide_complete_cpu(promise, st.code.repr, &st.message);
+    };
+    let prepared = catch_unwind(AssertUnwindSafe(|| -> Result<(CallInfo, u64)> {
+        let info = decode(op, &call)?;
+        let seq = if info.job == 0 {
+            crate::rendezvous::run_seq(info.site, info.group, info.rank, info.run_id)
+        } else {
+            0
+        };
+        Ok((info, seq))
+    }))
+    .unwrap_or_else(|payload| {
+        Err(TideError::Internal(format!(
+            "{} site {} on device {}: panic: {}",
+            op_name(op),
+            call.site,
+            call.device_ordinal,
+            panic_message(&*payload)
+        )))
+    });
+    let (info, seq) = match prepared {
+        Ok(p) => p,
+        Err(e) => return complete(status(Err(e))),
+    };
+    worker::submit(move || {
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            if info.job != 0 {
+                cpu::execute_multiprocess(&info, info.job)
+            } else {
+                cpu::execute_seq(&info, seq)
+            }
+        }))
+        .unwrap_or_else(|payload| {
+            Err(TideError::Internal(format!(
+                "{} site {} on device {}: panic: {}",
+                op_name(info.op),
+                info.site,
+                info.device_ordinal,
+                panic_message(&*payload)
+            )))
+        });
+        complete(status(result));
+    });
 }
 
 /// What the CPU handlers run, callable without XLA (tests): `decode`, `cpu::execute`, `status`.

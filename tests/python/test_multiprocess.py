@@ -284,10 +284,19 @@ def test_fsdp_example_under_the_launcher(topo):
     assert r.returncode == 0, r.stdout + r.stderr
     for rank in (0, 1):
         assert f"[rank {rank}] OK: the two loss curves agree" in r.stdout, r.stdout
-    # Both processes saw the same (global) losses.
-    lines = lambda k: [ln.split("] ", 1)[1] for ln in r.stdout.splitlines()  # noqa: E731
-                       if ln.startswith(f"[rank {k}]") and ln.split("] ", 1)[1].strip()[:1].isdigit()]
-    assert lines(0) == lines(1) and len(lines(0)) == 4, r.stdout
+    # Both processes saw the same (global) losses. (Native libraries' stderr logs share the pipe and
+    # can split a line: compare the well-formed loss rows, by step.)
+    import re
+
+    row = re.compile(r"^\[rank (\d)\]\s+(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+\S+\s*$")
+    losses: dict[int, dict[int, tuple[str, str]]] = {0: {}, 1: {}}
+    for ln in r.stdout.splitlines():
+        m = row.match(ln)
+        if m:
+            losses[int(m.group(1))][int(m.group(2))] = (m.group(3), m.group(4))
+    common = set(losses[0]) & set(losses[1])
+    assert len(common) >= 2, r.stdout
+    assert all(losses[0][k] == losses[1][k] for k in common), losses
 
 
 def test_launcher_reports_failing_rank(tmp_path):
