@@ -692,6 +692,43 @@ fn peer_failure_propagates_fast() {
     assert!(start.elapsed() < Duration::from_secs(10));
 }
 
+/// A rank on another node fails before a call its rail peer waits in (the peer must send to it,
+/// and it will never connect): the failure notice over the rail ends the wait at once with the
+/// root cause, not at the timeout.
+#[test]
+fn failure_notice_reaches_other_nodes_fast() {
+    let topo = Topology::new(2, 1).unwrap();
+    let plan = build(Op::AllGather, topo, 2);
+    let job = fresh_job(550);
+    rail_here(job, topo.world());
+    let o = opts(60.0);
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        let waiter = s.spawn(|| run_rank(&plan, 0, 1, job, &o));
+        std::thread::sleep(Duration::from_millis(200));
+        let inputs = inputs_for(&plan, 1, 1);
+        let mut outputs: Vec<Vec<u8>> = (0..plan.layout.len())
+            .map(|i| vec![0; plan.output_bytes(i)])
+            .collect();
+        let call = call_for(&plan, 1, &inputs, &mut outputs);
+        fail_cpu_multiprocess(
+            &call,
+            job,
+            &TideError::InvalidArgument("shard 'w' has the wrong dtype".into()),
+        );
+        let err = waiter.join().unwrap().unwrap_err().to_string();
+        assert!(
+            err.contains("rank 1 on node 1") && err.contains("wrong dtype"),
+            "{err}"
+        );
+    });
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
 #[test]
 fn different_calls_are_an_error_not_garbage() {
     let topo = Topology::new(1, 2).unwrap();

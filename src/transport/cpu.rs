@@ -242,6 +242,9 @@ fn fail_all_lanes(job: u64, group: usize, rank: usize, msg: &str) {
         pg.fail_with(msg.to_string());
     }
     rail::fail_rank(job, group, rank);
+    // Processes on other nodes: a notice, so a peer waiting for this rank in a call it never
+    // reaches fails now rather than at the timeout.
+    rail::broadcast_failure(job, group, rank, msg);
 }
 
 type StateKey = (u64, usize, i64, usize);

@@ -40,6 +40,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 const HELLO_MAGIC: u64 = 0x7469_6465_7261_696c; // "tiderail"
+/// A failure notice instead of a stream: hello words (job, group, 0, failed rank, 0), then a u32
+/// length and the message (`broadcast_failure`).
+const NOTICE_MAGIC: u64 = 0x7469_6465_6661_696c; // "tidefail"
 const FRAME_MAGIC: u32 = 0x7469_6466; // "tidf"
 const HELLO_BYTES: usize = 48;
 const FRAME_BYTES: usize = 40;
@@ -65,6 +68,75 @@ static PEERS: Lazy<Mutex<PeerTable>> = Lazy::new(|| Mutex::new(HashMap::new()));
 /// (job, group, rank) of this process's ranks that failed: their streams are refused.
 static FAILED: Lazy<Mutex<std::collections::HashSet<(u64, usize, usize)>>> =
     Lazy::new(|| Mutex::new(std::collections::HashSet::new()));
+/// (job, group) -> (rank, message): the first failure another process announced for the group
+/// (`broadcast_failure`). Every rail wait checks it, so a rank waiting for a peer that failed
+/// elsewhere (in a call this rank has not reached, say) fails at once with the root cause.
+type NoticeTable = HashMap<(u64, usize), (usize, String)>;
+static NOTICES: Lazy<Mutex<NoticeTable>> = Lazy::new(|| Mutex::new(HashMap::new()));
+/// (job, group, rank) whose failure this process already announced.
+static ANNOUNCED: Lazy<Mutex<std::collections::HashSet<(u64, usize, usize)>>> =
+    Lazy::new(|| Mutex::new(std::collections::HashSet::new()));
+
+/// The failure another process announced for (job, group), as an error for `what`.
+fn noticed(job: u64, group: usize, gpus_per_node: usize, what: &str) -> Result<()> {
+    match NOTICES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&(job, group))
+    {
+        Some((rank, why)) => Err(rail_err(format!(
+            "{what}: rank {rank} on node {} failed: {why}",
+            rank / gpus_per_node.max(1)
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Tells every process of (job, group) with a registered rail address that `rank` (a rank of this
+/// process) failed with `why`, once, from a background thread (best effort, 1 s per connection):
+/// their rail waits fail at once with this message instead of at the timeout.
+pub fn broadcast_failure(job: u64, group: usize, rank: usize, why: &str) {
+    if !ANNOUNCED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert((job, group, rank))
+    {
+        return;
+    }
+    let mut addrs: Vec<String> = PEERS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .filter(|(k, _)| k.0 == job && k.1 == group)
+        .map(|(_, a)| a.clone())
+        .collect();
+    addrs.sort();
+    addrs.dedup();
+    if addrs.is_empty() {
+        return;
+    }
+    let msg = why.as_bytes()[..why.len().min(MAX_ERR_BYTES)].to_vec();
+    let _ = std::thread::Builder::new()
+        .name("tide-rail-notice".into())
+        .spawn(move || {
+            let mut packet = Vec::with_capacity(HELLO_BYTES + 4 + msg.len());
+            for w in [NOTICE_MAGIC, job, group as u64, 0, rank as u64, 0] {
+                packet.extend_from_slice(&w.to_le_bytes());
+            }
+            packet.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+            packet.extend_from_slice(&msg);
+            for addr in addrs {
+                let Some(sa) = addr.to_socket_addrs().ok().and_then(|mut a| a.next()) else {
+                    continue;
+                };
+                if let Ok(mut s) = TcpStream::connect_timeout(&sa, Duration::from_secs(1)) {
+                    let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+                    let _ = s.write_all(&packet);
+                }
+            }
+        });
+}
+
 /// Bytes this process received through the rail (tests check the rail was used).
 static RECEIVED: AtomicU64 = AtomicU64::new(0);
 
@@ -109,6 +181,25 @@ fn accept_loop(listener: TcpListener, ep: Arc<Endpoint>) {
             continue;
         }
         let word = |i: usize| u64::from_le_bytes(hello[i * 8..i * 8 + 8].try_into().unwrap());
+        if word(0) == NOTICE_MAGIC {
+            let mut len = [0u8; 4];
+            let msg = stream.read_exact(&mut len).ok().and_then(|()| {
+                let mut m = vec![0u8; (u32::from_le_bytes(len) as usize).min(MAX_ERR_BYTES)];
+                stream.read_exact(&mut m).ok().map(|()| m)
+            });
+            let why = msg
+                .map(|m| String::from_utf8_lossy(&m).into_owned())
+                .unwrap_or_else(|| "(its message was cut off)".into());
+            NOTICES
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry((word(1), word(2) as usize))
+                .or_insert((word(4) as usize, why));
+            // Wake waiters for accepted streams: they check the notices.
+            let _map = ep.accepted.lock().unwrap_or_else(|e| e.into_inner());
+            ep.arrived.notify_all();
+            continue;
+        }
         if word(0) != HELLO_MAGIC {
             continue;
         }
@@ -354,6 +445,7 @@ impl RankRail {
                     Ok(s) => break s,
                     Err(e) => {
                         group.poll_failures(&format!("connecting the rail of {what}"))?;
+                        noticed(self.job, self.group, self.gpus_per_node, what)?;
                         if Instant::now() >= deadline {
                             return Err(rail_err(format!(
                                 "{what}: cannot reach rank {q} (node {}) at {addr} for {:.1?}: {e}",
@@ -404,6 +496,7 @@ impl RankRail {
                     break;
                 }
                 group.poll_failures(&format!("waiting for the rail of {what}"))?;
+                noticed(self.job, self.group, self.gpus_per_node, what)?;
                 let now = Instant::now();
                 if now >= deadline {
                     return Err(rail_err(format!(
@@ -675,6 +768,7 @@ impl crate::engine::Rail for CallRail<'_> {
         let deadline = Instant::now() + self.timing.timeout;
         let what = self.what;
         let group = self.group;
+        let (job, group_id, g) = (self.rail.job, self.rail.group, self.rail.gpus_per_node);
         let read_all = |buf: &mut [u8], part: &str| -> Result<()> {
             let mut got = 0;
             while got < buf.len() {
@@ -689,6 +783,7 @@ impl crate::engine::Rail for CallRail<'_> {
                     Ok(n) => got += n,
                     Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => {
                         group.poll_failures(&format!("rail receive of {what}"))?;
+                        noticed(job, group_id, g, what)?;
                         if Instant::now() >= deadline {
                             return Err(rail_err(format!(
                                 "{what}: timed out after {:.1?} waiting for rank {q} on node {node_q} \
