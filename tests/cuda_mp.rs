@@ -187,6 +187,9 @@ fn setup_child(spec: &str) -> (String, Child) {
     let job: u64 = p[3].parse().unwrap();
     let rank: usize = p[4].parse().unwrap();
     tide::cuda::driver::init().unwrap();
+    if let Ok(dir) = std::env::var("TIDE_CUDA_MP_NODE_LOCAL_DIR") {
+        node_local_bootstrap(&dir, job, rank, topo);
+    }
     // Device 0 of this process (CUDA_VISIBLE_DEVICES picks the GPU).
     let (ctx, stream) = open_device(0);
     (
@@ -200,6 +203,36 @@ fn setup_child(spec: &str) -> (String, Child) {
             stream,
         },
     )
+}
+
+/// What `tide_jax.setup_nccl` does for processes on several hosts, with files in `dir` standing in
+/// for JAX's key-value store: the job's control plane per node, and each rail's ncclUniqueId made
+/// by its node-0 rank and registered by every member (nothing read from another node's memory).
+fn node_local_bootstrap(dir: &str, job: u64, rank: usize, topo: Topology) {
+    tide::cuda::multiproc::set_node_local(job);
+    let g = topo.gpus_per_node;
+    let rail = rank % g;
+    let path = format!("{dir}/{job:016x}-rail{rail}.id");
+    if rank / g == 0 {
+        let id = tide::cuda::nccl::unique_id().expect("ncclGetUniqueId");
+        let tmp = format!("{path}.tmp{rank}");
+        std::fs::write(&tmp, id).unwrap();
+        std::fs::rename(&tmp, &path).unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let id = loop {
+        if let Ok(b) = std::fs::read(&path) {
+            if b.len() == 128 {
+                break b;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "rail {rail}'s id never appeared at {path}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    tide::cuda::nccl::set_unique_id(job, 0, rail, id.try_into().unwrap());
 }
 
 /// Runs `op` over the child's topology `reps` times back to back (no host sync in between), then
@@ -591,6 +624,28 @@ fn processes_match_cpu_engine() {
             start.elapsed()
         ));
     }
+    // The multi-host control plane (per node, NCCL ids registered up front) on forced 2x1.
+    let topo = Topology::new(2, 1).unwrap();
+    let dir = std::env::temp_dir().join(format!("tide-cuda-mp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let start = Instant::now();
+    let outs = spawn_with(
+        "match",
+        topo,
+        fresh_job(19),
+        &[("TIDE_CUDA_MP_NODE_LOCAL_DIR", dir.to_str().unwrap())],
+    );
+    for (rank, out) in outs.iter().enumerate() {
+        let text = report(out);
+        assert!(
+            out.status.success() && text.contains("done"),
+            "{topo} node-local: rank {rank} failed:\n{text}"
+        );
+    }
+    say(&format!(
+        "cuda_mp: {topo} node-local control plane over 2 processes: bitwise equal to the CPU engine ({:.1?})",
+        start.elapsed()
+    ));
 }
 
 #[test]
