@@ -653,6 +653,16 @@ fn timeout_names_the_missing_rank() {
     );
 }
 
+/// Rank `rank` fails a call of `plan` before running it (as the FFI edge does for a bad operand).
+fn fail_before_call(plan: &Plan, rank: usize, job: u64, why: &str) {
+    let inputs = inputs_for(plan, rank, 1);
+    let mut outputs: Vec<Vec<u8>> = (0..plan.layout.len())
+        .map(|i| vec![0; plan.output_bytes(i)])
+        .collect();
+    let call = call_for(plan, rank, &inputs, &mut outputs);
+    fail_cpu_multiprocess(&call, job, &TideError::InvalidArgument(why.into()));
+}
+
 #[test]
 fn peer_failure_propagates_fast() {
     let topo = Topology::new(1, 3).unwrap();
@@ -671,16 +681,7 @@ fn peer_failure_propagates_fast() {
             })
             .collect();
         std::thread::sleep(Duration::from_millis(100));
-        let inputs = inputs_for(&plan, 1, 1);
-        let mut outputs: Vec<Vec<u8>> = (0..plan.layout.len())
-            .map(|i| vec![0; plan.output_bytes(i)])
-            .collect();
-        let call = call_for(&plan, 1, &inputs, &mut outputs);
-        fail_cpu_multiprocess(
-            &call,
-            job,
-            &TideError::InvalidArgument("gradient 'w' has the wrong shape".into()),
-        );
+        fail_before_call(&plan, 1, job, "gradient 'w' has the wrong shape");
         for w in waiters {
             let err = w.join().unwrap().unwrap_err().to_string();
             assert!(
@@ -706,16 +707,7 @@ fn failure_notice_reaches_other_nodes_fast() {
     std::thread::scope(|s| {
         let waiter = s.spawn(|| run_rank(&plan, 0, 1, job, &o));
         std::thread::sleep(Duration::from_millis(200));
-        let inputs = inputs_for(&plan, 1, 1);
-        let mut outputs: Vec<Vec<u8>> = (0..plan.layout.len())
-            .map(|i| vec![0; plan.output_bytes(i)])
-            .collect();
-        let call = call_for(&plan, 1, &inputs, &mut outputs);
-        fail_cpu_multiprocess(
-            &call,
-            job,
-            &TideError::InvalidArgument("shard 'w' has the wrong dtype".into()),
-        );
+        fail_before_call(&plan, 1, job, "shard 'w' has the wrong dtype");
         let err = waiter.join().unwrap().unwrap_err().to_string();
         assert!(
             err.contains("rank 1 on node 1") && err.contains("wrong dtype"),
