@@ -5,13 +5,14 @@
 //!
 //! Wiring:
 //! - **Endpoint**, one per process: a TCP listener (`listen`) and an acceptor thread that files
-//!   every incoming connection under the key its hello names: (job, group, src rank, dst rank).
+//!   every incoming connection under the key its hello names: (job, group, call site, src rank,
+//!   dst rank), or records a failure notice.
 //! - **Addresses**: `register_peer(job, group, rank, "host:port")` for every rank of the job, done
 //!   by `tide_jax` from JAX's key-value store before the first call (each process publishes its
 //!   endpoint under `tide/rail/<job>/<process>`).
-//! - **Streams**: one TCP connection per ordered pair (src, dst) that a plan needs, opened by the
-//!   receiving rank (connect + hello) the first time a call needs it and kept for the job. Data
-//!   flows src -> dst only.
+//! - **Streams**: one TCP connection per call site (lane, see `transport::cpu`) and ordered pair
+//!   (src, dst) that a plan needs, opened by the receiving rank (connect + hello) the first time a
+//!   call needs it and kept for the job. Data flows src -> dst only.
 //!
 //! One call, one rank (`CallRail`): at the start of each phase a sender thread writes, in plan
 //! order, one frame per rail copy that reads this rank's memory (the sources are final: written in
@@ -25,8 +26,11 @@
 //! Failure: every wait is sliced (`Timing::poll`), bounded by `Timing::timeout`, and checks this
 //! node's control plane between slices, so a local failure stops the rail at once. A failing rank
 //! shuts down all its streams: its remote peers read end-of-stream and fail at once, naming it
-//! ("rank 2 on node 1 closed its rail stream"). A dead remote process closes its sockets the same
-//! way (the kernel does it). After a failure the job's rail is unusable: later calls fail at once.
+//! ("rank 2 on node 1 closed its rail stream"); on streams at a frame boundary it first writes an
+//! error frame with its message. A dead remote process closes its sockets the same way (the kernel
+//! does it). A failing rank also sends a failure notice to every process of its group
+//! (`broadcast_failure`), which every rail wait checks: a peer waiting for it in a call it never
+//! reached fails at once too. After a failure the job's rail is unusable: later calls fail at once.
 
 use super::group::{ProcessGroup, Timing};
 use crate::error::{Result, TideError};
