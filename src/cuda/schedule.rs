@@ -1615,4 +1615,371 @@ mod tests {
             assert!(caught, "{rules:?} not caught");
         }
     }
+
+    // ---- The start/done protocol (`cuda::execute_phase`), modelled over calls in flight ----
+    //
+    // Rules A1-A6 of the `cuda` module header. Per call k, rank r, in-flight slot b = k % SLOTS
+    // (each slot: its own tide stream T, side streams, events and stage slots; XLA's buffers of
+    // call k are buffer set b, so calls k and k+SLOTS reuse the same memory, the worst case):
+    //   start(k): X (XLA's stream) writes the inputs (XLA's producer), records `entry[b]`;
+    //     T waits on `entry[b]` (A1) and records `ready[b]` (so `ready` follows the slot's
+    //     previous call too, even one whose done never ran); [rendezvous]; the schedule's commands with MAIN = T
+    //     (side streams wait on `done[b]` of the slot's previous call and on `ready[b]` of every
+    //     rank they touch, A2); T records `done[b]`; [exit barrier]; T waits on every peer's
+    //     `done[b]` and records `released[b]` (A3); [leave].
+    //   done(k): X waits on `released[b]` (A4), then reads the outputs (XLA's consumer) and may
+    //     overwrite the inputs (the next call on set b writes them).
+    // Host order: start(0), start(1), done(0), start(2), done(1), ... (SLOTS = 2 calls in flight),
+    // or start(k), done(k) back to back (the synchronous targets).
+
+    #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+    enum AEv {
+        Entry(usize, usize),
+        Ready(usize, usize),
+        Done(usize, usize),
+        Released(usize, usize),
+        Local(usize, usize, usize),
+    }
+
+    #[derive(Clone, Debug)]
+    enum AM {
+        /// (buffer set, slot, action)
+        Data(usize, usize, Action),
+        Wait(AEv, u64),
+        Record(AEv),
+        WriteInputs(usize, usize, usize),
+        ReadOutputs(usize, usize, usize),
+    }
+
+    #[derive(Clone, Copy, Debug)]
+    struct AsyncRules {
+        /// A1: tide's stream waits on its own `ready`.
+        tide_waits_ready: bool,
+        /// A2: streams wait on the `ready` of every peer they touch.
+        waits_peer_ready: bool,
+        /// The schedule's `WaitOwnPrevDone` (side streams on the slot's previous `done`). Implied
+        /// by A1 (`ready` is recorded on T after the slot's previous call), so the engine skips it.
+        side_waits_prev_done: bool,
+        /// A3: `released` follows every peer's `done` (they finished reading my inputs).
+        release_waits_peer_done: bool,
+        /// A4: done makes XLA's stream wait on `released`.
+        xla_waits_released: bool,
+    }
+
+    const ASYNC_ALL: AsyncRules = AsyncRules {
+        tide_waits_ready: true,
+        waits_peer_ready: true,
+        side_waits_prev_done: false,
+        release_waits_peer_done: true,
+        xla_waits_released: true,
+    };
+
+    /// Applies `a` to XLA's buffer set `set` and the stage slots of in-flight slot `stage`.
+    fn apply_split(set: &mut Mem, stage: &mut Mem, a: &Action) {
+        for (k, v) in stage.drain() {
+            set.insert(k, v);
+        }
+        apply(set, a);
+        let keys: Vec<_> = set
+            .keys()
+            .filter(|k| k.1 == BufKind::Stage)
+            .copied()
+            .collect();
+        for k in keys {
+            stage.insert(k, set.remove(&k).unwrap());
+        }
+    }
+
+    /// Stream keys: (rank, 0) is XLA's stream; (rank, 1 + slot * 64 + s) is stream `s` of the
+    /// slot (s = MAIN is tide's stream T). `sets`: XLA's buffer sets (call k uses set k % sets;
+    /// `slots` is the worst case, `calls` means XLA never reuses a buffer). `skip_done`: a call
+    /// whose done never runs (a start without done; its outputs are not checked).
+    #[allow(clippy::too_many_arguments)]
+    fn async_run(
+        plan: &Plan,
+        scheds: &[Schedule],
+        calls: usize,
+        slots: usize,
+        sets: usize,
+        skip_done: Option<usize>,
+        rules: AsyncRules,
+        seed: u64,
+    ) -> bool {
+        let world = scheds.len();
+        type Q = Map<(usize, usize), std::collections::VecDeque<AM>>;
+        let mut queues: Q = Map::new();
+        let mut records: Map<AEv, u64> = Map::new();
+        let enq = |queues: &mut Q, records: &mut Map<AEv, u64>, key: (usize, usize), m: AM| {
+            let m = match m {
+                AM::Wait(ev, _) => AM::Wait(ev, *records.get(&ev).unwrap_or(&0)),
+                AM::Record(ev) => {
+                    *records.entry(ev).or_insert(0) += 1;
+                    AM::Record(ev)
+                }
+                other => other,
+            };
+            queues.entry(key).or_default().push_back(m);
+        };
+        let tide = |r: usize, b: usize, s: usize| (r, 1 + b * 64 + s);
+        let start = |queues: &mut Q, records: &mut Map<AEv, u64>, k: usize| {
+            let b = k % slots;
+            let set = k % sets;
+            for r in 0..world {
+                enq(queues, records, (r, 0), AM::WriteInputs(set, r, k));
+                enq(queues, records, (r, 0), AM::Record(AEv::Entry(r, b)));
+                if rules.tide_waits_ready {
+                    enq(
+                        queues,
+                        records,
+                        tide(r, b, MAIN),
+                        AM::Wait(AEv::Entry(r, b), 0),
+                    );
+                }
+                enq(
+                    queues,
+                    records,
+                    tide(r, b, MAIN),
+                    AM::Record(AEv::Ready(r, b)),
+                );
+            }
+            // rendezvous
+            for (r, sch) in scheds.iter().enumerate() {
+                for c in &sch.phases[0].cmds {
+                    let key = tide(r, b, c.stream());
+                    let m = match c {
+                        Cmd::WaitRank {
+                            rank,
+                            event: RankEvent::Ready,
+                            ..
+                        } => {
+                            if !rules.waits_peer_ready {
+                                continue;
+                            }
+                            AM::Wait(AEv::Ready(*rank, b), 0)
+                        }
+                        Cmd::WaitRank { .. } => panic!("single-phase plans only"),
+                        Cmd::WaitOwnPrevDone { .. } => {
+                            if !rules.side_waits_prev_done {
+                                continue;
+                            }
+                            AM::Wait(AEv::Done(r, b), 0)
+                        }
+                        Cmd::Record { event, .. } => AM::Record(AEv::Local(r, b, *event)),
+                        Cmd::Wait { event, .. } => AM::Wait(AEv::Local(r, b, *event), 0),
+                        other => AM::Data(set, b, cmd_action(other).unwrap()),
+                    };
+                    enq(queues, records, key, m);
+                }
+                // T joins the side streams (the engine records one join event per side stream).
+                for s in 1..=sch.side_streams {
+                    enq(
+                        queues,
+                        records,
+                        tide(r, b, s),
+                        AM::Record(AEv::Local(r, b, 1000 + s)),
+                    );
+                    enq(
+                        queues,
+                        records,
+                        tide(r, b, MAIN),
+                        AM::Wait(AEv::Local(r, b, 1000 + s), 0),
+                    );
+                }
+                enq(
+                    queues,
+                    records,
+                    tide(r, b, MAIN),
+                    AM::Record(AEv::Done(r, b)),
+                );
+            }
+            // exit barrier
+            for r in 0..world {
+                if rules.release_waits_peer_done {
+                    for q in (0..world).filter(|&q| q != r) {
+                        enq(
+                            queues,
+                            records,
+                            tide(r, b, MAIN),
+                            AM::Wait(AEv::Done(q, b), 0),
+                        );
+                    }
+                }
+                enq(
+                    queues,
+                    records,
+                    tide(r, b, MAIN),
+                    AM::Record(AEv::Released(r, b)),
+                );
+            }
+        };
+        let done = |queues: &mut Q, records: &mut Map<AEv, u64>, k: usize| {
+            if skip_done == Some(k) {
+                return;
+            }
+            let b = k % slots;
+            let set = k % sets;
+            for r in 0..world {
+                if rules.xla_waits_released {
+                    enq(queues, records, (r, 0), AM::Wait(AEv::Released(r, b), 0));
+                }
+                enq(queues, records, (r, 0), AM::ReadOutputs(set, r, k));
+            }
+        };
+        for k in 0..calls {
+            start(&mut queues, &mut records, k);
+            if k + 1 >= slots {
+                done(&mut queues, &mut records, k + 1 - slots);
+            }
+        }
+        for k in calls.saturating_sub(slots - 1)..calls {
+            done(&mut queues, &mut records, k);
+        }
+        // The GPU: every stream of every rank progresses in a random legal order.
+        let mut mems: Vec<Mem> = (0..sets).map(|_| init_mem(plan, 1)).collect();
+        let mut stages: Vec<Mem> = (0..slots)
+            .map(|_| {
+                let mut m = init_mem(plan, 1);
+                m.retain(|k, _| k.1 == BufKind::Stage);
+                m
+            })
+            .collect();
+        for m in &mut mems {
+            m.retain(|k, _| k.1 != BufKind::Stage);
+        }
+        let mut executed: Map<AEv, u64> = Map::new();
+        let mut seen: Map<(usize, usize), RankOutputs> = Map::new();
+        let mut keys: Vec<(usize, usize)> = queues.keys().copied().collect();
+        keys.sort();
+        let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+        loop {
+            let runnable: Vec<(usize, usize)> = keys
+                .iter()
+                .copied()
+                .filter(|k| match queues[k].front() {
+                    None => false,
+                    Some(AM::Wait(ev, target)) => executed.get(ev).copied().unwrap_or(0) >= *target,
+                    Some(_) => true,
+                })
+                .collect();
+            if runnable.is_empty() {
+                assert!(queues.values().all(|q| q.is_empty()), "deadlock");
+                break;
+            }
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let key = runnable[(x % runnable.len() as u64) as usize];
+            match queues.get_mut(&key).unwrap().pop_front().unwrap() {
+                AM::Data(set, b, a) => apply_split(&mut mems[set], &mut stages[b], &a),
+                AM::Wait(..) => {}
+                AM::Record(ev) => *executed.entry(ev).or_insert(0) += 1,
+                AM::WriteInputs(b, r, k) => fill_rank_inputs(&mut mems[b], r, k),
+                AM::ReadOutputs(b, r, k) => {
+                    seen.insert((r, k), rank_outputs(&mems[b], r));
+                }
+            }
+        }
+        for k in 0..calls {
+            let mut want = init_mem(plan, 1);
+            for r in 0..world {
+                fill_rank_inputs(&mut want, r, k);
+            }
+            reference(plan, &mut want);
+            for r in 0..world {
+                // A call whose done never ran: nothing read its outputs, but tide's streams must
+                // still have completed it, uncorrupted by the next call on its slot.
+                let got = match skip_done == Some(k) {
+                    true => rank_outputs(&mems[k % sets], r),
+                    false => seen[&(r, k)].clone(),
+                };
+                if got != rank_outputs(&want, r) {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    #[test]
+    fn start_done_protocol_is_race_free_with_calls_in_flight() {
+        for (plan, o) in protocol_plans() {
+            let world = plan.topology.world();
+            let scheds: Vec<Schedule> = (0..world).map(|r| build(&plan, r, &o).unwrap()).collect();
+            for slots in [1usize, 2, 3] {
+                for seed in 0..4 {
+                    assert!(
+                        async_run(&plan, &scheds, 5, slots, slots, None, ASYNC_ALL, seed),
+                        "{:?} world {world} slots {slots} seed {seed}",
+                        plan.op
+                    );
+                }
+            }
+            // A start without done (call 1): its slot is taken again by call 1 + slots; tide's
+            // own resources stay race-free (XLA's buffers are distinct here: `sets = calls`).
+            for seed in 0..4 {
+                assert!(
+                    async_run(&plan, &scheds, 5, 2, 5, Some(1), ASYNC_ALL, seed),
+                    "{:?} world {world} start without done, seed {seed}",
+                    plan.op
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn start_done_model_catches_each_missing_rule() {
+        // Each rule guards a real race: without A1 tide reads inputs before XLA wrote them (and
+        // overwrites outputs XLA still reads); A2's peer ready waits, the same for peers' inputs;
+        // A2's previous-done wait, a stage slot refilled while the slot's previous call reduces
+        // it; A3, XLA overwrites an input a peer still copies; A4, XLA reads outputs not written.
+        let plans = protocol_plans();
+        let ag = &plans[0];
+        let rs = &plans[2];
+        // (The schedule's previous-done wait is not needed: `ready` is recorded on T, after the
+        // slot's previous call; `start_done_protocol_is_race_free_with_calls_in_flight` runs
+        // without it, a start without done included.)
+        for (which, skip, rules) in [
+            (
+                ag,
+                None,
+                AsyncRules {
+                    tide_waits_ready: false,
+                    waits_peer_ready: false,
+                    ..ASYNC_ALL
+                },
+            ),
+            (
+                ag,
+                None,
+                AsyncRules {
+                    waits_peer_ready: false,
+                    ..ASYNC_ALL
+                },
+            ),
+            (
+                ag,
+                None,
+                AsyncRules {
+                    release_waits_peer_done: false,
+                    ..ASYNC_ALL
+                },
+            ),
+            (
+                ag,
+                None,
+                AsyncRules {
+                    xla_waits_released: false,
+                    ..ASYNC_ALL
+                },
+            ),
+        ] {
+            let (plan, o) = which;
+            let world = plan.topology.world();
+            let scheds: Vec<Schedule> = (0..world).map(|r| build(plan, r, o).unwrap()).collect();
+            let sets = if skip.is_some() { 5 } else { 2 };
+            let caught =
+                (0..300).any(|seed| !async_run(plan, &scheds, 6, 2, sets, skip, rules, seed));
+            assert!(caught, "{rules:?} not caught on {:?}", plan.op);
+        }
+    }
 }
