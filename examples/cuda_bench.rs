@@ -320,8 +320,9 @@ fn sched_cmds(ord: i64, site: i64, op: Op) -> usize {
     let st = tide::cuda::device::get(ord).unwrap();
     let st = st.lock().unwrap();
     st.prepared
-        .get(&(site, op))
-        .map(|p| {
+        .iter()
+        .find(|(k, _)| k.0 == site && k.1 == op)
+        .map(|(_, p)| {
             p.schedule
                 .phases
                 .iter()

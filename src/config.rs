@@ -41,11 +41,19 @@ pub struct Config {
     /// On: 1.2-1.6x faster all-gathers on 2 H200s (bench/results/2026-11-30-cuda-bench.md); the engine
     /// falls back to single copies where the driver lacks the symbol.
     pub copy_batch: bool,
-    /// TIDE_RS_KERNEL (default `ld`): the reduce-scatter's fp32 reduction kernel: `ld` = LSU 16-byte
-    /// loads (`rs_sum_*_f32`), `bulk` = Hopper bulk async copies into a shared-memory ring
+    /// TIDE_RS_KERNEL (default `st`: 2.2x faster than `ld` at 16 CTAs on one H200, faster than
+    /// `bulk` at every size measured, /work/shared/measurements/2026-12-01/rs-kernels.md): the
+    /// reduce-scatter's fp32 reduction kernel: `st` = 8-byte source loads and one contiguous
+    /// 16-byte fp32 store per thread, `ld` = LSU 16-byte loads (`rs_sum_*_f32`), `bulk` = Hopper bulk async copies into a shared-memory ring
     /// (`rs_sum_*_f32_bulk`; compute capability >= 9.0, 16-byte aligned, at most 4 sources per launch,
     /// otherwise the `ld` kernel). Both give bitwise identical results.
     pub rs_kernel: RsKernel,
+    /// TIDE_MAX_IN_FLIGHT (default 2, 1..=16): CUDA calls of one op (all-gather, reduce-scatter)
+    /// that may be started and not yet done at once per device. Each owns an in-flight slot: a tide
+    /// stream, side streams, events and (reduce-scatter) its own stage slots, so staging memory per
+    /// device is at most TIDE_MAX_IN_FLIGHT x TIDE_RS_STAGE_SLOTS x TIDE_RS_SLOT_BYTES (default
+    /// 2 x 96 MiB); the all-gather needs none. A start beyond it fails with an error naming it.
+    pub max_in_flight: usize,
 }
 
 /// Which fp32 reduction kernel the CUDA reduce-scatter launches.
@@ -112,7 +120,8 @@ impl Config {
             rs_copy_streams: env_parse("TIDE_RS_COPY_STREAMS", 1usize).clamp(1, 16),
             local_copy: env_parse("TIDE_LOCAL_COPY", LocalCopy::CopyEngine),
             copy_batch: env_parse("TIDE_COPY_BATCH", 1u32) != 0,
-            rs_kernel: env_parse("TIDE_RS_KERNEL", RsKernel::Ld),
+            rs_kernel: env_parse("TIDE_RS_KERNEL", RsKernel::St),
+            max_in_flight: env_parse("TIDE_MAX_IN_FLIGHT", 2usize).clamp(1, 16),
             nvrtc_lib_dir: std::env::var("TIDE_NVRTC_LIB_DIR")
                 .ok()
                 .filter(|s| !s.trim().is_empty()),

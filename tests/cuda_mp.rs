@@ -8,10 +8,10 @@
 //! - forced 2x1: the hierarchical plans, cross-node copies over NCCL (libnccl.so.2 or TIDE_NCCL_LIB);
 //! - a process that exits while its peer is inside a call: the peer fails within seconds, naming it.
 //!
-//! Prints SKIPPED without a CUDA driver or with fewer than 2 GPUs. Build here, run on the GPU
+//! Needs 2 GPUs: `#[ignore]`d (run with --ignored; panics without a driver or with fewer GPUs). Build here, run on the GPU
 //! machine (no Rust there):
 //!   cargo test --release --test cuda_mp --no-run     # prints the binary's path
-//!   <binary> --nocapture --test-threads=1
+//!   <binary> --ignored --nocapture --test-threads=1
 //! or, bounded (each run in its own process group): copy the binary to target/gpump/cuda_mp and
 //!   bash tests/cuda_mp_run.sh all
 //! NCCL: libnccl.so.2 from the loader's path, or TIDE_NCCL_LIB (the runner sets the nvidia wheel's).
@@ -520,8 +520,7 @@ fn child_entry() {
 
 fn gpu_count() -> Option<i32> {
     if let Err(e) = tide::cuda::driver::init() {
-        say(&format!("SKIPPED cuda_mp: {e}"));
-        return None;
+        panic!("needs 2 CUDA GPUs: {e}");
     }
     let mut count = 0;
     // SAFETY: valid out-pointer.
@@ -530,8 +529,7 @@ fn gpu_count() -> Option<i32> {
         "cuDeviceGetCount",
     );
     if count < 2 {
-        say(&format!("SKIPPED cuda_mp: {count} GPU(s), needs 2"));
-        return None;
+        panic!("needs 2 CUDA GPUs, found {count}");
     }
     Some(count)
 }
@@ -597,6 +595,7 @@ fn report(out: &std::process::Output) -> String {
 }
 
 #[test]
+#[ignore = "needs 2 CUDA GPUs: run with --ignored on the GPU machine"]
 fn processes_match_cpu_engine() {
     if std::env::var(CHILD_ENV).is_ok() || gpu_count().is_none() {
         return;
@@ -649,6 +648,7 @@ fn processes_match_cpu_engine() {
 }
 
 #[test]
+#[ignore = "needs 2 CUDA GPUs: run with --ignored on the GPU machine"]
 fn dead_peer_fails_fast() {
     if std::env::var(CHILD_ENV).is_ok() || gpu_count().is_none() {
         return;
@@ -673,6 +673,7 @@ fn dead_peer_fails_fast() {
 }
 
 #[test]
+#[ignore = "needs 2 CUDA GPUs: run with --ignored on the GPU machine"]
 fn dead_peer_mid_stream_fails_fast() {
     if std::env::var(CHILD_ENV).is_ok() || gpu_count().is_none() {
         return;
@@ -706,6 +707,7 @@ fn dead_peer_mid_stream_fails_fast() {
 /// Two ranks of one multi-process job in the same process (e.g. 2 processes x 2 GPUs with the
 /// sharded axis inside a process): raw addresses and events, peer access, no IPC.
 #[test]
+#[ignore = "needs 2 CUDA GPUs: run with --ignored on the GPU machine"]
 fn same_process_ranks_of_a_job() {
     if std::env::var(CHILD_ENV).is_ok() || gpu_count().is_none() {
         return;

@@ -101,7 +101,8 @@ pub struct DeviceState {
     pub dev: CUdevice,
     pub ctx: CUcontext,
     pub cc: (i32, i32),
-    pub module: Option<Module>,
+    /// Loaded once and never replaced; shared (`Arc`) so a call can issue without the lock.
+    pub module: Option<Arc<Module>>,
     pub side: Vec<CUstream>,
     pub pool: Vec<CUevent>,
     pub ready: CUevent,
@@ -110,7 +111,56 @@ pub struct DeviceState {
     stage: Option<(CUdeviceptr, usize)>,
     retired_stages: Vec<(CUdeviceptr, usize)>,
     peers: HashSet<i64>,
-    pub prepared: HashMap<(i64, Op), Arc<Prepared>>,
+    /// By (call site, op, rank): several ranks may share a device (tests; one GPU).
+    pub prepared: HashMap<(i64, Op, usize), Arc<Prepared>>,
+    /// In-flight slots of the start/done driver, per op (index `slot_list`): each call between its
+    /// start and its done owns one (`cuda` module header, "Start/done").
+    slots: [Vec<Slot>; 2],
+}
+
+/// What one call in flight owns on its device, from its start until its done: tide's stream `tide`
+/// (the schedule's MAIN: reductions, zeroing, SM copies, joins), side copy streams, the call's events
+/// and the reduce-scatter's stage slots. Created on first need, kept for the process, reused by
+/// later calls once `busy` is clear. The handles are valid in every thread of the process.
+pub struct Slot {
+    pub tide: CUstream,
+    pub side: Vec<CUstream>,
+    /// Local (intra-call) events of the schedule, then one join event per side stream.
+    pub pool: Vec<CUevent>,
+    /// Recorded on XLA's stream at start (rule A1); tide's stream waits on it.
+    pub entry: CUevent,
+    /// Recorded on tide's stream after `entry`: this rank's inputs are written, its outputs free,
+    /// and the slot's previous call is complete. Peers and side streams wait on it.
+    pub ready: CUevent,
+    /// Recorded on tide's stream at the end of the call's work (this rank's reads of peers done).
+    pub done: CUevent,
+    /// Recorded on tide's stream after waiting on every peer's `done`: XLA may reuse this rank's
+    /// inputs and read its outputs. Done makes XLA's stream wait on it.
+    pub released: CUevent,
+    pub phase: Vec<CUevent>,
+    stage: Option<(CUdeviceptr, usize)>,
+    retired_stages: Vec<(CUdeviceptr, usize)>,
+    /// Set while a call owns the slot; cleared when its `SlotLease` drops (at done).
+    busy: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Ownership of a slot by one call. Dropping it frees the slot (no lock needed: the drop may run
+/// on any thread, e.g. when `inflight` replaces the record of a start that never got its done).
+pub struct SlotLease {
+    busy: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Drop for SlotLease {
+    fn drop(&mut self) {
+        self.busy.store(false, std::sync::atomic::Ordering::Release);
+    }
+}
+
+fn slot_list(op: Op) -> usize {
+    match op {
+        Op::AllGather => 0,
+        Op::ReduceScatter => 1,
+    }
 }
 
 // SAFETY: the raw CUDA handles (context, streams, events, module, device pointers) are plain
@@ -251,7 +301,74 @@ impl DeviceState {
             retired_stages: Vec::new(),
             peers: HashSet::new(),
             prepared: HashMap::new(),
+            slots: [Vec::new(), Vec::new()],
         })
+    }
+
+    /// A free in-flight slot for a call of `op` (creating one while fewer than `max` exist), with
+    /// its lease. Fails, never waits, when `max` calls of `op` are in flight on this device: the
+    /// dones that would free them run later on this very thread.
+    pub fn acquire_slot(&mut self, op: Op, max: usize) -> Result<(usize, SlotLease)> {
+        use std::sync::atomic::Ordering;
+        let ord = self.ordinal;
+        let list = slot_list(op);
+        for (i, s) in self.slots[list].iter().enumerate() {
+            if s
+                .busy
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                return Ok((i, SlotLease { busy: s.busy.clone() }));
+            }
+        }
+        let have = self.slots[list].len();
+        if have >= max.max(1) {
+            return Err(TideError::InvalidArgument(format!(
+                "device {ord}: {have} tide {} calls are already in flight (started, not done; \
+                 TIDE_MAX_IN_FLIGHT={max}): every *_start needs its *_done before more than {max} \
+                 are outstanding; raise TIDE_MAX_IN_FLIGHT for deeper overlap",
+                match op {
+                    Op::AllGather => "all_gather",
+                    Op::ReduceScatter => "reduce_scatter",
+                }
+            )));
+        }
+        let what = |e: &str| format!("in-flight slot {have}, {e}");
+        let mut tide: CUstream = std::ptr::null_mut();
+        // SAFETY: context current (CtxGuard held by the caller); valid out-pointer.
+        check(
+            unsafe { sys::cuStreamCreate(&mut tide, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
+            "cuStreamCreate",
+            || format!("device {ord}, {}", what("tide stream")),
+        )?;
+        let slot = Slot {
+            tide,
+            side: Vec::new(),
+            pool: Vec::new(),
+            entry: event_create(ord, &what("entry"))?,
+            ready: event_create(ord, &what("ready"))?,
+            done: event_create(ord, &what("done"))?,
+            released: event_create(ord, &what("released"))?,
+            phase: Vec::new(),
+            stage: None,
+            retired_stages: Vec::new(),
+            busy: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+        };
+        let lease = SlotLease { busy: slot.busy.clone() };
+        self.slots[list].push(slot);
+        Ok((have, lease))
+    }
+
+    pub fn slot(&self, op: Op, index: usize) -> Result<&Slot> {
+        self.slots[slot_list(op)]
+            .get(index)
+            .ok_or_else(|| TideError::Internal(format!("in-flight slot {index} missing")))
+    }
+
+    pub fn slot_mut(&mut self, op: Op, index: usize) -> Result<&mut Slot> {
+        self.slots[slot_list(op)]
+            .get_mut(index)
+            .ok_or_else(|| TideError::Internal(format!("in-flight slot {index} missing")))
     }
 
     /// At least `n` side copy streams (non-blocking: no implicit sync with the legacy stream).
@@ -300,47 +417,14 @@ impl DeviceState {
         slots: &[usize],
         floor_bytes: usize,
     ) -> Result<Vec<(u64, usize)>> {
-        if slots.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut offsets = Vec::with_capacity(slots.len());
-        let mut total = 0usize;
-        for &b in slots {
-            offsets.push(total);
-            total = total
-                .checked_add(b.div_ceil(256) * 256)
-                .ok_or_else(|| TideError::Internal("stage size overflows".into()))?;
-        }
-        let have = self.stage.map(|s| s.1).unwrap_or(0);
-        if have < total {
-            let bytes = total.max(floor_bytes);
-            let mut ptr: CUdeviceptr = 0;
-            let ord = self.ordinal;
-            // SAFETY: context current; valid out-pointer.
-            check(
-                unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) },
-                "cuMemAlloc",
-                || {
-                    format!("device {ord}, {bytes} bytes of reduce-scatter staging (TIDE_RS_STAGE_SLOTS x TIDE_RS_SLOT_BYTES)")
-                },
-            )?;
-            if let Some(old) = self.stage.take() {
-                log::warn!(
-                    "tide: device {ord}: stage buffer grown from {} to {bytes} bytes; the old one stays allocated",
-                    old.1
-                );
-                self.retired_stages.push(old);
-            }
-            self.stage = Some((ptr, bytes));
-        }
-        let base = self.stage.map(|s| s.0).unwrap_or(0);
-        Ok(offsets
-            .iter()
-            .zip(slots)
-            .map(|(&o, &b)| (base + o as u64, b))
-            .collect())
+        ensure_stage_in(
+            self.ordinal,
+            &mut self.stage,
+            &mut self.retired_stages,
+            slots,
+            floor_bytes,
+        )
     }
-
     /// The kernel module, compiled by NVRTC for this device's arch on first use (once per arch).
     pub fn ensure_module(&mut self) -> Result<&Module> {
         if self.module.is_none() {
@@ -431,10 +515,10 @@ impl DeviceState {
                 sum_bulk,
                 bulk_why,
             };
-            self.module = Some(m);
+            self.module = Some(Arc::new(m));
         }
         self.module
-            .as_ref()
+            .as_deref()
             .ok_or_else(|| TideError::Internal("module missing after load".into()))
     }
 
@@ -471,5 +555,99 @@ impl DeviceState {
         }
         self.peers.insert(peer);
         Ok(())
+    }
+}
+
+/// `DeviceState::ensure_stage` over one stage allocation (the device's, or an in-flight slot's).
+fn ensure_stage_in(
+    ordinal: i64,
+    stage: &mut Option<(CUdeviceptr, usize)>,
+    retired: &mut Vec<(CUdeviceptr, usize)>,
+    slots: &[usize],
+    floor_bytes: usize,
+) -> Result<Vec<(u64, usize)>> {
+    if slots.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut offsets = Vec::with_capacity(slots.len());
+    let mut total = 0usize;
+    for &b in slots {
+        offsets.push(total);
+        total = total
+            .checked_add(b.div_ceil(256) * 256)
+            .ok_or_else(|| TideError::Internal("stage size overflows".into()))?;
+    }
+    let have = stage.map(|s| s.1).unwrap_or(0);
+    if have < total {
+        let bytes = total.max(floor_bytes);
+        let mut ptr: CUdeviceptr = 0;
+        let ord = ordinal;
+        // SAFETY: context current; valid out-pointer.
+        check(
+            unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) },
+            "cuMemAlloc",
+            || {
+                format!("device {ord}, {bytes} bytes of reduce-scatter staging (TIDE_RS_STAGE_SLOTS x TIDE_RS_SLOT_BYTES)")
+            },
+        )?;
+        if let Some(old) = stage.take() {
+            log::warn!(
+                "tide: device {ord}: stage buffer grown from {} to {bytes} bytes; the old one stays allocated",
+                old.1
+            );
+            retired.push(old);
+        }
+        *stage = Some((ptr, bytes));
+    }
+    let base = stage.map(|s| s.0).unwrap_or(0);
+    Ok(offsets
+        .iter()
+        .zip(slots)
+        .map(|(&o, &b)| (base + o as u64, b))
+        .collect())
+}
+
+impl Slot {
+    /// At least `n` side copy streams (non-blocking).
+    pub fn ensure_side_streams(&mut self, ordinal: i64, n: usize) -> Result<()> {
+        while self.side.len() < n {
+            let mut s: CUstream = std::ptr::null_mut();
+            let idx = self.side.len();
+            // SAFETY: context current (CtxGuard held by the caller); valid out-pointer.
+            check(
+                unsafe { sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
+                "cuStreamCreate",
+                || format!("device {ordinal}, in-flight side copy stream {idx}"),
+            )?;
+            self.side.push(s);
+        }
+        Ok(())
+    }
+
+    /// At least `n` local events.
+    pub fn ensure_events(&mut self, ordinal: i64, n: usize) -> Result<()> {
+        while self.pool.len() < n {
+            self.pool.push(event_create(ordinal, "in-flight local")?);
+        }
+        Ok(())
+    }
+
+    /// At least `n` phase events.
+    pub fn ensure_phase_events(&mut self, ordinal: i64, n: usize) -> Result<()> {
+        while self.phase.len() < n {
+            self.phase.push(event_create(ordinal, "in-flight phase")?);
+        }
+        Ok(())
+    }
+
+    /// This slot's stage slots (see `DeviceState::ensure_stage`): each call in flight has its own,
+    /// so device memory for staging is TIDE_MAX_IN_FLIGHT x TIDE_RS_STAGE_SLOTS x TIDE_RS_SLOT_BYTES.
+    pub fn ensure_stage(
+        &mut self,
+        ordinal: i64,
+        slots: &[usize],
+        floor_bytes: usize,
+    ) -> Result<Vec<(u64, usize)>> {
+        ensure_stage_in(ordinal, &mut self.stage, &mut self.retired_stages, slots, floor_bytes)
     }
 }

@@ -8,7 +8,42 @@
 //! unless TIDE_MULTICAST=1 and the device supports it), this file (the call: rendezvous, ordering,
 //! issuing).
 //!
-//! # Buffer ownership and stream rules (CUDA engine)
+//! # Start/done: the in-process driver (`execute_phase`; rules A1-A4, modelled and each shown
+//! necessary in `schedule`'s tests `start_done_*`)
+//! Every in-process call, synchronous or split, runs on an *in-flight slot* of its device and op
+//! (`device::Slot`): tide's own stream T (the schedule's MAIN: reductions with at most
+//! TIDE_RS_MAX_CTAS CTAs, zeroing, SM copies, joins), side copy streams, its own events (`entry`,
+//! `ready`, `done`, `released`, phase and local events) and, for the reduce-scatter, its own stage
+//! slots. A slot belongs to one call from its start until its done (`device::SlotLease`), so two
+//! calls in flight never share events or staging. At most TIDE_MAX_IN_FLIGHT (default 2) calls per
+//! op and device: a start beyond that fails with an error naming the setting (it cannot wait: the
+//! done that would free a slot runs later on the same thread). Memory per device: the all-gather
+//! none beyond XLA's buffers; the reduce-scatter TIDE_MAX_IN_FLIGHT x TIDE_RS_STAGE_SLOTS x
+//! TIDE_RS_SLOT_BYTES (default 2 x 3 x 32 MiB = 192 MiB), allocated when first needed and kept.
+//! - A1 (start): XLA's stream X records `entry`; T waits on it and records `ready`. So `ready`
+//!   follows everything XLA enqueued before the start (the inputs' producers, the last readers of
+//!   the output buffers) and everything the slot's previous call enqueued on T, even a call whose
+//!   done never ran. X is not made to wait.
+//! - A2: rendezvous publishing buffers and T's events; the schedule is issued with MAIN = T: every
+//!   stream waits on the `ready` of each rank whose buffers it touches before its first command
+//!   (side streams on their own rank's too). The schedule's previous-done wait is skipped: A1
+//!   implies it. Phases as in rule 4 below, on T.
+//! - A3: T (which joined the side streams) records `done`; exit barrier; T waits on every peer's
+//!   `done` (they finished reading this rank's inputs) and records `released`; then every rank
+//!   `leave`s the session, which returns only once all ranks did: no event of the call is recorded
+//!   again (by a later call on its slot) before every wait on it has been issued.
+//! - A4 (done, later on X): X waits on `released`, then the slot is freed. Done finds its start
+//!   through `crate::inflight` by the buffer addresses and fails, naming the site, if they differ
+//!   (never stale data). Done's operands are start's results (aliased) and start's operands again,
+//!   so XLA keeps both alive until then.
+//! Synchronous targets are A1-A4 back to back. Edge cases: done without start fails (no record);
+//! two starts of one site in flight are two records (distinct result buffers), each with its own
+//! slot; a start without done keeps its slot until the next start writing the same result buffer
+//! replaces its record (the dropped call still runs to completion on T; XLA's stream never waits
+//! for it, so a program must not reuse its buffers before then: tide_jax always pairs them); a
+//! start that fails leaves no record and makes X wait on whatever it enqueued.
+//!
+//! # Buffer ownership and stream rules (the multi-process path, `multiproc`)
 //! Buffers: `Input(i)` / `Output(i)` of every rank are XLA's, borrowed for one call; stage slots and
 //! side streams are tide's, one set per device, reused by every call. Per rank and call:
 //! 1. XLA's stream (MAIN) first waits on this rank's `done` event of its previous call, then records
@@ -51,7 +86,7 @@
 //! (default 3 x 32 MiB = 96 MiB), independent of the group size and of the number of GPUs; chunks of
 //! at most `slot_bytes / (P - 1)` per peer cycle through the slots. Plus events and streams.
 //!
-//! Concurrency: each device's state is locked for the whole call. XLA issues a device's calls from
+//! Concurrency: each device's state is locked for the whole start (or synchronous call). XLA issues a device's calls from
 //! that device's thread one at a time; if two tide calls of one device were ever issued
 //! concurrently in different orders on two devices, they would fail with a rendezvous timeout, not
 //! hang. On errors the rank calls `Session::fail` so peers fail fast; work already enqueued on side
@@ -110,8 +145,9 @@ fn op_name(op: Op) -> &'static str {
     }
 }
 
-/// The FFI edge's entry: `job` is the FFI attribute `job` (0: every rank of the call is in this
-/// process, the in-process engine; else the multi-process job id, `multiproc`).
+/// The FFI edge's entry for a whole (synchronous) call: `job` is the FFI attribute `job` (0: every
+/// rank of the call is in this process, the in-process engine; else the multi-process job id,
+/// `multiproc`).
 pub fn execute_job(call: &CallInfo, job: u64) -> Result<()> {
     if job == 0 {
         execute(call)
@@ -120,66 +156,187 @@ pub fn execute_job(call: &CallInfo, job: u64) -> Result<()> {
     }
 }
 
+/// What a started in-process call hands to its done (through `inflight::Record`'s payload): the
+/// event done makes XLA's stream wait on, and the slot, held until then.
+struct Started {
+    ctx: driver::CUcontext,
+    released: CUevent,
+    _lease: device::SlotLease,
+}
+
+// SAFETY: raw CUDA handles (a retained primary context and an event that lives for the process),
+// valid in every thread of the process.
+unsafe impl Send for Started {}
+
+impl Started {
+    /// Rule A4: XLA's `stream` waits on `released`.
+    fn join_into(&self, stream: CUstream, device: i64) -> Result<()> {
+        let _ctx = driver::CtxGuard::set(self.ctx, device)?;
+        // SAFETY: XLA's stream (valid for the call) and our event.
+        check(
+            unsafe { sys::cuStreamWaitEvent(stream, self.released, 0) },
+            "cuStreamWaitEvent",
+            || format!("device {device}: XLA's stream on the call's released event"),
+        )
+    }
+}
+
 /// The FFI edge's entry for every target: `phase` says whether this is a whole call, its start or
-/// its done (docs/design.md "Start/done").
+/// its done (the module header, "Start/done").
 ///
-/// Today start enqueues the whole collective on XLA's stream as the synchronous call does (so its
-/// results are ordered before anything XLA runs later on the stream, done included) and records
-/// the call in `crate::inflight`; done checks that it received the very buffers its start wrote
-/// and returns the start's result. Correct, but without overlap: the asynchronous driver (tide's
-/// own streams, per-call events) replaces this.
+/// In-process jobs (`job == 0`): start enqueues the whole collective on tide's streams (the
+/// call's in-flight slot) ordered after everything XLA enqueued before it, and returns without
+/// making XLA's stream wait; done makes XLA's stream wait on the call's `released` event (this
+/// rank's results written, every peer done reading its inputs). Sync is start and done back to back.
+///
+/// Multi-process jobs: start runs the synchronous call on XLA's stream and records it; done checks
+/// its buffers and returns start's result (correct, no overlap yet).
 pub fn execute_phase(call: &CallInfo, job: u64, phase: crate::ffi::Phase) -> Result<()> {
     use crate::ffi::{op_code, Phase};
     use crate::inflight;
+    let outputs = || call.outputs.iter().map(|b| b.ptr).collect::<Vec<_>>();
     match phase {
         Phase::Sync => execute_job(call, job),
         Phase::Start => {
             let record = inflight::Record::new(
-                format!("tide {}_start site {} on device {}", op_name(call.op), call.site, call.device_ordinal),
+                format!(
+                    "tide {}_start site {} on device {}",
+                    op_name(call.op),
+                    call.site,
+                    call.device_ordinal
+                ),
                 call.device_ordinal,
-                call.outputs.iter().map(|b| b.ptr).collect(),
+                outputs(),
                 call.inputs.iter().map(|b| b.ptr).collect(),
             );
-            inflight::register(op_code(call.op), record.clone())?;
-            let result = execute_job(call, job);
-            record.finish(result.clone());
-            result
+            let seq = rendezvous::run_seq(call.site, call.group, call.rank, call.run_id);
+            if let Err(e) = inflight::register(op_code(call.op), record.clone()) {
+                // Tell the peers at once rather than at their timeout.
+                abandon(call, seq, &e);
+                return Err(e);
+            }
+            if job != 0 {
+                let result = multiproc::execute(call, job);
+                record.finish(result.clone());
+                return result;
+            }
+            match start(call, seq) {
+                Ok(started) => {
+                    record.set_payload(Box::new(started));
+                    record.finish(Ok(()));
+                    Ok(())
+                }
+                Err(e) => {
+                    // Nothing for a done to wait on: forget the call (a done fails: no start).
+                    let _ = inflight::take(
+                        "",
+                        op_code(call.op),
+                        call.device_ordinal,
+                        &record.outputs,
+                        &record.inputs,
+                    );
+                    record.finish(Err(e.clone()));
+                    Err(e)
+                }
+            }
         }
         Phase::Done => {
             let n = call.outputs.len();
             let what = format!("tide {}_done site {}", op_name(call.op), call.site);
+            if call.inputs.len() != 2 * n {
+                return Err(TideError::InvalidArgument(format!(
+                    "{what}: expected {} operands (start's {n} results, then its {n} operands), got {}",
+                    2 * n,
+                    call.inputs.len()
+                )));
+            }
             let record = inflight::take(
                 &what,
                 op_code(call.op),
                 call.device_ordinal,
-                &call.outputs.iter().map(|b| b.ptr).collect::<Vec<_>>(),
+                &outputs(),
                 &call.inputs[n..].iter().map(|b| b.ptr).collect::<Vec<_>>(),
             )?;
+            // A CUDA start finishes before it returns, so the result is there at once; the bound
+            // only guards against a start that never finished (never a hang).
             let (tx, rx) = std::sync::mpsc::channel();
             record.on_finish(move |r| {
                 let _ = tx.send(r);
             });
-            rx.recv().unwrap_or_else(|_| {
-                Err(TideError::Internal(format!("{what}: its start never finished")))
-            })
+            let wait = timeout(&crate::config::current());
+            rx.recv_timeout(wait).unwrap_or_else(|_| {
+                Err(TideError::Internal(format!(
+                    "{what}: its start did not finish within {wait:?}"
+                )))
+            })?;
+            match record.take_payload() {
+                // The multi-process path: start already ran on XLA's stream.
+                None if job != 0 => Ok(()),
+                None => Err(TideError::Internal(format!(
+                    "{what}: its start left nothing to wait on"
+                ))),
+                Some(p) => {
+                    let started = p.downcast::<Started>().map_err(|_| {
+                        TideError::Internal(format!("{what}: its start left foreign data"))
+                    })?;
+                    if call.stream == 0 {
+                        return Err(TideError::InvalidArgument(format!(
+                            "{what} on device {}: XLA passed no CUDA stream",
+                            call.device_ordinal
+                        )));
+                    }
+                    // The lease (the slot) is freed when `started` drops, after the wait.
+                    started.join_into(call.stream as CUstream, call.device_ordinal)
+                }
+            }
         }
     }
 }
 
-/// Executes one collective call on XLA's stream `call.stream` of device `call.device_ordinal`.
-/// Enqueues work only; never synchronizes the host with the device in the hot path. The rendezvous
-/// sequence number counts this rank's calls of the site within XLA's run `call.run_id`
-/// (`rendezvous::run_seq`), so one rank's failure cannot leave later runs out of step.
+/// Executes one whole collective call ordered on XLA's stream `call.stream` of device
+/// `call.device_ordinal`: start and done back to back. Enqueues work only; never synchronizes the
+/// host with the device. The rendezvous sequence number counts this rank's calls of the site
+/// within XLA's run `call.run_id` (`rendezvous::run_seq`), so one rank's failure cannot leave
+/// later runs out of step.
 pub fn execute(call: &CallInfo) -> Result<()> {
     let seq = rendezvous::run_seq(call.site, call.group, call.rank, call.run_id);
     execute_with_seq(call, seq)
 }
 
-/// `execute` with the rendezvous sequence number chosen by the caller (e.g. the FFI edge's
-/// `rendezvous::run_seq` from XLA's RunId, so ranks re-synchronize every run). Take it before
-/// anything that can fail, on every rank.
+/// `execute` with the rendezvous sequence number chosen by the caller. Take it before anything
+/// that can fail, on every rank.
 pub fn execute_with_seq(call: &CallInfo, seq: u64) -> Result<()> {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| execute_inner(call, seq))) {
+    let started = start(call, seq)?;
+    if call.stream == 0 {
+        return Err(TideError::Internal("no stream".into()));
+    }
+    started.join_into(call.stream as CUstream, call.device_ordinal)
+}
+
+/// Joins `call`'s rendezvous with `err` so its peers fail at once (a rank failing before it could
+/// take part).
+fn abandon(call: &CallInfo, seq: u64, err: &TideError) {
+    let cfg = crate::config::current();
+    let info = RankInfo {
+        device: call.device_ordinal,
+        error: Some(err.to_string()),
+        ..Default::default()
+    };
+    let key = Key {
+        site: call.site,
+        group: call.group,
+        seq,
+    };
+    let what = format!("tide {} site {} group {}", op_name(call.op), call.site, call.group);
+    if let Ok(s) = Session::join(&what, key, call.rank, call.world, info, timeout(&cfg)) {
+        s.fail(call.rank, err);
+        let _ = s.leave(call.rank);
+    }
+}
+
+/// The start of an in-process call, with the panic guard: returns what its done needs.
+fn start(call: &CallInfo, seq: u64) -> Result<Started> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| start_inner(call, seq))) {
         Ok(r) => r,
         Err(p) => {
             let msg = p
@@ -203,37 +360,50 @@ fn timeout(cfg: &Config) -> Duration {
 }
 
 /// Everything of the local preparation that must stay alive through the call.
-struct Local {
-    prepared: Arc<Prepared>,
-    info: RankInfo,
+pub(crate) struct Local {
+    pub(crate) prepared: Arc<Prepared>,
+    pub(crate) info: RankInfo,
     /// This rank's multicast grant (all-gather, TIDE_MULTICAST=1 and the whole gate passed).
-    mc: Option<multicast::Granted>,
+    pub(crate) mc: Option<multicast::Granted>,
 }
 
-fn execute_inner(call: &CallInfo, seq: u64) -> Result<()> {
+/// Copies of what a call issues with, taken under the device lock, so the rendezvous and the
+/// issuing run without it (several ranks may share one device: tests on one GPU).
+struct SlotHandles {
+    ctx: driver::CUcontext,
+    dev: driver::CUdevice,
+    cc: (i32, i32),
+    module: Option<Arc<device::Module>>,
+    tide: CUstream,
+    side: Vec<CUstream>,
+    pool: Vec<CUevent>,
+    phase: Vec<CUevent>,
+    done: CUevent,
+    released: CUevent,
+}
+
+impl SlotHandles {
+    fn of(st: &DeviceState, slot: &device::Slot) -> SlotHandles {
+        SlotHandles {
+            ctx: st.ctx,
+            dev: st.dev,
+            cc: st.cc,
+            module: st.module.clone(),
+            tide: slot.tide,
+            side: slot.side.clone(),
+            pool: slot.pool.clone(),
+            phase: slot.phase.clone(),
+            done: slot.done,
+            released: slot.released,
+        }
+    }
+}
+
+fn start_inner(call: &CallInfo, seq: u64) -> Result<Started> {
     let cfg = crate::config::current();
     let cfg = &*cfg;
-    let what = format!(
-        "tide {} site {} group {}",
-        op_name(call.op),
-        call.site,
-        call.group
-    );
-    let key = Key {
-        site: call.site,
-        group: call.group,
-        seq,
-    };
-    let fail_early = |err: TideError| -> Result<()> {
-        // Join anyway, publishing the error, so peers fail at once instead of at the timeout.
-        let info = RankInfo {
-            device: call.device_ordinal,
-            error: Some(err.to_string()),
-            ..Default::default()
-        };
-        if let Ok(s) = Session::join(&what, key, call.rank, call.world, info, timeout(cfg)) {
-            s.fail(call.rank, &err);
-        }
+    let fail_early = |err: TideError| -> Result<Started> {
+        abandon(call, seq, &err);
         Err(err)
     };
     if let Err(e) = driver::init() {
@@ -243,44 +413,69 @@ fn execute_inner(call: &CallInfo, seq: u64) -> Result<()> {
         Ok(d) => d,
         Err(e) => return fail_early(e),
     };
-    let mut st = match dev.lock() {
-        Ok(g) => g,
-        Err(_) => {
-            return fail_early(TideError::Internal(format!(
+    let lock_dev = || {
+        dev.lock().map_err(|_| {
+            TideError::Internal(format!(
                 "CUDA device {} state poisoned by an earlier panic",
                 call.device_ordinal
-            )))
-        }
+            ))
+        })
     };
-    let _ctx = match driver::CtxGuard::set(st.ctx, call.device_ordinal) {
-        Ok(g) => g,
+    // Under the device lock: the slot, the plan, the slot's resources, rule A1.
+    let prepared = (|| -> Result<_> {
+        let mut st = lock_dev()?;
+        let ctx = driver::CtxGuard::set(st.ctx, call.device_ordinal)?;
+        let (slot, lease) = st.acquire_slot(call.op, cfg.max_in_flight)?;
+        let local = prepare_slot(call, &mut st, cfg, slot)?;
+        let handles = SlotHandles::of(&st, st.slot(call.op, slot)?);
+        Ok((ctx, lease, local, handles))
+    })();
+    let (_ctx, lease, local, h) = match prepared {
+        Ok(p) => p,
         Err(e) => return fail_early(e),
     };
-    let local = match prepare(call, &mut st, cfg, false) {
-        Ok(l) => l,
-        Err(e) => return fail_early(e),
+    let what = format!("tide {} site {} group {}", op_name(call.op), call.site, call.group);
+    let key = Key {
+        site: call.site,
+        group: call.group,
+        seq,
     };
-    let session = Session::join(
-        &what,
-        key,
-        call.rank,
-        call.world,
-        local.info.clone(),
-        timeout(cfg),
-    )?;
-    let _unwind = FailOnUnwind {
-        session: &session,
-        rank: call.rank,
+    let session = Session::join(&what, key, call.rank, call.world, local.info.clone(), timeout(cfg))?;
+    let result = {
+        let _unwind = FailOnUnwind {
+            session: &session,
+            rank: call.rank,
+        };
+        run_slot(call, &lock_dev, &h, &local, &session, cfg)
     };
-    let result = run(call, &mut st, &local, &session, cfg);
     if let Err(e) = &result {
         session.fail(call.rank, e);
     }
-    result
+    // Every rank leaves only after every rank issued its waits on this call's events, so no
+    // event is recorded again (by a later call on its slot) before all its waits are issued.
+    let left = session.leave(call.rank);
+    let started = Started {
+        ctx: h.ctx,
+        released: h.released,
+        _lease: lease,
+    };
+    match (result, left) {
+        (Ok(()), Ok(())) => Ok(started),
+        (Err(e), _) | (Ok(()), Err(e)) => {
+            // Keep XLA's stream ordered after whatever was enqueued (run_slot recorded `released`
+            // after joining the side streams, also on its error path).
+            if call.stream != 0 {
+                if let Err(j) = started.join_into(call.stream as CUstream, call.device_ordinal) {
+                    log::warn!("tide: rank {}: joining tide's streams after an error failed: {j}", call.rank);
+                }
+            }
+            Err(e)
+        }
+    }
 }
 
-/// Fails the session if the call unwinds (a panic caught by `execute`), so peers do not wait for
-/// this rank until the timeout.
+/// Fails the session (and leaves it) if the call unwinds (a panic caught by `start`), so peers
+/// do not wait for this rank until the timeout.
 struct FailOnUnwind<'a> {
     session: &'a Session<RankInfo>,
     rank: usize,
@@ -291,14 +486,15 @@ impl Drop for FailOnUnwind<'_> {
         if std::thread::panicking() {
             let err = TideError::Internal("panic in the CUDA engine".into());
             self.session.fail(self.rank, &err);
+            let _ = self.session.leave(self.rank);
         }
     }
 }
 
-/// Checks the call, builds (or reuses) the plan and schedule, makes the device's resources exist,
-/// and records `ready` on XLA's stream.
+/// Checks XLA's stream and the call's topology, and returns the site's prepared plan and schedule
+/// (cached per site; rebuilt when the call's shapes, rank, topology or settings change).
 /// `multi_node`: hierarchical plans allowed (the cross-process path runs their rail over NCCL).
-fn prepare(call: &CallInfo, st: &mut DeviceState, cfg: &Config, multi_node: bool) -> Result<Local> {
+fn prepared_plan(call: &CallInfo, st: &mut DeviceState, cfg: &Config, multi_node: bool) -> Result<Arc<Prepared>> {
     let ord = call.device_ordinal;
     if call.stream == 0 {
         return Err(TideError::InvalidArgument(format!(
@@ -349,7 +545,7 @@ fn prepare(call: &CallInfo, st: &mut DeviceState, cfg: &Config, multi_node: bool
     let settings = device::PlanSettings::of(call.op, cfg);
     let cached = st
         .prepared
-        .get(&(call.site, call.op))
+        .get(&(call.site, call.op, call.rank))
         .filter(|p| {
             p.rank == call.rank
                 && p.topology == call.topology
@@ -357,91 +553,73 @@ fn prepare(call: &CallInfo, st: &mut DeviceState, cfg: &Config, multi_node: bool
                 && same_shapes(&p.layout, call)
         })
         .cloned();
-    let prepared = match cached {
-        Some(p) => p,
-        None => {
-            let layout = call.layout()?;
-            let plan = match call.op {
-                Op::AllGather => crate::plan::all_gather(&layout, call.topology)?,
-                Op::ReduceScatter => crate::plan::reduce_scatter(
-                    &layout,
-                    call.topology,
-                    crate::plan::RsOptions {
-                        stage_slots: cfg.rs_stage_slots,
-                        slot_bytes: cfg.rs_slot_bytes,
-                    },
-                )?,
-            };
-            plan.validate()?;
-            let schedule = schedule::build(
-                &plan,
-                call.rank,
-                &SchedOptions::new(settings.streams, settings.local_copy),
-            )?;
-            let p = Arc::new(Prepared {
-                op: call.op,
-                rank: call.rank,
-                topology: call.topology,
-                layout,
-                plan,
-                schedule,
-                settings,
-            });
-            st.prepared.insert((call.site, call.op), p.clone());
-            p
-        }
-    };
-    let plan = &prepared.plan;
-    let sched = &prepared.schedule;
-
-    st.ensure_side_streams(sched.side_streams)?;
-    // One more than the schedule needs: the last is the error path's join event.
-    st.ensure_events(sched.events + 1)?;
-    st.ensure_phase_events(plan.phases.len().saturating_sub(1))?;
-    let stages = st.ensure_stage(
-        &plan.stage_slot_bytes,
-        cfg.rs_stage_slots.saturating_mul(cfg.rs_slot_bytes),
-    )?;
-    if sched.needs_kernels {
-        st.ensure_module()?;
+    if let Some(p) = cached {
+        return Ok(p);
     }
-    // NVLink multicast: off unless asked for; then the whole gate (multicast module header), the
-    // device attribute query last. No multicast call is made here.
-    let mc = if call.op == Op::AllGather && cfg.multicast {
-        let shard_bytes: Vec<usize> = plan.layout.params.iter().map(|p| p.shard_bytes).collect();
-        let dev = st.dev;
-        let d = multicast::decide(
-            &multicast::GateInputs {
-                requested: cfg.multicast,
-                env_denial: multicast::env_denial(&|k| std::env::var(k).ok()),
-                nodes: call.topology.nodes,
-                world: call.world,
-                shard_bytes: &shard_bytes,
+    let layout = call.layout()?;
+    let plan = match call.op {
+        Op::AllGather => crate::plan::all_gather(&layout, call.topology)?,
+        Op::ReduceScatter => crate::plan::reduce_scatter(
+            &layout,
+            call.topology,
+            crate::plan::RsOptions {
+                stage_slots: cfg.rs_stage_slots,
+                slot_bytes: cfg.rs_slot_bytes,
             },
-            &mut || multicast::device_supports(dev, ord),
-        );
-        multicast::log_once(ord, call.site, &d);
-        d.granted()
-    } else {
-        None
+        )?,
     };
-    if mc.is_some() {
-        st.ensure_side_streams(1)?;
-        st.ensure_phase_events(1)?;
-    }
+    plan.validate()?;
+    let schedule = schedule::build(
+        &plan,
+        call.rank,
+        &SchedOptions::new(settings.streams, settings.local_copy),
+    )?;
+    let p = Arc::new(Prepared {
+        op: call.op,
+        rank: call.rank,
+        topology: call.topology,
+        layout,
+        plan,
+        schedule,
+        settings,
+    });
+    st.prepared.insert((call.site, call.op, call.rank), p.clone());
+    Ok(p)
+}
 
+/// NVLink multicast: off unless asked for; then the whole gate (multicast module header), the
+/// device attribute query last. No multicast call is made here.
+fn multicast_grant(call: &CallInfo, st: &DeviceState, plan: &crate::plan::Plan, cfg: &Config) -> Option<multicast::Granted> {
+    if call.op != Op::AllGather || !cfg.multicast {
+        return None;
+    }
+    let shard_bytes: Vec<usize> = plan.layout.params.iter().map(|p| p.shard_bytes).collect();
+    let dev = st.dev;
+    let ord = call.device_ordinal;
+    let d = multicast::decide(
+        &multicast::GateInputs {
+            requested: cfg.multicast,
+            env_denial: multicast::env_denial(&|k| std::env::var(k).ok()),
+            nodes: call.topology.nodes,
+            world: call.world,
+            shard_bytes: &shard_bytes,
+        },
+        &mut || multicast::device_supports(dev, ord),
+    );
+    multicast::log_once(ord, call.site, &d);
+    d.granted()
+}
+
+/// (address, bytes) of each operand and result, null buffers refused.
+#[allow(clippy::type_complexity)]
+fn buffer_lists(call: &CallInfo, plan: &crate::plan::Plan) -> Result<(Vec<(u64, usize)>, Vec<(u64, usize)>)> {
     let n = plan.layout.len();
     let mut inputs = Vec::with_capacity(n);
     let mut outputs = Vec::with_capacity(n);
     for i in 0..n {
         for (list, view, bytes, role) in [
             (&mut inputs, &call.inputs[i], plan.input_bytes(i), "operand"),
-            (
-                &mut outputs,
-                &call.outputs[i],
-                plan.output_bytes(i),
-                "result",
-            ),
+            (&mut outputs, &call.outputs[i], plan.output_bytes(i), "result"),
         ] {
             if view.ptr == 0 && bytes > 0 {
                 return Err(TideError::InvalidArgument(format!(
@@ -454,8 +632,34 @@ fn prepare(call: &CallInfo, st: &mut DeviceState, cfg: &Config, multi_node: bool
             list.push((view.ptr as u64, bytes));
         }
     }
+    Ok((inputs, outputs))
+}
 
-    // Rule 1: order after this rank's previous call, then mark the inputs ready.
+/// The device-wide preparation of the multi-process path: XLA's stream is MAIN; it waits on this
+/// rank's previous `done` and records `ready` (that path's rule 1).
+pub(crate) fn prepare(call: &CallInfo, st: &mut DeviceState, cfg: &Config, multi_node: bool) -> Result<Local> {
+    let ord = call.device_ordinal;
+    let stream = call.stream as CUstream;
+    let prepared = prepared_plan(call, st, cfg, multi_node)?;
+    let plan = &prepared.plan;
+    let sched = &prepared.schedule;
+    st.ensure_side_streams(sched.side_streams)?;
+    // One more than the schedule needs: the last is the error path's join event.
+    st.ensure_events(sched.events + 1)?;
+    st.ensure_phase_events(plan.phases.len().saturating_sub(1))?;
+    let stages = st.ensure_stage(
+        &plan.stage_slot_bytes,
+        cfg.rs_stage_slots.saturating_mul(cfg.rs_slot_bytes),
+    )?;
+    if sched.needs_kernels {
+        st.ensure_module()?;
+    }
+    let mc = multicast_grant(call, st, plan, cfg);
+    if mc.is_some() {
+        st.ensure_side_streams(1)?;
+        st.ensure_phase_events(1)?;
+    }
+    let (inputs, outputs) = buffer_lists(call, plan)?;
     // SAFETY: XLA's stream and our events are valid; the context is current.
     check(
         unsafe { sys::cuStreamWaitEvent(stream, st.done, 0) },
@@ -468,7 +672,6 @@ fn prepare(call: &CallInfo, st: &mut DeviceState, cfg: &Config, multi_node: bool
         "cuEventRecord",
         || format!("device {ord}: ready event"),
     )?;
-
     let info = RankInfo {
         device: ord,
         inputs,
@@ -479,12 +682,64 @@ fn prepare(call: &CallInfo, st: &mut DeviceState, cfg: &Config, multi_node: bool
         phases: st
             .phase
             .iter()
-            .take(
-                plan.phases
-                    .len()
-                    .saturating_sub(1)
-                    .max(usize::from(mc.is_some())),
-            )
+            .take(plan.phases.len().saturating_sub(1).max(usize::from(mc.is_some())))
+            .map(|e| *e as usize)
+            .collect(),
+        multicast: mc.is_some(),
+        error: None,
+    };
+    Ok(Local { prepared, info, mc })
+}
+
+/// The in-process preparation of a call in in-flight slot `slot`: the slot's resources, then rule
+/// A1: XLA's stream records `entry`, the slot's tide stream waits on it and records `ready`.
+fn prepare_slot(call: &CallInfo, st: &mut DeviceState, cfg: &Config, slot: usize) -> Result<Local> {
+    let ord = call.device_ordinal;
+    let stream = call.stream as CUstream;
+    let prepared = prepared_plan(call, st, cfg, false)?;
+    let plan = &prepared.plan;
+    let sched = &prepared.schedule;
+    if sched.needs_kernels {
+        st.ensure_module()?;
+    }
+    let mc = multicast_grant(call, st, plan, cfg);
+    let (inputs, outputs) = buffer_lists(call, plan)?;
+    let s = st.slot_mut(call.op, slot)?;
+    s.ensure_side_streams(ord, sched.side_streams.max(usize::from(mc.is_some())))?;
+    // The schedule's local events, then one join event per side stream (error path, multicast).
+    s.ensure_events(ord, sched.events + s.side.len().max(1))?;
+    s.ensure_phase_events(
+        ord,
+        plan.phases.len().saturating_sub(1).max(usize::from(mc.is_some())),
+    )?;
+    let stages = s.ensure_stage(
+        ord,
+        &plan.stage_slot_bytes,
+        cfg.rs_stage_slots.saturating_mul(cfg.rs_slot_bytes),
+    )?;
+    // Rule A1. SAFETY: XLA's stream (checked by prepared_plan), the slot's stream and events.
+    unsafe {
+        check(sys::cuEventRecord(s.entry, stream), "cuEventRecord", || {
+            format!("device {ord}: entry event on XLA's stream")
+        })?;
+        check(sys::cuStreamWaitEvent(s.tide, s.entry, 0), "cuStreamWaitEvent", || {
+            format!("device {ord}: tide's stream on the entry event")
+        })?;
+        check(sys::cuEventRecord(s.ready, s.tide), "cuEventRecord", || {
+            format!("device {ord}: ready event")
+        })?;
+    }
+    let info = RankInfo {
+        device: ord,
+        inputs,
+        outputs,
+        stages,
+        ready: s.ready as usize,
+        done: s.done as usize,
+        phases: s
+            .phase
+            .iter()
+            .take(plan.phases.len().saturating_sub(1).max(usize::from(mc.is_some())))
             .map(|e| *e as usize)
             .collect(),
         multicast: mc.is_some(),
@@ -575,9 +830,15 @@ fn check_peers(call: &CallInfo, prepared: &Prepared, infos: &[RankInfo]) -> Resu
     Ok(())
 }
 
-fn run(
+/// Issues a started call on its in-flight slot `slot` (the module header, rules A2-A3): the
+/// schedule with MAIN = the slot's tide stream, phase events and barriers; then `done` on tide's
+/// stream, the exit barrier, tide's stream waits on every peer's `done` and records `released`.
+/// On an error after work was enqueued, tide's stream still joins the side streams and records
+/// `released`, so XLA's stream can be ordered after everything enqueued.
+fn run_slot<'d>(
     call: &CallInfo,
-    st: &mut DeviceState,
+    lock_dev: &dyn Fn() -> Result<std::sync::MutexGuard<'d, DeviceState>>,
+    sl: &SlotHandles,
     local: &Local,
     session: &Session<RankInfo>,
     cfg: &Config,
@@ -585,31 +846,33 @@ fn run(
     let infos = session.values();
     let prepared = &local.prepared;
     check_peers(call, prepared, infos)?;
-    for (q, info) in infos.iter().enumerate() {
-        if q != call.rank {
+    if infos.iter().any(|i| i.device != call.device_ordinal) {
+        let mut st = lock_dev()?;
+        for info in infos {
             st.ensure_peer(info.device)?;
         }
     }
-    let main = call.stream as CUstream;
+    let res = Res::slot(sl);
+    let main = res.main;
     let sched = &prepared.schedule;
     let nphases = sched.phases.len();
-    let mut issued_side = false;
+    let (rank, ord) = (call.rank, call.device_ordinal);
     // Optional batching of consecutive copy-engine copies per stream (TIDE_COPY_BATCH).
     let batching = cfg.copy_batch && driver::init().map(|v| v >= 13000).unwrap_or(false);
-    let mut pending: Vec<Vec<BatchCopy>> = vec![Vec::new(); st.side.len() + 1];
+    let mut pending: Vec<Vec<BatchCopy>> = vec![Vec::new(); sl.side.len() + 1];
     // The multicast all-gather only if every rank granted it (all see the same published values).
     let mc = local.mc.filter(|_| infos.iter().all(|i| i.multicast));
-    let res = (|| -> Result<()> {
+    let res_ok = (|| -> Result<()> {
         if let Some(g) = mc {
-            issued_side = true;
-            return issue_multicast(call, st, prepared, infos, session, g, main, cfg);
+            let pushed = *sl
+                .phase
+                .first()
+                .ok_or_else(|| TideError::Internal("no pushed event".into()))?;
+            return issue_multicast(call, sl.dev, sl.cc, &res, pushed, prepared, infos, session, g, cfg);
         }
         for (p, phase) in sched.phases.iter().enumerate() {
             for cmd in &phase.cmds {
                 let s = cmd.stream();
-                if s != MAIN {
-                    issued_side = true;
-                }
                 if batching {
                     if let Cmd::Copy {
                         src,
@@ -632,75 +895,59 @@ fn run(
                             .push(c);
                         continue;
                     }
-                    flush_batch(call, st, main, s, &mut pending)?;
+                    flush_batch(call, &res, s, &mut pending)?;
                 }
-                issue(call, st, infos, prepared, main, p, cmd, cfg)?;
+                issue(call, &res, infos, prepared, p, cmd, cfg)?;
             }
             for s in 0..pending.len() {
-                flush_batch(call, st, main, s, &mut pending)?;
+                flush_batch(call, &res, s, &mut pending)?;
             }
             if p + 1 < nphases {
-                let ev = st.phase[p];
+                let ev = sl.phase[p];
                 // SAFETY: valid event and stream; context current.
-                check(
-                    unsafe { sys::cuEventRecord(ev, main) },
-                    "cuEventRecord",
-                    || {
-                        format!(
-                            "rank {} device {}: phase {p} event",
-                            call.rank, call.device_ordinal
-                        )
-                    },
-                )?;
-                session.barrier(call.rank, &format!("phase {p} ({})", phase.name))?;
+                check(unsafe { sys::cuEventRecord(ev, main) }, "cuEventRecord", || {
+                    format!("rank {rank} device {ord}: phase {p} event")
+                })?;
+                session.barrier(rank, &format!("phase {p} ({})", phase.name))?;
             }
         }
         Ok(())
-    })();
-    if let Err(e) = res {
-        // Keep XLA's stream ordered after whatever was enqueued on the side streams.
-        if issued_side {
-            let ev = st.pool.get(sched.events).copied();
-            for &s in &st.side {
-                if let Err(j) = record_wait(ev, s, main) {
-                    log::warn!(
-                        "tide: rank {}: joining side streams after an error failed: {j}",
-                        call.rank
-                    );
-                }
+    })()
+    .and_then(|()| {
+        // Rule A3: done (this rank's reads of peers' memory are before it: the schedule joined
+        // the side streams into tide's stream), exit barrier, every peer's done.
+        // SAFETY: valid event and stream.
+        check(unsafe { sys::cuEventRecord(sl.done, main) }, "cuEventRecord", || {
+            format!("rank {rank} device {ord}: done event")
+        })?;
+        session.barrier(rank, "exit")?;
+        for (q, info) in infos.iter().enumerate() {
+            if q != rank {
+                // SAFETY: the peer's done event, recorded before the exit barrier; it is not
+                // recorded again before every rank left the session (`start_inner`).
+                check(
+                    unsafe { sys::cuStreamWaitEvent(main, info.done as CUevent, 0) },
+                    "cuStreamWaitEvent",
+                    || format!("rank {rank} device {ord}: on rank {q}'s done event"),
+                )?;
             }
         }
-        return Err(e);
-    }
-    // Rule 5.
-    // SAFETY: valid event and stream.
-    check(
-        unsafe { sys::cuEventRecord(st.done, main) },
-        "cuEventRecord",
-        || {
-            format!(
-                "rank {} device {}: done event",
-                call.rank, call.device_ordinal
-            )
-        },
-    )?;
-    session.barrier(call.rank, "exit")?;
-    for (q, info) in infos.iter().enumerate() {
-        if q != call.rank {
-            // SAFETY: the peer's done event, recorded before the exit barrier; valid for the process.
-            check(
-                unsafe { sys::cuStreamWaitEvent(main, info.done as CUevent, 0) },
-                "cuStreamWaitEvent",
-                || {
-                    format!(
-                        "rank {} device {}: on rank {q}'s done event",
-                        call.rank, call.device_ordinal
-                    )
-                },
-            )?;
+        Ok(())
+    });
+    if res_ok.is_err() {
+        // Tide's stream joins every side stream, so `released` marks the end of all of it.
+        for (k, &s) in sl.side.iter().enumerate() {
+            let ev = sl.pool.get(sched.events + k).copied();
+            if let Err(j) = record_wait(ev, s, main) {
+                log::warn!("tide: rank {rank}: joining side streams after an error failed: {j}");
+            }
         }
     }
-    Ok(())
+    // SAFETY: valid event and stream.
+    let recorded = check(unsafe { sys::cuEventRecord(sl.released, main) }, "cuEventRecord", || {
+        format!("rank {rank} device {ord}: released event")
+    });
+    res_ok.and(recorded)
 }
 
 /// The NVLink multicast all-gather (see the `multicast` module header): set up the (site, group)
@@ -710,14 +957,17 @@ fn run(
 #[allow(clippy::too_many_arguments)]
 fn issue_multicast(
     call: &CallInfo,
-    st: &mut DeviceState,
+    dev: driver::CUdevice,
+    cc: (i32, i32),
+    res: &Res,
+    pushed: CUevent,
     prepared: &Prepared,
     infos: &[RankInfo],
     session: &Session<RankInfo>,
     g: multicast::Granted,
-    main: CUstream,
     cfg: &Config,
 ) -> Result<()> {
+    let main = res.main;
     let ord = call.device_ordinal;
     let rank = call.rank;
     let mp = multicast::plan(&prepared.layout, rank);
@@ -730,7 +980,7 @@ fn issue_multicast(
         }
         session.barrier(rank, "multicast created")?;
         let (handle, size) = shared.handle()?;
-        multicast::add_device(g, handle, st.dev, ord)?;
+        multicast::add_device(g, handle, dev, ord)?;
         session.barrier(rank, "multicast devices added")?;
         shared.set_rank(rank, multicast::bind_and_map(g, handle, size, ord)?);
         session.barrier(rank, "multicast bound")?;
@@ -739,7 +989,7 @@ fn issue_multicast(
         }
     }
     let mine = shared.rank(rank)?;
-    let f = multicast::kernel(g, ord, st.cc)?;
+    let f = multicast::kernel(g, ord, cc)?;
     let me = &infos[rank];
     for s in &mp.stores {
         let (src, bytes) = me.inputs[s.param];
@@ -759,10 +1009,6 @@ fn issue_multicast(
             cfg.rs_max_ctas,
         )?;
     }
-    let pushed = *st
-        .phase
-        .first()
-        .ok_or_else(|| TideError::Internal("no pushed event".into()))?;
     // SAFETY: valid event and stream; context current.
     check(
         unsafe { sys::cuEventRecord(pushed, main) },
@@ -770,7 +1016,7 @@ fn issue_multicast(
         || format!("rank {rank} device {ord}: multicast pushed event"),
     )?;
     session.barrier(rank, "multicast pushed")?;
-    let side = stream_of(st, main, 1)?;
+    let side = stream_of(res, 1)?;
     for (q, info) in infos.iter().enumerate() {
         let ev = *info.phases.first().ok_or_else(|| {
             TideError::Internal(format!("rank {q} published no multicast pushed event"))
@@ -804,7 +1050,7 @@ fn issue_multicast(
             || format!("rank {rank} device {ord}: multicast fan-out"),
         )?;
     }
-    let join = *st
+    let join = *res
         .pool
         .first()
         .ok_or_else(|| TideError::Internal("no local event".into()))?;
@@ -850,8 +1096,7 @@ fn batch_copy_supported() -> bool {
 /// several (source order: stream; hints: the devices holding source and destination).
 fn flush_batch(
     call: &CallInfo,
-    st: &DeviceState,
-    main: CUstream,
+    res: &Res,
     s: usize,
     pending: &mut [Vec<BatchCopy>],
 ) -> Result<()> {
@@ -862,7 +1107,7 @@ fn flush_batch(
         return Ok(());
     }
     let copies = std::mem::take(list);
-    let stream = stream_of(st, main, s)?;
+    let stream = stream_of(res, s)?;
     let what = || {
         format!(
             "rank {} device {}: {} copies on stream {s}, {} bytes",
@@ -933,11 +1178,48 @@ fn record_wait(ev: Option<CUevent>, from: CUstream, to: CUstream) -> Result<()> 
     }
 }
 
-fn stream_of(st: &DeviceState, main: CUstream, s: usize) -> Result<CUstream> {
+/// The streams and events one call issues on: the schedule's MAIN (`main`: tide's stream of the
+/// call's in-flight slot; XLA's stream on the multi-process path), its side streams and local
+/// events, and the kernel module.
+pub(crate) struct Res<'a> {
+    pub module: Option<&'a device::Module>,
+    pub main: CUstream,
+    pub side: &'a [CUstream],
+    pub pool: &'a [CUevent],
+    /// The event `Cmd::WaitOwnPrevDone` waits on; `None` skips those waits (the start/done
+    /// driver: implied by rule A1, `ready` is recorded on the slot's own tide stream).
+    pub prev_done: Option<CUevent>,
+}
+
+impl<'a> Res<'a> {
+    /// The device-wide resources with XLA's stream as MAIN (the multi-process path).
+    pub(crate) fn device(st: &'a DeviceState, main: CUstream) -> Res<'a> {
+        Res {
+            module: st.module.as_deref(),
+            main,
+            side: &st.side,
+            pool: &st.pool,
+            prev_done: Some(st.done),
+        }
+    }
+
+    /// An in-flight slot's resources (the start/done driver).
+    fn slot(h: &'a SlotHandles) -> Res<'a> {
+        Res {
+            module: h.module.as_deref(),
+            main: h.tide,
+            side: &h.side,
+            pool: &h.pool,
+            prev_done: None,
+        }
+    }
+}
+
+pub(crate) fn stream_of(res: &Res, s: usize) -> Result<CUstream> {
     if s == MAIN {
-        Ok(main)
+        Ok(res.main)
     } else {
-        st.side
+        res.side
             .get(s - 1)
             .copied()
             .ok_or_else(|| TideError::Internal(format!("side stream {s} not created")))
@@ -989,19 +1271,18 @@ fn step_ctx(call: &CallInfo, prepared: &Prepared, phase: usize, step: usize, r: 
 }
 
 #[allow(clippy::too_many_arguments)]
-fn issue(
+pub(crate) fn issue(
     call: &CallInfo,
-    st: &DeviceState,
+    res: &Res,
     infos: &[RankInfo],
     prepared: &Prepared,
-    main: CUstream,
     phase: usize,
     cmd: &Cmd,
     cfg: &Config,
 ) -> Result<()> {
     let ord = call.device_ordinal;
     let rank = call.rank;
-    let s = stream_of(st, main, cmd.stream())?;
+    let s = stream_of(res, cmd.stream())?;
     match cmd {
         Cmd::WaitRank { rank: q, event, .. } => {
             let info = &infos[*q];
@@ -1019,15 +1300,18 @@ fn issue(
             )
         }
         Cmd::WaitOwnPrevDone { .. } => {
+            let Some(done) = res.prev_done else {
+                return Ok(());
+            };
             // SAFETY: our own event.
             check(
-                unsafe { sys::cuStreamWaitEvent(s, st.done, 0) },
+                unsafe { sys::cuStreamWaitEvent(s, done, 0) },
                 "cuStreamWaitEvent",
                 || format!("rank {rank} device {ord}: side stream on the previous done event"),
             )
         }
         Cmd::Record { event, .. } => {
-            let ev = *st
+            let ev = *res
                 .pool
                 .get(*event)
                 .ok_or_else(|| TideError::Internal(format!("local event {event} not created")))?;
@@ -1039,7 +1323,7 @@ fn issue(
             )
         }
         Cmd::Wait { event, .. } => {
-            let ev = *st
+            let ev = *res
                 .pool
                 .get(*event)
                 .ok_or_else(|| TideError::Internal(format!("local event {event} not created")))?;
@@ -1078,9 +1362,8 @@ fn issue(
                     )
                 }
                 CopyVia::Sm => {
-                    let m = st
+                    let m = res
                         .module
-                        .as_ref()
                         .ok_or_else(|| TideError::Internal("kernel module not loaded".into()))?;
                     let width = kernels::copy_width(da, sa);
                     let grid =
@@ -1144,9 +1427,8 @@ fn issue(
             elems,
             ..
         } => {
-            let m = st
+            let m = res
                 .module
-                .as_ref()
                 .ok_or_else(|| TideError::Internal("kernel module not loaded".into()))?;
             let da = address(infos, dst, elems * 4)?;
             let dtypes: Vec<_> = srcs.iter().map(|o| o.dtype).collect();

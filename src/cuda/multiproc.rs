@@ -54,7 +54,7 @@ use super::driver::{self, check, CUevent, CUstream};
 use super::ipc::{self, AllocDesc, FdChannel};
 use super::nccl;
 use super::schedule::{Cmd, MAIN};
-use super::{issue, op_name, prepare, record_wait, stream_of, RankInfo};
+use super::{issue, op_name, prepare, record_wait, stream_of, RankInfo, Res};
 use crate::call::CallInfo;
 use crate::error::{Result, TideError};
 use crate::plan::{Action, BufKind, Op, Plan, Region};
@@ -1140,12 +1140,12 @@ fn run_phases(
                 match cmd {
                     Cmd::WaitRank { rank: q, .. } if *q / g != my_node => continue,
                     Cmd::Copy { src, dst, .. } if src.rank / g != dst.rank / g => {
-                        let sx = stream_of(st, main, s)?;
+                        let sx = stream_of(&Res::device(st, main), s)?;
                         wait(sx, d.rail_events[p] as usize, &|| {
                             format!("stream {s} on the rail transfers of phase {p}")
                         })?;
                     }
-                    _ => issue(call, st, infos, prepared, main, p, cmd, &cfg)?,
+                    _ => issue(call, &Res::device(st, main), infos, prepared, p, cmd, &cfg)?,
                 }
             }
             if p + 1 < nphases {

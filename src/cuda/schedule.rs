@@ -1934,7 +1934,6 @@ mod tests {
         // it; A3, XLA overwrites an input a peer still copies; A4, XLA reads outputs not written.
         let plans = protocol_plans();
         let ag = &plans[0];
-        let rs = &plans[2];
         // (The schedule's previous-done wait is not needed: `ready` is recorded on T, after the
         // slot's previous call; `start_done_protocol_is_race_free_with_calls_in_flight` runs
         // without it, a start without done included.)
