@@ -31,6 +31,7 @@ from ._ops import (
     set_backend,
 )
 from ._compat import shard_map
+from ._loop import scan_layers
 from ._distributed import initialize
 
 __version__ = "0.1.0"
@@ -54,6 +55,7 @@ __all__ = [
     "library_path",
     "reduce_scatter",
     "reference",
+    "scan_layers",
     "set_backend",
     "shard_map",
 ]

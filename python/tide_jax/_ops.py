@@ -203,7 +203,8 @@ class Handle:
     def __init__(self, results, operands, meta):
         self.results = list(results)
         self.operands = list(operands)
-        self.meta = meta  # (op, layout, site, backend, output vma axes): static
+        self.meta = meta  # (op, layout, backend, output vma axes): static, the same for every
+        # start of one layout (so handles of different iterations fit one scan carry)
 
     def tree_flatten(self):
         return (self.results, self.operands), self.meta
@@ -213,14 +214,14 @@ class Handle:
         return cls(children[0], children[1], meta)
 
     def __repr__(self):
-        return f"Handle({self.meta[0]}, site {self.meta[2]}, {len(self.results)} arrays, backend {self.meta[3]})"
+        return f"Handle({self.meta[0]}, {len(self.results)} arrays, backend {self.meta[2]})"
 
 
 def _start(op: str, leaves: list, lay: Layout, backend: str) -> Handle:
     if backend == "jax":  # XLA schedules its own collectives; the handle holds the results
         gather, scatter = _impl("jax")
         outs = (gather if op == "all_gather" else scatter)(leaves, lay)
-        return Handle(outs, [], (op, lay, 0, backend, ()))
+        return Handle(outs, [], (op, lay, backend, ()))
     _lib.ensure_registered(lay.platform)
     if op == "all_gather":
         types = [jax.ShapeDtypeStruct(p.shape, x.dtype) for p, x in zip(lay.params, leaves)]
@@ -230,13 +231,13 @@ def _start(op: str, leaves: list, lay: Layout, backend: str) -> Handle:
     outs = jax.ffi.ffi_call(f"tide_{op}_start", types)(*leaves, **_attrs(lay, site))
     vma = tuple(sorted(frozenset().union(*(_compat.vma_of(x) for x in leaves)) | {lay.axis}))
     outs = [_compat.mark_varying(o, list(vma)) for o in outs]
-    return Handle(outs, leaves, (op, lay, site, backend, vma))
+    return Handle(outs, leaves, (op, lay, backend, vma))
 
 
 def _done(handle: Handle, op: str) -> list:
     if not isinstance(handle, Handle):
         raise TypeError(f"tide: {op}_done: expected the Handle its {op}_start returned, got {type(handle).__name__}")
-    hop, lay, site, backend, vma = handle.meta
+    hop, lay, backend, vma = handle.meta
     if hop != op:
         raise ValueError(f"tide: {op}_done got the handle of a {hop}_start")
     if backend == "jax":
@@ -245,7 +246,7 @@ def _done(handle: Handle, op: str) -> list:
     types = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in handle.results]
     outs = jax.ffi.ffi_call(
         f"tide_{op}_done", types, input_output_aliases={i: i for i in range(n)}
-    )(*handle.results, *handle.operands, **_attrs(lay, site))
+    )(*handle.results, *handle.operands, **_attrs(lay, _new_site()))
     return [_compat.mark_varying(o, list(vma)) for o in outs]
 
 
