@@ -181,14 +181,14 @@ def _attrs(lay: Layout, site: int) -> dict[str, Any]:
 def _tide_all_gather(leaves: list, lay: Layout) -> list:
     _lib.ensure_registered(lay.platform)
     result_types = [jax.ShapeDtypeStruct(p.shape, x.dtype) for p, x in zip(lay.params, leaves)]
-    outs = jax.ffi.ffi_call("tide_all_gather", result_types)(*leaves, **_attrs(lay, _new_site()))
+    outs = jax.ffi.ffi_call("tide_all_gather", result_types, vmap_method="sequential")(*leaves, **_attrs(lay, _new_site()))
     return _vary_like(list(outs), leaves, lay.axis)
 
 
 def _tide_reduce_scatter(leaves: list, lay: Layout) -> list:
     _lib.ensure_registered(lay.platform)
     result_types = [jax.ShapeDtypeStruct(p.shard_shape, jnp.float32) for p in lay.params]
-    outs = jax.ffi.ffi_call("tide_reduce_scatter", result_types)(*leaves, **_attrs(lay, _new_site()))
+    outs = jax.ffi.ffi_call("tide_reduce_scatter", result_types, vmap_method="sequential")(*leaves, **_attrs(lay, _new_site()))
     return _vary_like(list(outs), leaves, lay.axis)
 
 
