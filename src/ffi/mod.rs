@@ -258,10 +258,9 @@ fn with_site_key(op: Op, instance: u64, mut call: FfiCall) -> Result<FfiCall> {
 
 /// Every CPU call (docs/design.md "CPU handlers are asynchronous", "Start/done"). On XLA's
 /// thread: decode, and for in-process calls take the rendezvous sequence number (so it follows
-/// the order XLA invoked the handler). Sync: the call runs on a tide worker thread, which
-/// completes the promise. Start: the same, but the promise completes at once and the worker's
-/// result goes to the call's `inflight::Record`. Done: completes the promise with its start's
-/// result, when that is in. Never unwinds; completes the promise exactly once on every path.
+/// the order XLA invoked the handler). Sync and start: the call runs on a tide worker thread, which
+/// completes the promise (start also sets its `inflight::Record`). Done: finds its start's record
+/// by the buffers and completes the promise with its result. Never unwinds; completes the promise exactly once on every path.
 fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize) {
     let complete = move |st: FfiStatus| {
         bridge::tide_complete_cpu(promise, st.code.repr, &st.message);
@@ -320,10 +319,11 @@ fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize
         let record = record.expect("done has a record");
         return record.on_finish(move |r| complete(status(r)));
     }
+    // A CPU start completes its future only when its collective is finished, like the synchronous
+    // call: XLA:CPU may copy or free a start's results as soon as the start completes (a copy at
+    // a loop boundary), and a worker still writing them would corrupt memory. The future still
+    // frees XLA's thread at once, so independent work overlaps; done then checks the pairing.
     let record_for_job = record.clone();
-    if phase == Phase::Start {
-        complete(status(Ok(())));
-    }
     worker::submit(move || {
         let result = catch_unwind(AssertUnwindSafe(|| {
             if info.job != 0 {
@@ -338,10 +338,10 @@ fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize
                 &*payload,
             ))
         });
-        match record_for_job {
-            Some(record) => record.finish(result),
-            None => complete(status(result)),
+        if let Some(record) = record_for_job {
+            record.finish(result.clone());
         }
+        complete(status(result));
     });
 }
 
