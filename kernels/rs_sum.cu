@@ -27,11 +27,32 @@
 #define TIDE_DEV __device__ __forceinline__
 #else
 #define TIDE_DEV inline
+#define __grid_constant__
 #endif
 
 struct TideSrcs {
     const void* p[TIDE_MAX_SRCS];
 };
+
+// The grid a body strides over: the launch's (block = blockIdx.x, blocks = gridDim.x), or one CTA
+// alone (block 0 of 1) for a segment of a batched launch (tide_copy_batch, rs_sum_batch_*).
+struct TideGrid {
+    unsigned long long block, blocks;
+};
+
+TIDE_DEV TideGrid tide_grid() {
+    TideGrid g;
+    g.block = blockIdx.x;
+    g.blocks = gridDim.x;
+    return g;
+}
+
+TIDE_DEV TideGrid tide_one_cta() {
+    TideGrid g;
+    g.block = 0;
+    g.blocks = 1;
+    return g;
+}
 
 TIDE_DEV float tide_bits_f32(unsigned int bits) {
 #ifdef TIDE_HOST_EMULATION
@@ -119,9 +140,10 @@ struct TideF32 {
 // Vector body: each thread handles U vectors per iteration (U * NSRC independent 16-byte loads in
 // flight before the first add), vectors v0, v0 + stride, ... so each warp's loads are coalesced.
 template <class E, int NSRC, int U>
-TIDE_DEV void tide_sum_vec(float* dst, const TideSrcs& srcs, unsigned long long nvec, int accumulate) {
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    for (unsigned long long v0 = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; v0 < nvec;
+TIDE_DEV void tide_sum_vec(float* dst, const TideSrcs& srcs, unsigned long long nvec, int accumulate,
+                           TideGrid g = tide_grid()) {
+    const unsigned long long stride = g.blocks * blockDim.x;
+    for (unsigned long long v0 = g.block * blockDim.x + threadIdx.x; v0 < nvec;
          v0 += stride * U) {
         uint4 raw[U][NSRC];
 #pragma unroll
@@ -180,9 +202,10 @@ TIDE_DEV void tide_sum_vec(float* dst, const TideSrcs& srcs, unsigned long long 
 // lane l of a warp loads 8 bytes at quad q0 + l and stores the float4 at q0 + l, so both the loads
 // (256 bytes per warp instruction) and the fp32 stores (512 bytes) are contiguous.
 template <class E, int NSRC, int U>
-TIDE_DEV void tide_sum_quad(float* dst, const TideSrcs& srcs, unsigned long long nquad, int accumulate) {
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    for (unsigned long long q0 = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; q0 < nquad;
+TIDE_DEV void tide_sum_quad(float* dst, const TideSrcs& srcs, unsigned long long nquad, int accumulate,
+                            TideGrid g) {
+    const unsigned long long stride = g.blocks * blockDim.x;
+    for (unsigned long long q0 = g.block * blockDim.x + threadIdx.x; q0 < nquad;
          q0 += stride * U) {
         uint2 raw[U][NSRC];
 #pragma unroll
@@ -233,28 +256,29 @@ TIDE_DEV void tide_sum_quad(float* dst, const TideSrcs& srcs, unsigned long long
 }
 
 template <class E>
-TIDE_DEV void tide_sum_quads(float* dst, const TideSrcs& srcs, int nsrc, unsigned long long nquad, int accumulate) {
+TIDE_DEV void tide_sum_quads(float* dst, const TideSrcs& srcs, int nsrc, unsigned long long nquad, int accumulate,
+                             TideGrid g) {
     switch (nsrc) {
         // U * NSRC 8-byte loads in flight per thread (16 for 1 to 4 sources: 128 bytes per thread,
         // 64 KiB per 512-thread CTA), bounded by the registers of __launch_bounds__(512) without
         // spills (tests/kernels_nvrtc.rs).
-        case 1: tide_sum_quad<E, 1, 16>(dst, srcs, nquad, accumulate); break;
-        case 2: tide_sum_quad<E, 2, 8>(dst, srcs, nquad, accumulate); break;
-        case 3: tide_sum_quad<E, 3, 4>(dst, srcs, nquad, accumulate); break;
-        case 4: tide_sum_quad<E, 4, 4>(dst, srcs, nquad, accumulate); break;
-        case 5: tide_sum_quad<E, 5, 2>(dst, srcs, nquad, accumulate); break;
-        case 6: tide_sum_quad<E, 6, 2>(dst, srcs, nquad, accumulate); break;
-        case 7: tide_sum_quad<E, 7, 2>(dst, srcs, nquad, accumulate); break;
-        default: tide_sum_quad<E, 8, 2>(dst, srcs, nquad, accumulate); break;
+        case 1: tide_sum_quad<E, 1, 16>(dst, srcs, nquad, accumulate, g); break;
+        case 2: tide_sum_quad<E, 2, 8>(dst, srcs, nquad, accumulate, g); break;
+        case 3: tide_sum_quad<E, 3, 4>(dst, srcs, nquad, accumulate, g); break;
+        case 4: tide_sum_quad<E, 4, 4>(dst, srcs, nquad, accumulate, g); break;
+        case 5: tide_sum_quad<E, 5, 2>(dst, srcs, nquad, accumulate, g); break;
+        case 6: tide_sum_quad<E, 6, 2>(dst, srcs, nquad, accumulate, g); break;
+        case 7: tide_sum_quad<E, 7, 2>(dst, srcs, nquad, accumulate, g); break;
+        default: tide_sum_quad<E, 8, 2>(dst, srcs, nquad, accumulate, g); break;
     }
 }
 
 // Scalar body for elements [begin, n): the tail after the vectors, or everything when unaligned.
 template <class E>
 TIDE_DEV void tide_sum_scalar(float* dst, const TideSrcs& srcs, int nsrc, unsigned long long begin,
-                              unsigned long long n, int accumulate) {
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    for (unsigned long long i = begin + (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+                              unsigned long long n, int accumulate, TideGrid g = tide_grid()) {
+    const unsigned long long stride = g.blocks * blockDim.x;
+    for (unsigned long long i = begin + g.block * blockDim.x + threadIdx.x; i < n;
          i += stride) {
         float acc;
         int s = 0;
@@ -275,13 +299,13 @@ TIDE_DEV void tide_sum_scalar(float* dst, const TideSrcs& srcs, int nsrc, unsign
 
 template <class E>
 TIDE_DEV void tide_sum(float* dst, const TideSrcs& srcs, int nsrc, unsigned long long n, int accumulate,
-                       int vectorized) {
+                       int vectorized, TideGrid g = tide_grid()) {
     if (nsrc < 1 || nsrc > TIDE_MAX_SRCS) return;  // the host never launches this
     if constexpr (E::PER_VEC == 8) {  // 2-byte sources
         if (vectorized == 2) {
             const unsigned long long nquad = n / 4;
-            tide_sum_quads<E>(dst, srcs, nsrc, nquad, accumulate);
-            tide_sum_scalar<E>(dst, srcs, nsrc, nquad * 4, n, accumulate);
+            tide_sum_quads<E>(dst, srcs, nsrc, nquad, accumulate, g);
+            tide_sum_scalar<E>(dst, srcs, nsrc, nquad * 4, n, accumulate, g);
             return;
         }
     }
@@ -292,17 +316,17 @@ TIDE_DEV void tide_sum(float* dst, const TideSrcs& srcs, int nsrc, unsigned long
             // (TIDE_RS_MAX_CTAS) the bytes in flight per SM set the bandwidth. 2 sources (two
             // GPUs, the common case): 16 loads = 256 bytes per thread, 128 KiB per 512-thread CTA;
             // 102 registers on sm_90, no spills (tests/kernels_nvrtc.rs).
-            case 1: tide_sum_vec<E, 1, 8>(dst, srcs, nvec, accumulate); break;
-            case 2: tide_sum_vec<E, 2, 8>(dst, srcs, nvec, accumulate); break;
-            case 3: tide_sum_vec<E, 3, 4>(dst, srcs, nvec, accumulate); break;
-            case 4: tide_sum_vec<E, 4, 4>(dst, srcs, nvec, accumulate); break;
-            case 5: tide_sum_vec<E, 5, 1>(dst, srcs, nvec, accumulate); break;
-            case 6: tide_sum_vec<E, 6, 1>(dst, srcs, nvec, accumulate); break;
-            case 7: tide_sum_vec<E, 7, 1>(dst, srcs, nvec, accumulate); break;
-            default: tide_sum_vec<E, 8, 1>(dst, srcs, nvec, accumulate); break;
+            case 1: tide_sum_vec<E, 1, 8>(dst, srcs, nvec, accumulate, g); break;
+            case 2: tide_sum_vec<E, 2, 8>(dst, srcs, nvec, accumulate, g); break;
+            case 3: tide_sum_vec<E, 3, 4>(dst, srcs, nvec, accumulate, g); break;
+            case 4: tide_sum_vec<E, 4, 4>(dst, srcs, nvec, accumulate, g); break;
+            case 5: tide_sum_vec<E, 5, 1>(dst, srcs, nvec, accumulate, g); break;
+            case 6: tide_sum_vec<E, 6, 1>(dst, srcs, nvec, accumulate, g); break;
+            case 7: tide_sum_vec<E, 7, 1>(dst, srcs, nvec, accumulate, g); break;
+            default: tide_sum_vec<E, 8, 1>(dst, srcs, nvec, accumulate, g); break;
         }
     }
-    tide_sum_scalar<E>(dst, srcs, nsrc, nvec * E::PER_VEC, n, accumulate);
+    tide_sum_scalar<E>(dst, srcs, nsrc, nvec * E::PER_VEC, n, accumulate, g);
 }
 
 extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
@@ -322,9 +346,9 @@ rs_sum_f32_f32(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int ac
 
 // Byte copy in units of T (U units in flight per thread), then the bytes past the last whole unit.
 template <class T, int U>
-TIDE_DEV void tide_copy_units(void* dst, const void* src, unsigned long long bytes) {
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    const unsigned long long tid = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+TIDE_DEV void tide_copy_units(void* dst, const void* src, unsigned long long bytes, TideGrid g = tide_grid()) {
+    const unsigned long long stride = g.blocks * blockDim.x;
+    const unsigned long long tid = g.block * blockDim.x + threadIdx.x;
     const unsigned long long n = bytes / sizeof(T);
     T* d = (T*)dst;
     const T* s = (const T*)src;
@@ -357,6 +381,75 @@ tide_copy(void* dst, const void* src, unsigned long long bytes, int width) {
         case 2: tide_copy_units<unsigned short, 4>(dst, src, bytes); break;
         default: tide_copy_units<unsigned char, 4>(dst, src, bytes); break;
     }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Batched launches (TIDE_FUSE_BYTES): many small independent copies or sums in one launch, so a group
+// of many small parameters costs one launch instead of one per parameter. Segment k of `count` is
+// done by CTA k, k + gridDim.x, ... alone (a one-CTA grid), with the same bodies as the single
+// kernels, so results are bitwise identical. The host batches only segments that touch disjoint
+// bytes (none writes what another reads or writes). Descriptors travel in the kernel parameters
+// (at most 4 KiB) as __grid_constant__, so indexing them by segment reads the parameter space
+// instead of copying the struct to local memory.
+#define TIDE_COPY_BATCH 32
+#define TIDE_SUM_BATCH 16
+
+struct TideCopyBatch {
+    unsigned long long dst[TIDE_COPY_BATCH];
+    unsigned long long src[TIDE_COPY_BATCH];
+    unsigned long long bytes[TIDE_COPY_BATCH];
+    int width[TIDE_COPY_BATCH];
+};
+
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+tide_copy_batch(const __grid_constant__ TideCopyBatch b, int count) {
+    for (int k = blockIdx.x; k < count; k += gridDim.x) {
+        void* d = (void*)b.dst[k];
+        const void* s = (const void*)b.src[k];
+        const unsigned long long bytes = b.bytes[k];
+        const TideGrid g = tide_one_cta();
+        switch (b.width[k]) {
+            case 16: tide_copy_units<uint4, 8>(d, s, bytes, g); break;
+            case 8: tide_copy_units<unsigned long long, 4>(d, s, bytes, g); break;
+            case 4: tide_copy_units<unsigned int, 4>(d, s, bytes, g); break;
+            case 2: tide_copy_units<unsigned short, 4>(d, s, bytes, g); break;
+            default: tide_copy_units<unsigned char, 4>(d, s, bytes, g); break;
+        }
+    }
+}
+
+struct TideSumBatch {
+    unsigned long long dst[TIDE_SUM_BATCH];
+    unsigned long long n[TIDE_SUM_BATCH];
+    unsigned long long src[TIDE_SUM_BATCH][TIDE_MAX_SRCS];
+    int nsrc[TIDE_SUM_BATCH];
+    int accumulate[TIDE_SUM_BATCH];
+    int vectorized[TIDE_SUM_BATCH];
+};
+
+template <class E>
+TIDE_DEV void tide_sum_batch(const TideSumBatch& b, int count) {
+    for (int k = blockIdx.x; k < count; k += gridDim.x) {
+        TideSrcs s;
+#pragma unroll
+        for (int q = 0; q < TIDE_MAX_SRCS; ++q) s.p[q] = (const void*)b.src[k][q];
+        tide_sum<E>((float*)b.dst[k], s, b.nsrc[k], b.n[k], b.accumulate[k], b.vectorized[k], tide_one_cta());
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+rs_sum_batch_bf16_f32(const __grid_constant__ TideSumBatch b, int count) {
+    tide_sum_batch<TideBf16>(b, count);
+}
+
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+rs_sum_batch_f16_f32(const __grid_constant__ TideSumBatch b, int count) {
+    tide_sum_batch<TideF16>(b, count);
+}
+
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+rs_sum_batch_f32_f32(const __grid_constant__ TideSumBatch b, int count) {
+    tide_sum_batch<TideF32>(b, count);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -15,12 +15,66 @@ pub const THREADS: u32 = 512;
 /// Sources one `rs_sum_*` launch sums (`TIDE_MAX_SRCS`, the size of `TideSrcs`).
 pub const MAX_SRCS: usize = 8;
 /// Every kernel the module must export.
-pub const KERNEL_NAMES: [&str; 4] = [
+pub const KERNEL_NAMES: [&str; 8] = [
     "rs_sum_bf16_f32",
     "rs_sum_f16_f32",
     "rs_sum_f32_f32",
     "tide_copy",
+    "tide_copy_batch",
+    "rs_sum_batch_bf16_f32",
+    "rs_sum_batch_f16_f32",
+    "rs_sum_batch_f32_f32",
 ];
+
+/// Segments per batched launch (`TIDE_COPY_BATCH`, `TIDE_SUM_BATCH` in kernels/rs_sum.cu).
+pub const COPY_BATCH: usize = 32;
+pub const SUM_BATCH: usize = 16;
+
+/// `TideCopyBatch` of kernels/rs_sum.cu, passed by value to `tide_copy_batch`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct CopyBatch {
+    pub dst: [u64; COPY_BATCH],
+    pub src: [u64; COPY_BATCH],
+    pub bytes: [u64; COPY_BATCH],
+    pub width: [i32; COPY_BATCH],
+}
+
+/// `TideSumBatch` of kernels/rs_sum.cu, passed by value to `rs_sum_batch_*`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct SumBatch {
+    pub dst: [u64; SUM_BATCH],
+    pub n: [u64; SUM_BATCH],
+    pub src: [[u64; MAX_SRCS]; SUM_BATCH],
+    pub nsrc: [i32; SUM_BATCH],
+    pub accumulate: [i32; SUM_BATCH],
+    pub vectorized: [i32; SUM_BATCH],
+}
+
+impl Default for CopyBatch {
+    fn default() -> CopyBatch {
+        CopyBatch {
+            dst: [0; COPY_BATCH],
+            src: [0; COPY_BATCH],
+            bytes: [0; COPY_BATCH],
+            width: [0; COPY_BATCH],
+        }
+    }
+}
+
+impl Default for SumBatch {
+    fn default() -> SumBatch {
+        SumBatch {
+            dst: [0; SUM_BATCH],
+            n: [0; SUM_BATCH],
+            src: [[0; MAX_SRCS]; SUM_BATCH],
+            nsrc: [0; SUM_BATCH],
+            accumulate: [0; SUM_BATCH],
+            vectorized: [0; SUM_BATCH],
+        }
+    }
+}
 
 /// The Hopper bulk-copy (TMA) variants of the `rs_sum_*` kernels (same parameters, same results),
 /// exported by the module on every architecture but only launched on compute capability >= 9.0.
