@@ -386,7 +386,8 @@ tide_copy(void* dst, const void* src, unsigned long long bytes, int width) {
 // ---------------------------------------------------------------------------------------------------
 // Batched launches (TIDE_FUSE_BYTES): many small independent copies or sums in one launch, so a group
 // of many small parameters costs one launch instead of one per parameter. Segment k of `count` is
-// done by CTA k, k + gridDim.x, ... alone (a one-CTA grid), with the same bodies as the single
+// done by one CTA alone (a one-CTA grid; copies: CTA k, k + gridDim.x, ...; sums: CTA k, the
+// launch has one CTA per segment), with the same bodies as the single
 // kernels, so results are bitwise identical. The host batches only segments that touch disjoint
 // bytes (none writes what another reads or writes). Descriptors travel in the kernel parameters
 // (at most 4 KiB) as __grid_constant__, so indexing them by segment reads the parameter space
@@ -421,20 +422,20 @@ tide_copy_batch(const __grid_constant__ TideCopyBatch b, int count) {
 struct TideSumBatch {
     unsigned long long dst[TIDE_SUM_BATCH];
     unsigned long long n[TIDE_SUM_BATCH];
-    unsigned long long src[TIDE_SUM_BATCH][TIDE_MAX_SRCS];
+    TideSrcs src[TIDE_SUM_BATCH];
     int nsrc[TIDE_SUM_BATCH];
     int accumulate[TIDE_SUM_BATCH];
     int vectorized[TIDE_SUM_BATCH];
 };
 
+// One CTA per segment: the host launches exactly `count` CTAs (count <= TIDE_RS_MAX_CTAS). A loop
+// over segments around the inlined bodies spills to local memory on sm_90 (ptxas); this does not.
 template <class E>
 TIDE_DEV void tide_sum_batch(const TideSumBatch& b, int count) {
-    for (int k = blockIdx.x; k < count; k += gridDim.x) {
-        TideSrcs s;
-#pragma unroll
-        for (int q = 0; q < TIDE_MAX_SRCS; ++q) s.p[q] = (const void*)b.src[k][q];
-        tide_sum<E>((float*)b.dst[k], s, b.nsrc[k], b.n[k], b.accumulate[k], b.vectorized[k], tide_one_cta());
-    }
+    const int k = blockIdx.x;
+    if (k >= count) return;
+    const TideSrcs s = b.src[k];
+    tide_sum<E>((float*)b.dst[k], s, b.nsrc[k], b.n[k], b.accumulate[k], b.vectorized[k], tide_one_cta());
 }
 
 extern "C" __global__ void __launch_bounds__(TIDE_THREADS)

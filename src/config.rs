@@ -54,6 +54,13 @@ pub struct Config {
     /// device is at most TIDE_MAX_IN_FLIGHT x TIDE_RS_STAGE_SLOTS x TIDE_RS_SLOT_BYTES (default
     /// 2 x 96 MiB); the all-gather needs none. A start beyond it fails with an error naming it.
     pub max_in_flight: usize,
+    /// TIDE_FUSE_BYTES (default 262144; 0 = off): on the in-process CUDA path, runs of independent
+    /// copies (copy-engine or SM) and reductions on one stream whose segments are each smaller than
+    /// this go as batched kernel launches (`tide_copy_batch`, `rs_sum_batch_*`: up to 32 copies or
+    /// 16 sums per launch, one CTA per segment, at most TIDE_RS_MAX_CTAS CTAs) instead of one
+    /// driver operation each, so a group of many small parameters costs a few launches, not one
+    /// per parameter (issue #9: 5-7 us per parameter before). Small copies then use SMs briefly.
+    pub fuse_bytes: usize,
 }
 
 /// Which fp32 reduction kernel the CUDA reduce-scatter launches.
@@ -122,6 +129,7 @@ impl Config {
             copy_batch: env_parse("TIDE_COPY_BATCH", 1u32) != 0,
             rs_kernel: env_parse("TIDE_RS_KERNEL", RsKernel::St),
             max_in_flight: env_parse("TIDE_MAX_IN_FLIGHT", 2usize).clamp(1, 16),
+            fuse_bytes: env_parse("TIDE_FUSE_BYTES", 256usize << 10),
             nvrtc_lib_dir: std::env::var("TIDE_NVRTC_LIB_DIR")
                 .ok()
                 .filter(|s| !s.trim().is_empty()),

@@ -19,6 +19,8 @@
 //! - `per_call_host_cost`: host time of one start/done pair vs the number of parameters (1 GPU,
 //!   P=1 and P=2 on one GPU), printed as rows (`percall:`); no assertion.
 
+#![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+
 use cudarc::driver::sys;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -497,7 +499,7 @@ fn per_call_host_cost() {
         for op in [Op::AllGather, Op::ReduceScatter] {
             for n in [1usize, 8, 64, 256] {
                 let specs: Vec<ParamSpec> = (0..n)
-                    .map(|i| ParamSpec::new(&format!("p{i}"), &[64, 1024], DType::BF16))
+                    .map(|i| ParamSpec::new(format!("p{i}"), &[64, 1024], DType::BF16))
                     .collect();
                 let site = 8000 + (world * 10_000 + n) as i64 + if op == Op::AllGather { 0 } else { 500 };
                 let case = make_case(&devs, &dev_of, &streams, op, site, &specs, 5);

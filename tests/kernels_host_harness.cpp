@@ -178,6 +178,110 @@ static void check_copy(size_t bytes, size_t dst_off, size_t src_off, unsigned gr
     }
 }
 
+// Batched launches: `count` segments of random sizes (one dtype), each checked like check_sum /
+// check_copy; every CTA of the grid takes segments k, k + grid, ...
+static void check_sum_batch(int dtype, int count, unsigned grid, unsigned block, std::mt19937_64& rng) {
+    typedef void (*BatchKernel)(const TideSumBatch, int);
+    static const BatchKernel kernels[3] = {rs_sum_batch_bf16_f32, rs_sum_batch_f16_f32, rs_sum_batch_f32_f32};
+    const size_t esize = dtype == 2 ? 4 : 2;
+    TideSumBatch b;
+    std::memset(&b, 0, sizeof(b));
+    std::vector<std::vector<unsigned char>> store;
+    std::vector<std::vector<float>> expect(count);
+    std::vector<float*> dsts(count);
+    for (int k = 0; k < count; ++k) {
+        const int nsrc = 1 + (int)(rng() % TIDE_MAX_SRCS);
+        const size_t n = (size_t)(rng() % 300);
+        const int acc = (int)(rng() % 2);
+        const size_t mis = (rng() % 3 == 0) ? 1 : 0;
+        const int mode = 1 + (int)(rng() % 2);
+        std::vector<const unsigned char*> sp(nsrc);
+        for (int s = 0; s < nsrc; ++s) {
+            store.emplace_back((n + 64) * esize + 64);
+            unsigned char* p = (unsigned char*)((((uintptr_t)store.back().data() + 15) & ~(uintptr_t)15)) + mis * esize;
+            for (size_t i = 0; i < n; ++i) random_elem(dtype, rng, p + i * esize);
+            sp[s] = p;
+            b.src[k].p[s] = p;
+        }
+        store.emplace_back((n + 8) * 4 + 64);
+        float* dst = (float*)((((uintptr_t)store.back().data() + 15) & ~(uintptr_t)15));
+        dsts[k] = dst;
+        expect[k].resize(n);
+        for (size_t i = 0; i < n; ++i) {
+            unsigned char tmp[4];
+            random_elem(2, rng, tmp);
+            float init;
+            std::memcpy(&init, tmp, 4);
+            dst[i] = init;
+            float a_;
+            int s = 0;
+            if (acc) a_ = init;
+            else { a_ = ref_one(dtype, sp[0], i); s = 1; }
+            for (; s < nsrc; ++s) a_ = a_ + ref_one(dtype, sp[s], i);
+            expect[k][i] = a_;
+        }
+        b.dst[k] = (unsigned long long)(uintptr_t)dst;
+        b.n[k] = n;
+        b.nsrc[k] = nsrc;
+        b.accumulate[k] = acc;
+        b.vectorized[k] = mis == 0 ? mode : 0;
+    }
+    launch(grid, block, [&] { kernels[dtype](b, count); });
+    for (int k = 0; k < count; ++k)
+        for (size_t i = 0; i < expect[k].size(); ++i) {
+            ++checks;
+            if (f32_bits(dsts[k][i]) != f32_bits(expect[k][i])) {
+                if (failures < 20)
+                    std::printf("MISMATCH sum batch dtype=%d count=%d grid=%u segment %d at %zu: got %a want %a\n", dtype, count,
+                                grid, k, i, dsts[k][i], expect[k][i]);
+                ++failures;
+                return;
+            }
+        }
+}
+
+static void check_copy_batch(int count, unsigned grid, unsigned block, std::mt19937_64& rng) {
+    TideCopyBatch b;
+    std::memset(&b, 0, sizeof(b));
+    std::vector<std::vector<unsigned char>> srcs(count), dsts(count);
+    std::vector<unsigned char*> sp(count), dp(count);
+    std::vector<size_t> len(count);
+    for (int k = 0; k < count; ++k) {
+        len[k] = (size_t)(rng() % 5000);
+        srcs[k].resize(len[k] + 64);
+        dsts[k].assign(len[k] + 64, 0xee);
+        for (auto& x : srcs[k]) x = (unsigned char)rng();
+        sp[k] = (unsigned char*)((((uintptr_t)srcs[k].data() + 15) & ~(uintptr_t)15)) + (rng() % 2) * 8;
+        dp[k] = (unsigned char*)((((uintptr_t)dsts[k].data() + 15) & ~(uintptr_t)15)) + (rng() % 3) * 2;
+        const uintptr_t both = (uintptr_t)sp[k] | (uintptr_t)dp[k];
+        int width = 1;
+        for (int w = 16; w > 1; w /= 2) {
+            if (both % (uintptr_t)w == 0) { width = w; break; }
+        }
+        b.dst[k] = (unsigned long long)(uintptr_t)dp[k];
+        b.src[k] = (unsigned long long)(uintptr_t)sp[k];
+        b.bytes[k] = len[k];
+        b.width[k] = width;
+    }
+    std::vector<std::vector<unsigned char>> before(dsts);
+    launch(grid, block, [&] { tide_copy_batch(b, count); });
+    for (int k = 0; k < count; ++k) {
+        ++checks;
+        if (std::memcmp(dp[k], sp[k], len[k]) != 0) {
+            std::printf("MISMATCH copy batch segment %d bytes=%zu\n", k, len[k]);
+            ++failures;
+        }
+        for (size_t i = 0; i < dsts[k].size(); ++i) {
+            unsigned char* p = dsts[k].data() + i;
+            if ((p < dp[k] || p >= dp[k] + len[k]) && dsts[k][i] != before[k][i]) {
+                std::printf("OUT OF BOUNDS copy batch segment %d\n", k);
+                ++failures;
+                break;
+            }
+        }
+    }
+}
+
 int main() {
     std::mt19937_64 rng(12345);
     const size_t sizes[] = {0, 1, 3, 7, 8, 9, 15, 16, 17, 63, 64, 65, 255, 1000, 4099};
@@ -193,6 +297,11 @@ int main() {
         for (size_t doff : {0, 1, 2, 4, 8})
             for (size_t soff : {0, 2, 8})
                 for (auto& g : grids) check_copy(bytes, doff, soff, g[0], g[1], rng);
+    for (int dtype = 0; dtype < 3; ++dtype)
+        for (int count : {1, 5, TIDE_SUM_BATCH})
+            for (unsigned block : {1u, 32u, 64u}) check_sum_batch(dtype, count, (unsigned)count, block, rng);
+    for (int count : {1, 7, TIDE_COPY_BATCH})
+        for (auto& g : grids) check_copy_batch(count, g[0], g[1], rng);
     std::printf("%ld checks, %d failures\n", checks, failures);
     if (failures == 0) std::printf("ALL OK\n");
     return failures == 0 ? 0 : 1;

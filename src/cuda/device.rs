@@ -27,6 +27,9 @@ pub struct Module {
     pub sum_f16: CUfunction,
     pub sum_f32: CUfunction,
     pub copy: CUfunction,
+    /// Batched launches: `tide_copy_batch`, `rs_sum_batch_{bf16,f16,f32}_f32` (TIDE_FUSE_BYTES).
+    pub copy_batch: CUfunction,
+    pub sum_batch: [CUfunction; 3],
     /// The bulk-copy (TMA) variants, bf16/f16/f32, with their dynamic shared memory allowed up to
     /// `kernels::BULK_SMEM_MAX`; `None` below compute capability 9.0 or if the attribute failed
     /// (`bulk_why` says why).
@@ -34,12 +37,32 @@ pub struct Module {
     pub bulk_why: String,
 }
 
+// SAFETY: a loaded module's handles are plain identifiers the driver accepts from any host thread;
+// the struct is never mutated after loading (shared read-only through `Arc`).
+unsafe impl Send for Module {}
+unsafe impl Sync for Module {}
+
 impl Module {
     pub fn sum(&self, dtype: DType) -> Result<CUfunction> {
         Ok(match dtype {
             DType::BF16 => self.sum_bf16,
             DType::F16 => self.sum_f16,
             DType::F32 => self.sum_f32,
+            other => {
+                return Err(TideError::UnsupportedDtype {
+                    dtype: other.name().to_string(),
+                    op: "reduce_scatter on CUDA (bfloat16, float16 or float32 sources)",
+                })
+            }
+        })
+    }
+
+    /// The batched sum kernel for sources of `dtype`.
+    pub fn sum_batch(&self, dtype: DType) -> Result<CUfunction> {
+        Ok(match dtype {
+            DType::BF16 => self.sum_batch[0],
+            DType::F16 => self.sum_batch[1],
+            DType::F32 => self.sum_batch[2],
             other => {
                 return Err(TideError::UnsupportedDtype {
                     dtype: other.name().to_string(),
@@ -512,6 +535,12 @@ impl DeviceState {
                 sum_f16: get("rs_sum_f16_f32")?,
                 sum_f32: get("rs_sum_f32_f32")?,
                 copy: get("tide_copy")?,
+                copy_batch: get("tide_copy_batch")?,
+                sum_batch: [
+                    get("rs_sum_batch_bf16_f32")?,
+                    get("rs_sum_batch_f16_f32")?,
+                    get("rs_sum_batch_f32_f32")?,
+                ],
                 sum_bulk,
                 bulk_why,
             };

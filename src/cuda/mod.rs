@@ -36,6 +36,7 @@
 //!   through `crate::inflight` by the buffer addresses and fails, naming the site, if they differ
 //!   (never stale data). Done's operands are start's results (aliased) and start's operands again,
 //!   so XLA keeps both alive until then.
+//!
 //! Synchronous targets are A1-A4 back to back. Edge cases: done without start fails (no record);
 //! two starts of one site in flight are two records (distinct result buffers), each with its own
 //! slot; a start without done keeps its slot until the next start writing the same result buffer
@@ -99,6 +100,7 @@
 
 pub mod device;
 pub mod driver;
+pub mod fuse;
 pub mod ipc;
 pub mod kernels;
 pub mod multicast;
@@ -699,7 +701,7 @@ fn prepare_slot(call: &CallInfo, st: &mut DeviceState, cfg: &Config, slot: usize
     let prepared = prepared_plan(call, st, cfg, false)?;
     let plan = &prepared.plan;
     let sched = &prepared.schedule;
-    if sched.needs_kernels {
+    if sched.needs_kernels || cfg.fuse_bytes > 0 {
         st.ensure_module()?;
     }
     let mc = multicast_grant(call, st, plan, cfg);
@@ -857,9 +859,13 @@ fn run_slot<'d>(
     let sched = &prepared.schedule;
     let nphases = sched.phases.len();
     let (rank, ord) = (call.rank, call.device_ordinal);
-    // Optional batching of consecutive copy-engine copies per stream (TIDE_COPY_BATCH).
-    let batching = cfg.copy_batch && driver::init().map(|v| v >= 13000).unwrap_or(false);
-    let mut pending: Vec<Vec<BatchCopy>> = vec![Vec::new(); sl.side.len() + 1];
+    // Work collected per stream and issued together: consecutive copy-engine copies as one
+    // cuMemcpyBatchAsync (TIDE_COPY_BATCH); small copies and sums as batched kernel launches
+    // (TIDE_FUSE_BYTES, `fuse`). A stream's pending work is issued before any other command on it.
+    let fusing = cfg.fuse_bytes > 0 && sl.module.is_some();
+    let batching = fusing || (cfg.copy_batch && driver::init().map(|v| v >= 13000).unwrap_or(false));
+    let mut pending: Vec<Vec<fuse::PendingCopy>> = vec![Vec::new(); sl.side.len() + 1];
+    let mut sums: Vec<fuse::SumSeg> = Vec::new();
     // The multicast all-gather only if every rank granted it (all see the same published values).
     let mc = local.mc.filter(|_| infos.iter().all(|i| i.multicast));
     let res_ok = (|| -> Result<()> {
@@ -870,37 +876,63 @@ fn run_slot<'d>(
                 .ok_or_else(|| TideError::Internal("no pushed event".into()))?;
             return issue_multicast(call, sl.dev, sl.cc, &res, pushed, prepared, infos, session, g, cfg);
         }
+        let flush_sums = |sums: &mut Vec<fuse::SumSeg>| -> Result<()> {
+            if sums.is_empty() {
+                return Ok(());
+            }
+            let m = res.module.ok_or_else(|| TideError::Internal("kernel module not loaded".into()))?;
+            let r = fuse::issue_sums(m, main, sums, cfg.rs_max_ctas, &|| {
+                format!("tide {} site {} rank {rank} device {ord}: batched sums", op_name(call.op), call.site)
+            });
+            sums.clear();
+            r
+        };
         for (p, phase) in sched.phases.iter().enumerate() {
             for cmd in &phase.cmds {
                 let s = cmd.stream();
-                if batching {
-                    if let Cmd::Copy {
-                        src,
-                        dst,
-                        bytes,
-                        via: CopyVia::CopyEngine,
-                        ..
-                    } = cmd
-                    {
-                        let c = BatchCopy {
-                            dst: address(infos, dst, *bytes)?,
-                            src: address(infos, src, *bytes)?,
-                            bytes: *bytes,
-                            dst_dev: infos[dst.rank].device,
-                            src_dev: infos[src.rank].device,
-                        };
-                        pending
-                            .get_mut(s)
-                            .ok_or_else(|| TideError::Internal(format!("stream {s} out of range")))?
-                            .push(c);
-                        continue;
+                if fusing && s == MAIN {
+                    if let Cmd::Reduce { dst, srcs, elems, .. } = cmd {
+                        if let Some(seg) = sum_segment(infos, dst, srcs, *elems, cfg)? {
+                            flush_batch(call, &res, MAIN, &mut pending, cfg)?;
+                            if !fuse::sum_joins(&sums, &seg, fuse::sum_batch_limit(cfg.rs_max_ctas)) {
+                                flush_sums(&mut sums)?;
+                            }
+                            sums.push(seg);
+                            continue;
+                        }
                     }
-                    flush_batch(call, &res, s, &mut pending)?;
+                }
+                if s == MAIN {
+                    flush_sums(&mut sums)?;
+                }
+                if batching {
+                    if let Cmd::Copy { src, dst, bytes, via, .. } = cmd {
+                        // Copy-engine copies join any batch; SM copies only batched launches.
+                        if *via == CopyVia::CopyEngine || (fusing && *bytes < cfg.fuse_bytes) {
+                            let c = fuse::PendingCopy {
+                                dst: address(infos, dst, *bytes)?,
+                                src: address(infos, src, *bytes)?,
+                                bytes: *bytes,
+                                dst_dev: infos[dst.rank].device,
+                                src_dev: infos[src.rank].device,
+                            };
+                            let list = pending
+                                .get(s)
+                                .ok_or_else(|| TideError::Internal(format!("stream {s} out of range")))?;
+                            if !fuse::copy_joins(list, &c) {
+                                flush_batch(call, &res, s, &mut pending, cfg)?;
+                            }
+                            pending[s].push(c);
+                            continue;
+                        }
+                    }
+                    flush_batch(call, &res, s, &mut pending, cfg)?;
                 }
                 issue(call, &res, infos, prepared, p, cmd, cfg)?;
             }
+            flush_sums(&mut sums)?;
             for s in 0..pending.len() {
-                flush_batch(call, &res, s, &mut pending)?;
+                flush_batch(call, &res, s, &mut pending, cfg)?;
             }
             if p + 1 < nphases {
                 let ev = sl.phase[p];
@@ -1067,16 +1099,6 @@ fn issue_multicast(
     }
 }
 
-/// A copy-engine copy waiting to be issued in a batch.
-#[derive(Debug, Clone, Copy)]
-struct BatchCopy {
-    dst: u64,
-    src: u64,
-    bytes: usize,
-    dst_dev: i64,
-    src_dev: i64,
-}
-
 /// Whether the driver exports cuMemcpyBatchAsync_v2 (CUDA 12.8+ drivers); older drivers get one
 /// cuMemcpyAsync per copy instead of failing (cudarc's lazy loader would panic on the call).
 fn batch_copy_supported() -> bool {
@@ -1098,7 +1120,8 @@ fn flush_batch(
     call: &CallInfo,
     res: &Res,
     s: usize,
-    pending: &mut [Vec<BatchCopy>],
+    pending: &mut [Vec<fuse::PendingCopy>],
+    cfg: &Config,
 ) -> Result<()> {
     let Some(list) = pending.get_mut(s) else {
         return Ok(());
@@ -1106,8 +1129,32 @@ fn flush_batch(
     if list.is_empty() {
         return Ok(());
     }
-    let copies = std::mem::take(list);
+    let mut copies = std::mem::take(list);
     let stream = stream_of(res, s)?;
+    // Small copies as batched launches (TIDE_FUSE_BYTES): all of them on MAIN (SM copies), two or
+    // more on a copy stream (one small copy stays on the copy engine). Pairwise independent
+    // (`fuse::copy_joins`), so they may run in any order.
+    if let Some(m) = res.module.filter(|_| cfg.fuse_bytes > 0) {
+        let small = copies.iter().filter(|c| c.bytes < cfg.fuse_bytes).count();
+        if small > 0 && (s == MAIN || small >= 2) {
+            let (fused, rest): (Vec<_>, Vec<_>) = copies.into_iter().partition(|c| c.bytes < cfg.fuse_bytes);
+            fuse::issue_copies(m, stream, &fused, cfg.rs_max_ctas, &|| {
+                format!("rank {} device {}: batched copies on stream {s}", call.rank, call.device_ordinal)
+            })?;
+            copies = rest;
+        }
+    }
+    if copies.is_empty() {
+        return Ok(());
+    }
+    if s == MAIN {
+        return Err(TideError::Internal(format!(
+            "rank {}: {} large SM copies pending on tide's stream",
+            call.rank,
+            copies.len()
+        )));
+    }
+    let api_batch = cfg.copy_batch && driver::init().map(|v| v >= 13000).unwrap_or(false);
     let what = || {
         format!(
             "rank {} device {}: {} copies on stream {s}, {} bytes",
@@ -1117,7 +1164,7 @@ fn flush_batch(
             copies.iter().map(|c| c.bytes).sum::<usize>()
         )
     };
-    if copies.len() == 1 || !batch_copy_supported() {
+    if copies.len() == 1 || !api_batch || !batch_copy_supported() {
         for c in &copies {
             // SAFETY: addresses bounds-checked by `address`; ordering per the module header.
             check(
@@ -1162,6 +1209,43 @@ fn flush_batch(
         "cuMemcpyBatchAsync",
         what,
     )
+}
+
+/// A Reduce as one batched-sum segment, if it qualifies (TIDE_FUSE_BYTES): one launch's worth of
+/// sources (at most `kernels::MAX_SRCS` of one dtype), output smaller than TIDE_FUSE_BYTES, and not
+/// the bulk kernel (which keeps its own launches). Ranges are bounds-checked here.
+fn sum_segment(
+    infos: &[RankInfo],
+    dst: &Region,
+    srcs: &[crate::plan::Operand],
+    elems: usize,
+    cfg: &Config,
+) -> Result<Option<fuse::SumSeg>> {
+    if cfg.rs_kernel == crate::config::RsKernel::Bulk
+        || elems.saturating_mul(4) >= cfg.fuse_bytes
+        || srcs.is_empty()
+        || srcs.len() > kernels::MAX_SRCS
+        || srcs.iter().any(|o| o.dtype != srcs[0].dtype)
+    {
+        return Ok(None);
+    }
+    let dtype = srcs[0].dtype;
+    kernels::sum_kernel(dtype)?;
+    let da = address(infos, dst, elems * 4)?;
+    let mut p = [0u64; kernels::MAX_SRCS];
+    for (k, o) in srcs.iter().enumerate() {
+        p[k] = address(infos, &o.region, elems * o.dtype.size_bytes())?;
+    }
+    let vectorized = kernels::sum_vectorized(da, &p[..srcs.len()]);
+    Ok(Some(fuse::SumSeg {
+        dtype,
+        dst: da,
+        srcs: p,
+        nsrc: srcs.len(),
+        elems: elems as u64,
+        accumulate: false,
+        mode: kernels::sum_mode(vectorized, dtype, cfg.rs_kernel == crate::config::RsKernel::St),
+    }))
 }
 
 /// Best effort on the error path: `to` waits on everything enqueued so far on `from`.

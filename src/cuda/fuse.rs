@@ -1,0 +1,233 @@
+//! Batched launches of small segments (TIDE_FUSE_BYTES, in-process path): a group of many small
+//! parameters used to cost one driver operation per parameter and stream (a copy-engine copy, a
+//! `tide_copy` or an `rs_sum` launch; 5-7 us each on one H200, issue #9). Runs of such segments on
+//! one stream are collected here and issued as `tide_copy_batch` / `rs_sum_batch_*` launches
+//! (kernels/rs_sum.cu: up to `COPY_BATCH` copies or `SUM_BATCH` sums per launch, one CTA per
+//! segment at a time, at most TIDE_RS_MAX_CTAS CTAs, the same bodies as the single kernels, so bitwise equal).
+//!
+//! Ordering contract: the segments of one batched launch run concurrently, so a segment joins a
+//! pending batch only if it touches bytes disjoint from every pending segment (none writes what
+//! another reads or writes); otherwise the batch is issued first. The caller issues a stream's
+//! pending batch before any other command on that stream (events, waits, other work), so stream
+//! order is kept everywhere else. Collection and packing are pure and unit-tested here; the launch
+//! is one `cuLaunchKernel` with the descriptor struct as its parameter (`__grid_constant__`).
+
+use super::device::Module;
+use super::driver::{check, CUstream};
+use super::kernels::{self, CopyBatch, SumBatch, COPY_BATCH, MAX_SRCS, SUM_BATCH};
+use crate::error::{Result, TideError};
+use crate::layout::DType;
+use cudarc::driver::sys;
+
+/// A copy waiting to be issued (copy-engine or SM), with the devices holding its two ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PendingCopy {
+    pub dst: u64,
+    pub src: u64,
+    pub bytes: usize,
+    pub dst_dev: i64,
+    pub src_dev: i64,
+}
+
+/// One `rs_sum` launch's worth of a Reduce (`nsrc <= MAX_SRCS` sources of one dtype).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SumSeg {
+    pub dtype: DType,
+    pub dst: u64,
+    pub srcs: [u64; MAX_SRCS],
+    pub nsrc: usize,
+    pub elems: u64,
+    pub accumulate: bool,
+    /// `kernels::sum_mode`.
+    pub mode: i32,
+}
+
+fn overlaps(a: u64, alen: u64, b: u64, blen: u64) -> bool {
+    alen > 0 && blen > 0 && a < b + blen && b < a + alen
+}
+
+impl PendingCopy {
+    /// Whether this copy and `o` may not run concurrently.
+    pub fn conflicts(&self, o: &PendingCopy) -> bool {
+        let (n, m) = (self.bytes as u64, o.bytes as u64);
+        overlaps(self.dst, n, o.dst, m) || overlaps(self.dst, n, o.src, m) || overlaps(self.src, n, o.dst, m)
+    }
+}
+
+impl SumSeg {
+    fn dst_len(&self) -> u64 {
+        self.elems * 4
+    }
+    fn src_len(&self) -> u64 {
+        self.elems * self.dtype.size_bytes() as u64
+    }
+    /// Whether this sum and `o` may not run concurrently.
+    pub fn conflicts(&self, o: &SumSeg) -> bool {
+        let writes = |a: &SumSeg, b: &SumSeg| {
+            overlaps(a.dst, a.dst_len(), b.dst, b.dst_len())
+                || b.srcs[..b.nsrc].iter().any(|&s| overlaps(a.dst, a.dst_len(), s, b.src_len()))
+        };
+        writes(self, o) || writes(o, self)
+    }
+}
+
+/// Whether `c` may join `pending` (same batch) without reordering conflicting work.
+pub fn copy_joins(pending: &[PendingCopy], c: &PendingCopy) -> bool {
+    !pending.iter().any(|p| p.conflicts(c))
+}
+
+/// Segments per batched sum launch: one CTA each, so at most TIDE_RS_MAX_CTAS (and `SUM_BATCH`).
+pub fn sum_batch_limit(max_ctas: u32) -> usize {
+    (max_ctas.max(1) as usize).min(SUM_BATCH)
+}
+
+/// Whether `s` may join the pending sums: same dtype (one kernel per dtype), fewer than `limit`
+/// (`sum_batch_limit`), no conflict.
+pub fn sum_joins(pending: &[SumSeg], s: &SumSeg, limit: usize) -> bool {
+    pending.len() < limit
+        && pending.first().is_none_or(|p| p.dtype == s.dtype)
+        && !pending.iter().any(|p| p.conflicts(s))
+}
+
+/// The descriptor structs of batched copy launches (`COPY_BATCH` segments each).
+pub fn pack_copies(copies: &[PendingCopy]) -> Vec<(CopyBatch, i32)> {
+    copies
+        .chunks(COPY_BATCH)
+        .map(|chunk| {
+            let mut b = CopyBatch::default();
+            for (k, c) in chunk.iter().enumerate() {
+                b.dst[k] = c.dst;
+                b.src[k] = c.src;
+                b.bytes[k] = c.bytes as u64;
+                b.width[k] = kernels::copy_width(c.dst, c.src);
+            }
+            (b, chunk.len() as i32)
+        })
+        .collect()
+}
+
+/// The descriptor struct of one batched sum launch (at most `SUM_BATCH` segments of one dtype).
+pub fn pack_sums(sums: &[SumSeg]) -> Result<(SumBatch, i32)> {
+    if sums.len() > SUM_BATCH || sums.iter().any(|s| s.dtype != sums[0].dtype || s.nsrc == 0 || s.nsrc > MAX_SRCS) {
+        return Err(TideError::Internal(format!("malformed sum batch of {} segments", sums.len())));
+    }
+    let mut b = SumBatch::default();
+    for (k, s) in sums.iter().enumerate() {
+        b.dst[k] = s.dst;
+        b.n[k] = s.elems;
+        b.src[k] = s.srcs;
+        b.nsrc[k] = s.nsrc as i32;
+        b.accumulate[k] = s.accumulate as i32;
+        b.vectorized[k] = s.mode;
+    }
+    Ok((b, sums.len() as i32))
+}
+
+/// One batched launch: `f(batch, count)` on `stream` with `grid` CTAs.
+fn launch<T>(f: sys::CUfunction, batch: &mut T, count: i32, grid: u32, stream: CUstream, what: &dyn Fn() -> String) -> Result<()> {
+    let mut count = count;
+    let mut params: [*mut std::ffi::c_void; 2] = [batch as *mut T as *mut _, &mut count as *mut i32 as *mut _];
+    // SAFETY: params match `(const __grid_constant__ Tide*Batch, int)` (T is the repr(C) twin of
+    // the descriptor struct) and live across the call (the driver copies them at launch); the
+    // caller bounds-checked every segment's range against its buffer.
+    check(
+        unsafe {
+            sys::cuLaunchKernel(
+                f,
+                grid,
+                1,
+                1,
+                kernels::THREADS,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        },
+        "cuLaunchKernel(batched)",
+        || format!("{}, {count} segments, grid {grid}", what()),
+    )
+}
+
+/// Issues `copies` (each range checked by the caller, pairwise independent) as batched copy launches.
+pub fn issue_copies(m: &Module, stream: CUstream, copies: &[PendingCopy], max_ctas: u32, what: &dyn Fn() -> String) -> Result<()> {
+    for (mut b, n) in pack_copies(copies) {
+        launch(m.copy_batch, &mut b, n, (n.max(1) as u32).min(max_ctas.max(1)), stream, what)?;
+    }
+    Ok(())
+}
+
+/// Issues `sums` (one dtype, pairwise independent, at most `sum_batch_limit(max_ctas)`) as one
+/// batched sum launch of one CTA per segment.
+pub fn issue_sums(m: &Module, stream: CUstream, sums: &[SumSeg], max_ctas: u32, what: &dyn Fn() -> String) -> Result<()> {
+    if sums.is_empty() {
+        return Ok(());
+    }
+    if sums.len() > sum_batch_limit(max_ctas) {
+        return Err(TideError::Internal(format!("{} sums in one batch, limit {}", sums.len(), sum_batch_limit(max_ctas))));
+    }
+    let (mut b, n) = pack_sums(sums)?;
+    launch(m.sum_batch(sums[0].dtype)?, &mut b, n, n as u32, stream, what)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn copy(dst: u64, src: u64, bytes: usize) -> PendingCopy {
+        PendingCopy { dst, src, bytes, dst_dev: 0, src_dev: 0 }
+    }
+
+    fn sum(dst: u64, srcs: &[u64], elems: u64, dtype: DType) -> SumSeg {
+        let mut p = [0u64; MAX_SRCS];
+        p[..srcs.len()].copy_from_slice(srcs);
+        SumSeg { dtype, dst, srcs: p, nsrc: srcs.len(), elems, accumulate: false, mode: 1 }
+    }
+
+    #[test]
+    fn copies_join_only_when_disjoint() {
+        let pending = vec![copy(1000, 5000, 100), copy(2000, 6000, 100)];
+        assert!(copy_joins(&pending, &copy(3000, 7000, 100)));
+        assert!(!copy_joins(&pending, &copy(1050, 7000, 100)), "write-write");
+        assert!(!copy_joins(&pending, &copy(5050, 7000, 10)), "writes a pending source");
+        assert!(!copy_joins(&pending, &copy(9000, 2099, 10)), "reads a pending destination");
+        assert!(copy_joins(&pending, &copy(1100, 5000, 100)), "adjacent, shared source read");
+        assert!(copy_joins(&pending, &copy(1000, 5000, 0)), "empty");
+    }
+
+    #[test]
+    fn sums_join_only_when_disjoint_same_dtype_and_room() {
+        let a = sum(0, &[10_000, 20_000], 64, DType::BF16);
+        let l = SUM_BATCH;
+        assert!(sum_joins(&[a], &sum(256, &[10_000, 30_000], 64, DType::BF16), l), "shared source");
+        assert!(!sum_joins(&[a], &sum(255, &[40_000], 64, DType::BF16), l), "dst overlap");
+        assert!(!sum_joins(&[a], &sum(1000, &[100], 64, DType::BF16), l), "reads a pending dst");
+        assert!(!sum_joins(&[a], &sum(10_100, &[40_000], 4, DType::BF16), l), "writes a pending source");
+        assert!(!sum_joins(&[a], &sum(4096, &[40_000], 64, DType::F32), l), "dtype");
+        let full: Vec<SumSeg> = (0..SUM_BATCH as u64).map(|k| sum(k * 1024, &[1 << 30], 8, DType::BF16)).collect();
+        assert!(!sum_joins(&full, &sum(1 << 20, &[1 << 30], 8, DType::BF16), l), "full");
+        assert!(!sum_joins(&full[..3], &sum(1 << 20, &[1 << 30], 8, DType::BF16), sum_batch_limit(3)), "CTA bound");
+        assert_eq!((sum_batch_limit(0), sum_batch_limit(16), sum_batch_limit(132)), (1, 16, 16));
+    }
+
+    #[test]
+    fn packing_matches_the_kernel_structs() {
+        // Layout of TideCopyBatch / TideSumBatch in kernels/rs_sum.cu.
+        assert_eq!(std::mem::size_of::<CopyBatch>(), COPY_BATCH * (3 * 8 + 4));
+        assert_eq!(std::mem::size_of::<SumBatch>(), SUM_BATCH * (2 * 8 + MAX_SRCS * 8 + 3 * 4));
+        assert!(std::mem::size_of::<SumBatch>() + 4 <= 4096, "kernel parameters stay under 4 KiB");
+        let copies: Vec<PendingCopy> = (0..70u64).map(|k| copy(k * 4096, (1 << 30) + k * 4096 + 2, 100)).collect();
+        let packed = pack_copies(&copies);
+        assert_eq!(packed.iter().map(|p| p.1).collect::<Vec<_>>(), vec![32, 32, 6]);
+        assert_eq!(packed[2].0.dst[5], 69 * 4096);
+        assert_eq!(packed[2].0.width[5], 2);
+        assert_eq!(packed[0].0.bytes[0], 100);
+        let sums = vec![sum(0, &[64, 128, 192], 10, DType::F16), sum(4096, &[8192], 3, DType::F16)];
+        let (b, n) = pack_sums(&sums).unwrap();
+        assert_eq!(n, 2);
+        assert_eq!((b.nsrc[0], b.nsrc[1], b.n[1], b.src[0][2]), (3, 1, 3, 192));
+        assert!(pack_sums(&[sums[0], sum(8192, &[1], 1, DType::BF16)]).is_err());
+    }
+}
