@@ -16,8 +16,9 @@
 //!   CPU engine.
 //! - `start_done_errors_are_clear`: done without start, done with other buffers, a start beyond
 //!   TIDE_MAX_IN_FLIGHT: each an error naming the problem; the calls in flight still complete.
-//! - `per_call_host_cost`: host time of one start/done pair vs the number of parameters (1 GPU,
-//!   P=1 and P=2 on one GPU), printed as rows (`percall:`); no assertion.
+//! - `per_call_cost`: host time of one start/done pair and device time per call (XLA's stream held
+//!   on a host flag while the calls are enqueued) vs the number of parameters (P=1, and P=2 as two
+//!   ranks on GPU 0), TIDE_FUSE_BYTES on and off, printed as rows (`percall:`); no assertion.
 
 #![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 
@@ -293,6 +294,14 @@ fn record(d: &Dev, stream: usize) -> sys::CUevent {
     e
 }
 
+fn timing_event(d: &Dev) -> sys::CUevent {
+    set_ctx(d);
+    let mut e = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; context current.
+    ck(unsafe { sys::cuEventCreate(&mut e, 0) }, "cuEventCreate");
+    e
+}
+
 fn complete(e: sys::CUevent) -> bool {
     // SAFETY: valid event.
     match unsafe { sys::cuEventQuery(e) } {
@@ -431,14 +440,17 @@ fn ranks_on_one_gpu_with_calls_in_flight() {
     for (name, dev_of) in &layouts {
         // Ranks sharing a device share its slots: TIDE_MAX_IN_FLIGHT counts per device.
         let per_dev = dev_of.iter().filter(|&&g| g == 0).count();
-        for (variant, depth, batch, local) in [
-            ("batched copies, ce local copy", 2usize, true, tide::config::LocalCopy::CopyEngine),
-            ("single copies, sm local copy", 2, false, tide::config::LocalCopy::Sm),
-            ("3 in flight", 3, true, tide::config::LocalCopy::CopyEngine),
+        for (variant, depth, batch, local, fuse) in [
+            ("batched copies, ce local copy, fused small work", 2usize, true, tide::config::LocalCopy::CopyEngine, 256usize << 10),
+            ("single copies, sm local copy, fused small work", 2, false, tide::config::LocalCopy::Sm, 256 << 10),
+            ("batched copies, nothing fused", 2, true, tide::config::LocalCopy::CopyEngine, 0),
+            ("single copies, sm local copy, nothing fused", 2, false, tide::config::LocalCopy::Sm, 0),
+            ("3 in flight, everything fused", 3, true, tide::config::LocalCopy::CopyEngine, 1 << 30),
         ] {
             config(|c| {
                 c.copy_batch = batch;
                 c.local_copy = local;
+                c.fuse_bytes = fuse;
                 c.max_in_flight = depth * per_dev;
             });
             for op in [Op::AllGather, Op::ReduceScatter] {
@@ -489,11 +501,14 @@ fn start_done_errors_are_clear() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
-fn per_call_host_cost() {
+fn per_call_cost() {
     let devs = gpus();
     let d = &devs[0];
-    config(|c| c.rs_slot_bytes = 32 << 20);
-    for world in [1usize, 2] {
+    for (world, fuse) in [(1usize, 256usize << 10), (1, 0), (2, 256 << 10), (2, 0)] {
+        config(|c| {
+            c.rs_slot_bytes = 32 << 20;
+            c.fuse_bytes = fuse;
+        });
         let dev_of = vec![0usize; world];
         let streams: Vec<usize> = (0..world).map(|_| new_stream(d)).collect();
         for op in [Op::AllGather, Op::ReduceScatter] {
@@ -501,39 +516,68 @@ fn per_call_host_cost() {
                 let specs: Vec<ParamSpec> = (0..n)
                     .map(|i| ParamSpec::new(format!("p{i}"), &[64, 1024], DType::BF16))
                     .collect();
-                let site = 8000 + (world * 10_000 + n) as i64 + if op == Op::AllGather { 0 } else { 500 };
+                let site = 8000 + (world * 10_000 + n) as i64 + if op == Op::AllGather { 0 } else { 500 } + if fuse == 0 { 3000 } else { 0 };
                 let case = make_case(&devs, &dev_of, &streams, op, site, &specs, 5);
                 let reps = 30usize;
-                let per_rank: Vec<Duration> = std::thread::scope(|s| {
+                let gate = Gate::new(d);
+                let results: Vec<(Duration, f32)> = std::thread::scope(|s| {
                     let hs: Vec<_> = (0..world)
                         .map(|r| {
                             let case = &case;
+                            let gate = &gate;
+                            let streams = &streams;
                             s.spawn(move || {
                                 let call = &case.calls[r];
                                 let done = done_of(call);
+                                for _ in 0..3 {
+                                    tide::cuda::execute_phase(call, 0, Phase::Start).unwrap();
+                                    tide::cuda::execute_phase(&done, 0, Phase::Done).unwrap();
+                                }
+                                sync(d, streams[r]);
+                                // Device time: XLA's stream held on the gate while every call is
+                                // enqueued, then timed between two events once released.
+                                set_ctx(d);
+                                gate.hold(streams[r] as sys::CUstream);
+                                let (a, b) = (timing_event(d), timing_event(d));
+                                // SAFETY: valid events and stream.
+                                ck(unsafe { sys::cuEventRecord(a, streams[r] as sys::CUstream) }, "cuEventRecord");
                                 let mut best = Duration::MAX;
-                                for k in 0..reps + 3 {
+                                for _ in 0..reps {
                                     let t = Instant::now();
                                     tide::cuda::execute_phase(call, 0, Phase::Start).unwrap();
                                     tide::cuda::execute_phase(&done, 0, Phase::Done).unwrap();
-                                    if k >= 3 {
-                                        best = best.min(t.elapsed());
-                                    }
+                                    best = best.min(t.elapsed());
                                 }
-                                best
+                                // SAFETY: as above.
+                                ck(unsafe { sys::cuEventRecord(b, streams[r] as sys::CUstream) }, "cuEventRecord");
+                                (best, a as usize, b as usize)
                             })
                         })
                         .collect();
-                    hs.into_iter().map(|h| h.join().unwrap()).collect()
+                    let out: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+                    gate.release();
+                    out.into_iter()
+                        .enumerate()
+                        .map(|(r, (best, a, b))| {
+                            sync(d, streams[r]);
+                            let mut ms = 0f32;
+                            // SAFETY: both events recorded and complete.
+                            ck(
+                                unsafe { sys::cuEventElapsedTime_v2(&mut ms, a as sys::CUevent, b as sys::CUevent) },
+                                "cuEventElapsedTime",
+                            );
+                            (best, ms)
+                        })
+                        .collect()
                 });
-                for &s in &streams {
-                    sync(d, s);
-                }
-                let host = per_rank.iter().max().unwrap();
+                let host = results.iter().map(|r| r.0).max().unwrap();
+                let dev_us = results.iter().map(|r| r.1).fold(0f32, f32::max) as f64 * 1e3 / reps as f64;
                 say(&format!(
-                    "percall: {op:?} world {world} (ranks on GPU 0) params {n}: host {:.1} us per start+done, {:.2} us per param (best of {reps})",
+                    "percall: {op:?} world {world} (ranks on GPU 0) TIDE_FUSE_BYTES={fuse} params {n}: host {:.1} us per start+done \
+                     ({:.2} us/param, best of {reps}), device {dev_us:.1} us per call ({:.2} us/param)",
                     host.as_secs_f64() * 1e6,
-                    host.as_secs_f64() * 1e6 / n as f64
+                    host.as_secs_f64() * 1e6 / n as f64,
+                    dev_us / n as f64
                 ));
             }
         }
