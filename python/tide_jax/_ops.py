@@ -227,11 +227,15 @@ def _start(op: str, leaves: list, lay: Layout, backend: str) -> Handle:
         types = [jax.ShapeDtypeStruct(p.shape, x.dtype) for p, x in zip(lay.params, leaves)]
     else:
         types = [jax.ShapeDtypeStruct(p.shard_shape, jnp.float32) for p in lay.params]
-    site = _new_site()
-    outs = jax.ffi.ffi_call(f"tide_{op}_start", types)(*leaves, **_attrs(lay, site))
+    n = len(leaves)
+    # The operands come back as results N.. (aliased): done takes those, so XLA keeps the very
+    # buffers tide reads alive until done, and cannot give done a recomputed copy.
+    types = types + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    outs = jax.ffi.ffi_call(f"tide_{op}_start", types, input_output_aliases={i: n + i for i in range(n)})(
+        *leaves, **_attrs(lay, _new_site()))
     vma = tuple(sorted(frozenset().union(*(_compat.vma_of(x) for x in leaves)) | {lay.axis}))
-    outs = [_compat.mark_varying(o, list(vma)) for o in outs]
-    return Handle(outs, leaves, (op, lay, backend, vma))
+    results = [_compat.mark_varying(o, list(vma)) for o in outs[:n]]
+    return Handle(results, list(outs[n:]), (op, lay, backend, vma))
 
 
 def _done(handle: Handle, op: str) -> list:
