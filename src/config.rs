@@ -48,11 +48,14 @@ pub struct Config {
     /// (`rs_sum_*_f32_bulk`; compute capability >= 9.0, 16-byte aligned, at most 4 sources per launch,
     /// otherwise the `ld` kernel). Both give bitwise identical results.
     pub rs_kernel: RsKernel,
-    /// TIDE_MAX_IN_FLIGHT (default 2, 1..=16): CUDA calls of one op (all-gather, reduce-scatter)
+    /// TIDE_MAX_IN_FLIGHT (default 4, 1..=16): CUDA calls of one op (all-gather, reduce-scatter)
     /// that may be started and not yet done at once per device. Each owns an in-flight slot: a tide
     /// stream, side streams, events and (reduce-scatter) its own stage slots, so staging memory per
     /// device is at most TIDE_MAX_IN_FLIGHT x TIDE_RS_STAGE_SLOTS x TIDE_RS_SLOT_BYTES (default
-    /// 2 x 96 MiB); the all-gather needs none. A start beyond it fails with an error naming it.
+    /// 4 x 96 MiB, allocated only when that many reduce-scatters were in flight at once, then kept);
+    /// the all-gather needs none. A start beyond it fails with an error naming it. 4, not 2: XLA
+    /// may issue a layer loop's next start before the previous done (tide_jax's prefetch=2 then has
+    /// 3 gathers in flight).
     pub max_in_flight: usize,
     /// TIDE_FUSE_BYTES (default 262144; 0 = off): on the in-process CUDA path, runs of independent
     /// copies (copy-engine or SM) and reductions on one stream whose segments are each smaller than
@@ -128,7 +131,7 @@ impl Config {
             local_copy: env_parse("TIDE_LOCAL_COPY", LocalCopy::CopyEngine),
             copy_batch: env_parse("TIDE_COPY_BATCH", 1u32) != 0,
             rs_kernel: env_parse("TIDE_RS_KERNEL", RsKernel::St),
-            max_in_flight: env_parse("TIDE_MAX_IN_FLIGHT", 2usize).clamp(1, 16),
+            max_in_flight: env_parse("TIDE_MAX_IN_FLIGHT", 4usize).clamp(1, 16),
             fuse_bytes: env_parse("TIDE_FUSE_BYTES", 256usize << 10),
             nvrtc_lib_dir: std::env::var("TIDE_NVRTC_LIB_DIR")
                 .ok()

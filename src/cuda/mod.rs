@@ -15,11 +15,12 @@
 //! TIDE_RS_MAX_CTAS CTAs, zeroing, SM copies, joins), side copy streams, its own events (`entry`,
 //! `ready`, `done`, `released`, phase and local events) and, for the reduce-scatter, its own stage
 //! slots. A slot belongs to one call from its start until its done (`device::SlotLease`), so two
-//! calls in flight never share events or staging. At most TIDE_MAX_IN_FLIGHT (default 2) calls per
+//! calls in flight never share events or staging. At most TIDE_MAX_IN_FLIGHT (default 4) calls per
 //! op and device: a start beyond that fails with an error naming the setting (it cannot wait: the
 //! done that would free a slot runs later on the same thread). Memory per device: the all-gather
 //! none beyond XLA's buffers; the reduce-scatter TIDE_MAX_IN_FLIGHT x TIDE_RS_STAGE_SLOTS x
-//! TIDE_RS_SLOT_BYTES (default 2 x 3 x 32 MiB = 192 MiB), allocated when first needed and kept.
+//! TIDE_RS_SLOT_BYTES (default at most 4 x 3 x 32 MiB = 384 MiB; a slot's staging is allocated when
+//! the slot is first used, so a program with at most 2 reduce-scatters in flight uses 192 MiB), kept.
 //! - A1 (start): XLA's stream X records `entry`; T waits on it and records `ready`. So `ready`
 //!   follows everything XLA enqueued before the start (the inputs' producers, the last readers of
 //!   the output buffers) and everything the slot's previous call enqueued on T, even a call whose
