@@ -335,6 +335,19 @@ impl DeviceState {
         use std::sync::atomic::Ordering;
         let ord = self.ordinal;
         let list = slot_list(op);
+        // The bound counts calls in flight, not slots (more may exist from a larger setting).
+        let busy = self.slots[list].iter().filter(|s| s.busy.load(Ordering::Acquire)).count();
+        if busy >= max.max(1) {
+            return Err(TideError::InvalidArgument(format!(
+                "device {ord}: {busy} tide {} calls are already in flight (started, not done; \
+                 TIDE_MAX_IN_FLIGHT={max}): every *_start needs its *_done before more than {max} \
+                 are outstanding; raise TIDE_MAX_IN_FLIGHT for deeper overlap",
+                match op {
+                    Op::AllGather => "all_gather",
+                    Op::ReduceScatter => "reduce_scatter",
+                }
+            )));
+        }
         for (i, s) in self.slots[list].iter().enumerate() {
             if s
                 .busy
@@ -345,17 +358,6 @@ impl DeviceState {
             }
         }
         let have = self.slots[list].len();
-        if have >= max.max(1) {
-            return Err(TideError::InvalidArgument(format!(
-                "device {ord}: {have} tide {} calls are already in flight (started, not done; \
-                 TIDE_MAX_IN_FLIGHT={max}): every *_start needs its *_done before more than {max} \
-                 are outstanding; raise TIDE_MAX_IN_FLIGHT for deeper overlap",
-                match op {
-                    Op::AllGather => "all_gather",
-                    Op::ReduceScatter => "reduce_scatter",
-                }
-            )));
-        }
         let what = |e: &str| format!("in-flight slot {have}, {e}");
         let mut tide: CUstream = std::ptr::null_mut();
         // SAFETY: context current (CtxGuard held by the caller); valid out-pointer.
