@@ -57,12 +57,13 @@ pub struct Config {
     /// may issue a layer loop's next start before the previous done (tide_jax's prefetch=2 then has
     /// 3 gathers in flight).
     pub max_in_flight: usize,
-    /// TIDE_FUSE_BYTES (default 262144; 0 = off): on the in-process CUDA path, runs of independent
+    /// TIDE_FUSE_BYTES (default 524288; 0 = off): on the in-process CUDA path, runs of independent
     /// copies (copy-engine or SM) and reductions on one stream whose segments are each smaller than
     /// this go as batched kernel launches (`tide_copy_batch`, `rs_sum_batch_*`: up to 32 copies or
     /// 16 sums per launch, one CTA per segment, at most TIDE_RS_MAX_CTAS CTAs) instead of one
     /// driver operation each, so a group of many small parameters costs a few launches, not one
     /// per parameter (issue #9: 5-7 us per parameter before). Small copies then use SMs briefly.
+    /// A sum's size is its fp32 output (a 128 KiB bf16 gradient shard on one GPU: 256 KiB).
     pub fuse_bytes: usize,
 }
 
@@ -132,7 +133,7 @@ impl Config {
             copy_batch: env_parse("TIDE_COPY_BATCH", 1u32) != 0,
             rs_kernel: env_parse("TIDE_RS_KERNEL", RsKernel::St),
             max_in_flight: env_parse("TIDE_MAX_IN_FLIGHT", 4usize).clamp(1, 16),
-            fuse_bytes: env_parse("TIDE_FUSE_BYTES", 256usize << 10),
+            fuse_bytes: env_parse("TIDE_FUSE_BYTES", 512usize << 10),
             nvrtc_lib_dir: std::env::var("TIDE_NVRTC_LIB_DIR")
                 .ok()
                 .filter(|s| !s.trim().is_empty()),

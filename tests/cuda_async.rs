@@ -441,8 +441,8 @@ fn ranks_on_one_gpu_with_calls_in_flight() {
         // Ranks sharing a device share its slots: TIDE_MAX_IN_FLIGHT counts per device.
         let per_dev = dev_of.iter().filter(|&&g| g == 0).count();
         for (variant, depth, batch, local, fuse) in [
-            ("batched copies, ce local copy, fused small work", 2usize, true, tide::config::LocalCopy::CopyEngine, 256usize << 10),
-            ("single copies, sm local copy, fused small work", 2, false, tide::config::LocalCopy::Sm, 256 << 10),
+            ("batched copies, ce local copy, fused small work", 2usize, true, tide::config::LocalCopy::CopyEngine, 512usize << 10),
+            ("single copies, sm local copy, fused small work", 2, false, tide::config::LocalCopy::Sm, 512 << 10),
             ("batched copies, nothing fused", 2, true, tide::config::LocalCopy::CopyEngine, 0),
             ("single copies, sm local copy, nothing fused", 2, false, tide::config::LocalCopy::Sm, 0),
             ("3 in flight, everything fused", 3, true, tide::config::LocalCopy::CopyEngine, 1 << 30),
@@ -504,7 +504,7 @@ fn start_done_errors_are_clear() {
 fn per_call_cost() {
     let devs = gpus();
     let d = &devs[0];
-    for (world, fuse) in [(1usize, 256usize << 10), (1, 0), (2, 256 << 10), (2, 0)] {
+    for (world, fuse) in [(1usize, 512usize << 10), (1, 0), (2, 512 << 10), (2, 0)] {
         config(|c| {
             c.rs_slot_bytes = 32 << 20;
             c.fuse_bytes = fuse;
