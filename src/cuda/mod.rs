@@ -5,8 +5,8 @@
 //! Modules: `schedule` (pure: steps -> streams, events; unit-tested), `kernels` (pure: the embedded
 //! `kernels/rs_sum.cu`, launch shapes), `nvrtc` (compiling it), `driver` (checked driver calls),
 //! `device` (per-device state), `multicast` (the opt-in, gated NVLink multicast all-gather; off
-//! unless TIDE_MULTICAST=1 and the device supports it), this file (the call: rendezvous, ordering,
-//! issuing).
+//! unless TIDE_MULTICAST=1 and the device supports it), `fuse` (small copies and sums as batched
+//! launches, TIDE_FUSE_BYTES), this file (the call: start/done, rendezvous, ordering, issuing).
 //!
 //! # Start/done: the in-process driver (`execute_phase`; rules A1-A4, modelled and each shown
 //! necessary in `schedule`'s tests `start_done_*`)
@@ -88,11 +88,14 @@
 //! (default 3 x 32 MiB = 96 MiB), independent of the group size and of the number of GPUs; chunks of
 //! at most `slot_bytes / (P - 1)` per peer cycle through the slots. Plus events and streams.
 //!
-//! Concurrency: each device's state is locked for the whole start (or synchronous call). XLA issues a device's calls from
-//! that device's thread one at a time; if two tide calls of one device were ever issued
+//! Concurrency: the in-process driver holds a device's state lock only while it takes a slot,
+//! prepares the plan and the slot's resources and records rule A1's events; the rendezvous and the
+//! issuing run on copies of the slot's handles without it, so several ranks may share one device
+//! (tests on one GPU). The multi-process path holds it for its whole call. XLA issues a device's
+//! calls from that device's thread one at a time; if two tide calls of one device were ever issued
 //! concurrently in different orders on two devices, they would fail with a rendezvous timeout, not
-//! hang. On errors the rank calls `Session::fail` so peers fail fast; work already enqueued on side
-//! streams is still joined into MAIN so XLA's stream stays ordered.
+//! hang. On errors the rank calls `Session::fail` so peers fail fast; work already enqueued is
+//! still ordered before XLA's later work (A3's error path, `released`).
 //!
 //! Multi-process jobs (`call.job != 0`) go to `multiproc` (the same protocol over a shared-memory
 //! mailbox, peers mapped by VMM/IPC, the rail over NCCL: docs/multiprocess.md). In one process,
