@@ -153,10 +153,12 @@ fn missing(flags: &[bool]) -> Vec<usize> {
         .collect()
 }
 
+/// "rank 3", "ranks [1, 2]", or for many the first few and the count: a message never grows with
+/// the world size.
 fn describe_ranks(ranks: &[usize]) -> String {
     match ranks.len() {
         1 => format!("rank {}", ranks[0]),
-        _ => format!("ranks {ranks:?}"),
+        _ => format!("ranks {}", crate::error::short_list(ranks, 16)),
     }
 }
 

@@ -20,7 +20,6 @@ use crate::call::{BufferView, CallInfo};
 use crate::error::{Result, TideError};
 use crate::layout::DType;
 use crate::plan::Op;
-use crate::topology::Topology;
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -277,7 +276,7 @@ pub fn status(result: Result<()>) -> FfiStatus {
             };
             FfiStatus {
                 code,
-                message: e.to_string(),
+                message: crate::error::bounded(e.to_string()),
             }
         }
     }
@@ -309,59 +308,27 @@ fn buffers(list: &[FfiBuffer], role: &str, call_name: &str) -> Result<Vec<Buffer
         .collect()
 }
 
-/// Builds the `CallInfo` of a decoded frame: checks the attributes and maps the device ordinal to
-/// this device's rank and group. Buffer shapes are checked later, by `CallInfo::layout`.
+/// Builds the `CallInfo` of a decoded frame: checks the attributes (`call::check_attributes`) and
+/// maps the device ordinal to this device's rank and group. Buffer shapes are checked later, by
+/// `CallInfo::layout`.
 pub fn decode(op: Op, call: &FfiCall) -> Result<CallInfo> {
+    let attrs = crate::call::check_attributes(
+        op,
+        &crate::call::Attributes {
+            site: call.site,
+            world: call.world,
+            nodes: call.nodes,
+            gpus_per_node: call.gpus_per_node,
+            device_ordinal: call.device_ordinal,
+            device_ordinals: &call.device_ordinals,
+            device_ranks: &call.device_ranks,
+            device_groups: &call.device_groups,
+            job: call.job,
+        },
+    )?;
     let name = format!("{} site {}", op_name(op), call.site);
     let device = call.device_ordinal;
-    let world = nonneg(call.world, || format!("{name}: attribute 'world'"))?;
-    if world == 0 {
-        return crate::invalid!(
-            "{name}: attribute 'world' is 0; the sharded axis needs at least one device"
-        );
-    }
-    let nodes = nonneg(call.nodes, || format!("{name}: attribute 'nodes'"))?;
-    let gpus_per_node = nonneg(call.gpus_per_node, || {
-        format!("{name}: attribute 'gpus_per_node'")
-    })?;
-    let topology = Topology::new(nodes, gpus_per_node)
-        .and_then(|t| t.check_world(world).map(|()| t))
-        .map_err(|e| {
-            TideError::InvalidTopology(format!("{name}: attributes 'nodes' x 'gpus_per_node': {e}"))
-        })?;
-    let n = call.device_ordinals.len();
-    if call.device_ranks.len() != n || call.device_groups.len() != n {
-        return crate::invalid!(
-            "{name}: attributes 'device_ordinals', 'device_ranks', 'device_groups' must have equal lengths, \
-             got {}, {}, {}",
-            n,
-            call.device_ranks.len(),
-            call.device_groups.len()
-        );
-    }
-    let at = call.device_ordinals.iter().position(|&d| d == device).ok_or_else(|| {
-        TideError::InvalidArgument(format!(
-            "{name}: device ordinal {device} is not in attribute 'device_ordinals' {:?}: the call runs on \
-             a device outside the mesh it was traced for",
-            call.device_ordinals
-        ))
-    })?;
-    if call.device_ordinals[at + 1..].contains(&device) {
-        return crate::invalid!(
-            "{name}: device ordinal {device} appears twice in attribute 'device_ordinals'"
-        );
-    }
-    let rank = nonneg(call.device_ranks[at], || {
-        format!("{name}: 'device_ranks' entry of device {device}")
-    })?;
-    let group = nonneg(call.device_groups[at], || {
-        format!("{name}: 'device_groups' entry of device {device}")
-    })?;
-    if rank >= world {
-        return crate::invalid!(
-            "{name}: device {device} has rank {rank} in attribute 'device_ranks', outside world size {world}"
-        );
-    }
+    let (world, topology, rank, group) = (attrs.world, attrs.topology, attrs.rank, attrs.group);
     let names = if call.names.is_empty() {
         Vec::new()
     } else {
@@ -374,7 +341,7 @@ pub fn decode(op: Op, call: &FfiCall) -> Result<CallInfo> {
         op,
         site: call.site,
         run_id: call.run_id,
-        job: call.job as u64,
+        job: attrs.job,
         device_ordinal: device,
         rank,
         group,
