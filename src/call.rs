@@ -54,6 +54,9 @@ pub struct Attributes<'a> {
     pub device_ranks: &'a [i64],
     pub device_groups: &'a [i64],
     pub job: i64,
+    /// Numbers of operands and results (checked here, before the buffers are converted).
+    pub operands: usize,
+    pub results: usize,
 }
 
 /// What `check_attributes` proved and derived: this device's place in the mesh.
@@ -68,6 +71,7 @@ pub struct CheckedAttributes {
 
 /// Checks the settings the call runs under (`config::check`) and every attribute, in milliseconds
 /// whatever the values (O(devices log devices), nothing allocated by a value before it is bounded):
+/// - as many results as operands, at most `MAX_PARAMS`;
 /// - `job` >= 0; `world` in 1..=`MAX_WORLD`; `nodes` and `gpus_per_node` in 1..=world with
 ///   `nodes * gpus_per_node == world` (checked multiplication: no product wraps to the world);
 /// - the device arrays have equal lengths in 1..=`MAX_DEVICES`; ordinals are distinct and include
@@ -89,6 +93,13 @@ pub fn check_attributes(op: Op, a: &Attributes) -> Result<CheckedAttributes> {
     let bad = |m: String| TideError::InvalidArgument(format!("{what}: {m}"));
     let bad_topology = |m: String| TideError::InvalidTopology(format!("{what}: {m}"));
 
+    if a.operands > MAX_PARAMS || a.results != a.operands {
+        return Err(bad(format!(
+            "{} operands and {} results; a call takes one result per parameter, 1..={MAX_PARAMS} of \
+             them (call::MAX_PARAMS)",
+            a.operands, a.results
+        )));
+    }
     let job = u64::try_from(a.job).map_err(|_| {
         bad(format!(
             "attribute 'job' is {}; it must be 0 (single process) or a positive multi-process job id",

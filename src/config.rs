@@ -345,3 +345,90 @@ pub fn set_override(config: Option<Config>) {
     OVERRIDDEN.store(config.is_some(), Ordering::Release);
     *g = config.map(Arc::new);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse_one(variable: &str, value: &str) -> Result<Config, Vec<SettingError>> {
+        let (variable, value) = (variable.to_string(), value.to_string());
+        Config::parse(&move |k| (k == variable).then(|| value.clone()))
+    }
+
+    #[test]
+    fn timeout_edge_values_are_refused_with_the_range() {
+        for bad in [
+            "inf", "-inf", "1e30", "0", "nan", "-1", "abc", "1e6.5", "0.0009", "1000001",
+        ] {
+            let errors = parse_one("TIDE_TIMEOUT_S", bad).expect_err(bad);
+            assert_eq!(errors.len(), 1, "{bad}");
+            let msg = errors[0].to_string();
+            assert!(
+                msg.starts_with(&format!("TIDE_TIMEOUT_S={bad:?} is not a valid setting")),
+                "{msg}"
+            );
+            assert!(msg.contains("[0.001, 1000000]"), "{msg}");
+        }
+        for (good, want) in [("0.001", 0.001), ("2.5", 2.5), (" 30 ", 30.0), ("1e6", 1e6)] {
+            assert_eq!(parse_one("TIDE_TIMEOUT_S", good).unwrap().timeout_s, want);
+        }
+        // Empty means unset: the default.
+        assert_eq!(parse_one("TIDE_TIMEOUT_S", "  ").unwrap().timeout_s, 120.0);
+    }
+
+    #[test]
+    fn every_setting_is_strict() {
+        let cases = [
+            ("TIDE_RS_MAX_CTAS", "0", "[1, 1024]"),
+            ("TIDE_RS_MAX_CTAS", "4096", "[1, 1024]"),
+            ("TIDE_RS_STAGE_SLOTS", "-1", "[1, 64]"),
+            ("TIDE_RS_SLOT_BYTES", "100", "[4096, 4294967296]"),
+            ("TIDE_RS_SLOT_BYTES", "32MiB", "[4096, 4294967296]"),
+            ("TIDE_AG_STREAMS", "17", "[1, 16]"),
+            ("TIDE_RS_COPY_STREAMS", "1.5", "[1, 16]"),
+            ("TIDE_MULTICAST", "2", "0 or 1"),
+            ("TIDE_COPY_BATCH", "maybe", "0 or 1"),
+            ("TIDE_LOCAL_COPY", "dma", "ce or sm"),
+            ("TIDE_RS_KERNEL", "fast", "ld, bulk or st"),
+        ];
+        for (variable, value, accepted) in cases {
+            let errors = parse_one(variable, value).expect_err(variable);
+            assert_eq!(errors[0].variable, variable);
+            assert!(errors[0].to_string().contains(accepted), "{}", errors[0]);
+        }
+        let c = parse_one("TIDE_MULTICAST", "On").unwrap();
+        assert!(c.multicast);
+        assert_eq!(
+            parse_one("TIDE_RS_KERNEL", "BULK").unwrap().rs_kernel,
+            RsKernel::Bulk
+        );
+        assert_eq!(Config::parse(&|_| None).unwrap(), Config::defaults());
+    }
+
+    #[test]
+    fn all_errors_are_reported_and_values_bounded() {
+        let long = "9".repeat(10_000);
+        let errors = Config::parse(&|k| match k {
+            "TIDE_TIMEOUT_S" => Some("inf".into()),
+            "TIDE_AG_STREAMS" => Some(long.clone()),
+            _ => None,
+        })
+        .unwrap_err();
+        assert_eq!(errors.len(), 2);
+        assert!(errors[1].value.len() < 80, "{}", errors[1].value);
+    }
+
+    #[test]
+    fn timeout_is_total_on_hand_built_configs() {
+        let mut c = Config::defaults();
+        for (s, want) in [
+            (f64::INFINITY, 1e6),
+            (f64::NAN, 0.001),
+            (0.0, 0.001),
+            (-5.0, 0.001),
+        ] {
+            c.timeout_s = s;
+            assert_eq!(c.timeout(), Duration::from_secs_f64(want));
+        }
+    }
+}

@@ -324,6 +324,8 @@ pub fn decode(op: Op, call: &FfiCall) -> Result<CallInfo> {
             device_ranks: &call.device_ranks,
             device_groups: &call.device_groups,
             job: call.job,
+            operands: call.inputs.len(),
+            results: call.outputs.len(),
         },
     )?;
     let name = format!("{} site {}", op_name(op), call.site);
