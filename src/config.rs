@@ -303,6 +303,7 @@ pub fn check() -> crate::error::Result<()> {
 pub unsafe extern "C" fn tide_settings_error(buf: *mut u8, cap: usize) -> usize {
     let msg = match std::panic::catch_unwind(check) {
         Ok(Ok(())) => return 0,
+        Ok(Err(crate::error::TideError::InvalidArgument(m))) => m,
         Ok(Err(e)) => e.to_string(),
         Err(_) => "tide setting: panic while reading the settings (a tide bug)".to_string(),
     };

@@ -15,7 +15,7 @@ chosen with `set_backend` or TIDE_BACKEND.
 
 from . import reference
 from ._layout import Layout, ParamInfo, layout
-from ._lib import LibraryNotFoundError, library_path
+from ._lib import LibraryNotFoundError, SettingError, library_path
 from ._ops import BACKENDS, all_gather, gather_params, get_backend, reduce_scatter, set_backend
 from ._compat import shard_map
 from ._distributed import initialize
@@ -26,6 +26,7 @@ __all__ = [
     "BACKENDS",
     "Layout",
     "LibraryNotFoundError",
+    "SettingError",
     "ParamInfo",
     "all_gather",
     "gather_params",
