@@ -85,9 +85,12 @@ pub fn next_seq(site: i64, group: usize, rank: usize) -> u64 {
 /// device (the same jitted program launched from several Python threads) each count separately.
 const RUNS_TRACKED: usize = 64;
 
+/// (run id, calls of the site in that run) of a rank's recent runs, oldest first.
+type RecentRuns = Vec<(i64, u32)>;
+
 /// Per (site, group, rank): the runs it recently executed `site` in and how many times it did in
-/// each, most recent last.
-static RUN_CALLS: Lazy<Mutex<HashMap<RankKey, Vec<(i64, u32)>>>> =
+/// each.
+static RUN_CALLS: Lazy<Mutex<HashMap<RankKey, RecentRuns>>> =
     Lazy::new(|| Mutex::new(HashMap::new()));
 
 /// The sequence number of this execution of `site` by `rank` of `group` within XLA's run `run_id`
