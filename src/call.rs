@@ -54,7 +54,8 @@ pub struct Attributes<'a> {
     pub device_ranks: &'a [i64],
     pub device_groups: &'a [i64],
     pub job: i64,
-    /// Numbers of operands and results (checked here, before the buffers are converted).
+    /// Numbers of operands and results (bounded here, before the buffers are converted; how they
+    /// relate is checked with the buffers).
     pub operands: usize,
     pub results: usize,
 }
@@ -71,7 +72,7 @@ pub struct CheckedAttributes {
 
 /// Checks the settings the call runs under (`config::check`) and every attribute, in milliseconds
 /// whatever the values (O(devices log devices), nothing allocated by a value before it is bounded):
-/// - as many results as operands, at most `MAX_PARAMS`;
+/// - at most `MAX_PARAMS` results (parameters) and twice that many operands;
 /// - `job` >= 0; `world` in 1..=`MAX_WORLD`; `nodes` and `gpus_per_node` in 1..=world with
 ///   `nodes * gpus_per_node == world` (checked multiplication: no product wraps to the world);
 /// - the device arrays have equal lengths in 1..=`MAX_DEVICES`; ordinals are distinct and include
@@ -93,10 +94,11 @@ pub fn check_attributes(op: Op, a: &Attributes) -> Result<CheckedAttributes> {
     let bad = |m: String| TideError::InvalidArgument(format!("{what}: {m}"));
     let bad_topology = |m: String| TideError::InvalidTopology(format!("{what}: {m}"));
 
-    if a.operands > MAX_PARAMS || a.results != a.operands {
+    // One result per parameter in every phase; a done also takes start's results as operands.
+    if a.results > MAX_PARAMS || a.operands > 2 * MAX_PARAMS {
         return Err(bad(format!(
-            "{} operands and {} results; a call takes one result per parameter, 1..={MAX_PARAMS} of \
-             them (call::MAX_PARAMS)",
+            "{} operands and {} results, more than tide's limit of {MAX_PARAMS} parameters per call \
+             (call::MAX_PARAMS)",
             a.operands, a.results
         )));
     }
