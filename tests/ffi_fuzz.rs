@@ -798,7 +798,10 @@ fn adversarial_attribute_sets() {
         (1 << 16) + 1
     ];
     many.outputs = many.inputs.clone();
-    cases.push((many, &["65537 operands and 65537 results, more than", "MAX_PARAMS"]));
+    cases.push((
+        many,
+        &["65537 operands and 65537 results, more than", "MAX_PARAMS"],
+    ));
     let mut far = single(2, 1, 2, 2);
     far.device_ordinals = vec![i64::MIN, i64::MAX];
     far.device_ordinal = 77;
@@ -849,4 +852,58 @@ fn single_rank_calls_are_correct() {
         check_single_rank(&c, &st);
         checked += 1;
     }
+}
+
+/// The done target's decoding (`decode_done`: start's N results, aliased, then start's N
+/// operands) on the same random and mutated attribute sets: a `CallInfo` or a bounded error naming
+/// the call, at once. (Decoding only: a done's execution needs its start.)
+#[test]
+fn done_decoding_of_mutated_sets() {
+    use_test_timeout();
+    let mut rng = Rng(0x5eed);
+    let (mut decoded, mut refused) = (0, 0);
+    for k in 0..2000i64 {
+        let mut c = valid_case(&mut rng, 400_000 + k);
+        let mutations = rng.range(0, 2);
+        for _ in 0..mutations {
+            let n = c.device_ordinals.len();
+            if n == 0 || c.device_ranks.len() != n || c.device_groups.len() != n {
+                break;
+            }
+            if c.inputs.is_empty() || c.outputs.is_empty() {
+                break;
+            }
+            mutate(&mut rng, &mut c);
+        }
+        let (mut call, _storage) = c.ffi(c.device_ordinal, &|_, _| {});
+        // Done's operands: start's results (the very buffers of done's results), then start's operands.
+        let mut operands = call
+            .outputs
+            .iter()
+            .map(|b| FfiBuffer {
+                data: b.data,
+                dtype: b.dtype,
+                dims: b.dims.clone(),
+            })
+            .collect::<Vec<_>>();
+        operands.append(&mut call.inputs);
+        if rng.below(10) == 0 && !operands.is_empty() {
+            operands[0].data ^= 8; // not aliased
+        }
+        call.inputs = operands;
+        let t0 = Instant::now();
+        let r = tide::ffi::decode_done(c.op, &call);
+        let took = t0.elapsed();
+        assert!(took < FAIL_FAST, "{took:?}");
+        match r {
+            Ok(_) => decoded += 1,
+            Err(e) => {
+                let m = tide::ffi::status(Err(e)).message;
+                assert!(m.len() <= 2048 && m.contains("site"), "{m}");
+                refused += 1;
+            }
+        }
+    }
+    println!("done decoding: {decoded} decoded, {refused} refused");
+    assert!(decoded > 100 && refused > 500);
 }

@@ -213,7 +213,8 @@ pub fn op_code(op: Op) -> u8 {
 
 /// Instance counters by (op, phase, site): the instantiate stage numbers each HLO instruction of a
 /// site (docs/design.md "Call sites and instances").
-static INSTANCES: Lazy<Mutex<HashMap<(u8, u8, i64), u64>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+static INSTANCES: Lazy<Mutex<HashMap<(u8, u8, i64), u64>>> =
+    Lazy::new(|| Mutex::new(HashMap::new()));
 
 fn tide_instantiate(op: u8, phase: u8, site: i64) -> u64 {
     let mut map = INSTANCES.lock().unwrap_or_else(|p| p.into_inner());
@@ -285,7 +286,11 @@ fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize
         let info = decode(op, &call)?;
         // Registered before the sequence number is taken: nothing after that may fail.
         let record = if phase == Phase::Start {
-            let what = format!("{} on device {}", phase_name(op, phase, site), info.device_ordinal);
+            let what = format!(
+                "{} on device {}",
+                phase_name(op, phase, site),
+                info.device_ordinal
+            );
             let record = crate::inflight::Record::new(
                 what,
                 info.device_ordinal,
@@ -333,7 +338,12 @@ fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize
         }))
         .unwrap_or_else(|payload| {
             Err(internal_panic(
-                format_args!("{} site {} on device {}", op_name(info.op), info.site, info.device_ordinal),
+                format_args!(
+                    "{} site {} on device {}",
+                    op_name(info.op),
+                    info.site,
+                    info.device_ordinal
+                ),
                 &*payload,
             ))
         });
@@ -361,7 +371,10 @@ fn tide_call_cuda(op: u8, phase: u8, instance: u64, call: &FfiCall) -> FfiStatus
     }))
     .unwrap_or_else(|payload| {
         Err(internal_panic(
-            format_args!("tide call site {} on device {}", call.site, call.device_ordinal),
+            format_args!(
+                "tide call site {} on device {}",
+                call.site, call.device_ordinal
+            ),
             &*payload,
         ))
     });
@@ -381,7 +394,12 @@ pub fn run_cpu(op: Op, call: &FfiCall) -> FfiStatus {
     }))
     .unwrap_or_else(|payload| {
         Err(internal_panic(
-            format_args!("{} site {} on device {}", op_name(op), call.site, call.device_ordinal),
+            format_args!(
+                "{} site {} on device {}",
+                op_name(op),
+                call.site,
+                call.device_ordinal
+            ),
             &*payload,
         ))
     });
