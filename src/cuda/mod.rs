@@ -135,7 +135,12 @@ pub fn execute_phase(call: &CallInfo, job: u64, phase: crate::ffi::Phase) -> Res
         Phase::Sync => execute_job(call, job),
         Phase::Start => {
             let record = inflight::Record::new(
-                format!("tide {}_start site {} on device {}", op_name(call.op), call.site, call.device_ordinal),
+                format!(
+                    "tide {}_start site {} on device {}",
+                    op_name(call.op),
+                    call.site,
+                    call.device_ordinal
+                ),
                 call.device_ordinal,
                 call.outputs.iter().map(|b| b.ptr).collect(),
                 call.inputs.iter().map(|b| b.ptr).collect(),
@@ -160,7 +165,9 @@ pub fn execute_phase(call: &CallInfo, job: u64, phase: crate::ffi::Phase) -> Res
                 let _ = tx.send(r);
             });
             rx.recv().unwrap_or_else(|_| {
-                Err(TideError::Internal(format!("{what}: its start never finished")))
+                Err(TideError::Internal(format!(
+                    "{what}: its start never finished"
+                )))
             })
         }
     }
