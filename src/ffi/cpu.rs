@@ -286,7 +286,7 @@ pub fn execute_multiprocess_ticket(call: &CallInfo, job: u64, ticket: u64) -> Re
     let key = lane_key(call);
     {
         let mut lanes = LANES.0.lock().unwrap_or_else(|p| p.into_inner());
-        while lanes.get(&key).map_or(false, |l| l.serving < ticket) {
+        while lanes.get(&key).is_some_and(|l| l.serving < ticket) {
             lanes = LANES.1.wait(lanes).unwrap_or_else(|p| p.into_inner());
         }
     }

@@ -213,8 +213,8 @@ pub fn op_code(op: Op) -> u8 {
 
 /// Instance counters by (op, phase, site): the instantiate stage numbers each HLO instruction of a
 /// site (docs/design.md "Call sites and instances").
-static INSTANCES: Lazy<Mutex<HashMap<(u8, u8, i64), u64>>> =
-    Lazy::new(|| Mutex::new(HashMap::new()));
+type InstanceKey = (u8, u8, i64);
+static INSTANCES: Lazy<Mutex<HashMap<InstanceKey, u64>>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
 fn tide_instantiate(op: u8, phase: u8, site: i64) -> u64 {
     let mut map = INSTANCES.lock().unwrap_or_else(|p| p.into_inner());
