@@ -7,11 +7,249 @@
 //!   `(rows, *rest)` (same dtype as the shard; `()` for a 0-d parameter).
 //! - reduce-scatter: inputs are the N full gradients `(rows, *rest)` (bf16, f16 or f32), outputs the
 //!   N fp32 shards `(shard_rows, *rest)`.
+//!
+//! Bounds (any caller of `jax.ffi.ffi_call` can pass any attributes; none may abort, hang or
+//! exhaust the process): `check_attributes` checks every attribute, with overflow-safe arithmetic,
+//! before anything is allocated by its value, and `CallInfo::layout` checks the buffers and the
+//! size of the plan they imply. The limits are the `MAX_*` constants below; a call past one fails
+//! at once with an error naming the attribute (or buffer), its value and the limit. Messages stay
+//! under `error::MAX_MESSAGE_BYTES`: lists and names in them are shortened.
 
-use crate::error::Result;
+use crate::error::{short_list, Result, TideError};
 use crate::layout::{DType, GroupLayout, ParamSpec};
 use crate::plan::Op;
 use crate::topology::Topology;
+
+/// Largest `world` (size of the sharded mesh axis) tide accepts. With `job` 0 the bound is tighter:
+/// every rank is a device of this process, listed in `device_ordinals`.
+pub const MAX_WORLD: usize = 1 << 16;
+/// Most device entries (`device_ordinals`) of one call: the devices of a mesh in one process.
+pub const MAX_DEVICES: usize = 1 << 16;
+/// Most parameters (operands) of one call.
+pub const MAX_PARAMS: usize = 1 << 16;
+/// Most dims of one buffer.
+pub const MAX_DIMS: usize = 64;
+/// Largest buffer, in bytes (2^48: the virtual address space of x86-64 and aarch64).
+pub const MAX_BUFFER_BYTES: usize = 1 << 48;
+/// Largest plan, in steps (an upper bound computed before the plan is built): the CPU engine's plans
+/// hold every rank's steps, about world^2 x parameters for the all-gather. Past it a call fails
+/// asking to split its parameter group.
+pub const MAX_PLAN_STEPS: usize = 1 << 24;
+/// Characters of a parameter name kept for messages.
+const MAX_NAME_CHARS: usize = 128;
+/// Items of a list shown in a message.
+const LIST_ITEMS: usize = 8;
+
+/// The attributes of one call as the FFI edge received them, unchecked (docs/design.md "FFI
+/// contract"): whatever a caller of `jax.ffi.ffi_call` passed.
+#[derive(Debug, Clone, Copy)]
+pub struct Attributes<'a> {
+    pub site: i64,
+    pub world: i64,
+    pub nodes: i64,
+    pub gpus_per_node: i64,
+    /// XLA's device ordinal of the executing device (FFI context, not an attribute).
+    pub device_ordinal: i64,
+    pub device_ordinals: &'a [i64],
+    pub device_ranks: &'a [i64],
+    pub device_groups: &'a [i64],
+    pub job: i64,
+    /// Numbers of operands and results (bounded here, before the buffers are converted; how they
+    /// relate is checked with the buffers).
+    pub operands: usize,
+    pub results: usize,
+}
+
+/// What `check_attributes` proved and derived: this device's place in the mesh.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CheckedAttributes {
+    pub world: usize,
+    pub topology: Topology,
+    pub rank: usize,
+    pub group: usize,
+    pub job: u64,
+}
+
+/// Checks the settings the call runs under (`config::check`) and every attribute, in milliseconds
+/// whatever the values (O(devices log devices), nothing allocated by a value before it is bounded):
+/// - at most `MAX_PARAMS` results (parameters) and twice that many operands;
+/// - `job` >= 0; `world` in 1..=`MAX_WORLD`; `nodes` and `gpus_per_node` in 1..=world with
+///   `nodes * gpus_per_node == world` (checked multiplication: no product wraps to the world);
+/// - the device arrays have equal lengths in 1..=`MAX_DEVICES`; ordinals are distinct and include
+///   the executing device; ranks lie in 0..world, groups in 0..entries (`job` 0) or
+///   0..`MAX_DEVICES`, and no (group, rank) pair repeats (a duplicate rank is named as such);
+/// - `job` 0 (every rank in this process): every group lists each rank 0..world exactly once, so
+///   world * groups equals the number of entries and a missing rank is named at once instead of
+///   after the timeout.
+///
+/// Errors name the call (op, site, device), the attribute and its (shortened) value.
+pub fn check_attributes(op: Op, a: &Attributes) -> Result<CheckedAttributes> {
+    crate::config::check()?;
+    let what = format!(
+        "{} site {} on device {}",
+        op_name(op),
+        a.site,
+        a.device_ordinal
+    );
+    let bad = |m: String| TideError::InvalidArgument(format!("{what}: {m}"));
+    let bad_topology = |m: String| TideError::InvalidTopology(format!("{what}: {m}"));
+
+    // One result per parameter in every phase; a done also takes start's results as operands.
+    if a.results > MAX_PARAMS || a.operands > 2 * MAX_PARAMS {
+        return Err(bad(format!(
+            "{} operands and {} results, more than tide's limit of {MAX_PARAMS} parameters per call \
+             (call::MAX_PARAMS)",
+            a.operands, a.results
+        )));
+    }
+    let job = u64::try_from(a.job).map_err(|_| {
+        bad(format!(
+            "attribute 'job' is {}; it must be 0 (single process) or a positive multi-process job id",
+            a.job
+        ))
+    })?;
+    if a.world <= 0 {
+        return Err(bad(format!(
+            "attribute 'world' is {}; the sharded axis needs at least one device",
+            a.world
+        )));
+    }
+    let world = match usize::try_from(a.world) {
+        Ok(w) if w <= MAX_WORLD => w,
+        _ => {
+            return Err(bad(format!(
+                "attribute 'world' is {}, more than tide's limit of {MAX_WORLD} ranks (call::MAX_WORLD)",
+                a.world
+            )))
+        }
+    };
+    let in_world = |v: i64| {
+        usize::try_from(v)
+            .ok()
+            .filter(|&x| (1..=world).contains(&x))
+    };
+    let nodes = in_world(a.nodes).ok_or_else(|| {
+        bad_topology(format!(
+            "attribute 'nodes' is {}; it must be in 1..={world} (attribute 'world')",
+            a.nodes
+        ))
+    })?;
+    let gpus_per_node = in_world(a.gpus_per_node).ok_or_else(|| {
+        bad_topology(format!(
+            "attribute 'gpus_per_node' is {}; it must be in 1..={world} (attribute 'world')",
+            a.gpus_per_node
+        ))
+    })?;
+    if nodes.checked_mul(gpus_per_node) != Some(world) {
+        return Err(bad_topology(format!(
+            "attributes 'nodes' x 'gpus_per_node': {nodes}x{gpus_per_node} does not have the {world} \
+             ranks of attribute 'world'"
+        )));
+    }
+    let topology = Topology::new(nodes, gpus_per_node).map_err(|e| bad_topology(e.to_string()))?;
+
+    let n = a.device_ordinals.len();
+    if a.device_ranks.len() != n || a.device_groups.len() != n {
+        return Err(bad(format!(
+            "attributes 'device_ordinals', 'device_ranks', 'device_groups' must have equal lengths, \
+             got {}, {}, {}",
+            n,
+            a.device_ranks.len(),
+            a.device_groups.len()
+        )));
+    }
+    if n == 0 || n > MAX_DEVICES {
+        return Err(bad(format!(
+            "attribute 'device_ordinals' has {n} entries; it lists the mesh's devices in this \
+             process, 1..={MAX_DEVICES} (call::MAX_DEVICES)"
+        )));
+    }
+    let device = a.device_ordinal;
+    let at = a
+        .device_ordinals
+        .iter()
+        .position(|&d| d == device)
+        .ok_or_else(|| {
+            bad(format!(
+                "device ordinal {device} is not in attribute 'device_ordinals' {}: the call runs on a \
+                 device outside the mesh it was traced for",
+                short_list(a.device_ordinals, LIST_ITEMS)
+            ))
+        })?;
+    let mut ordinals: Vec<(i64, usize)> = a.device_ordinals.iter().copied().zip(0..).collect();
+    ordinals.sort_unstable();
+    if let Some(w) = ordinals.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(bad(format!(
+            "device ordinal {} appears twice in attribute 'device_ordinals' (entries {} and {})",
+            w[0].0, w[0].1, w[1].1
+        )));
+    }
+    // With job 0 every group is complete here, so there are at most n / world groups.
+    let groups_bound = if job == 0 { n } else { MAX_DEVICES };
+    // (group, rank, entry) of every device, checked one by one, then for repeats.
+    let mut places: Vec<(usize, usize, usize)> = Vec::with_capacity(n);
+    for i in 0..n {
+        let ordinal = a.device_ordinals[i];
+        let rank = usize::try_from(a.device_ranks[i])
+            .ok()
+            .filter(|&r| r < world)
+            .ok_or_else(|| {
+                bad(format!(
+                    "device {ordinal} (entry {i}) has rank {} in attribute 'device_ranks', outside \
+                     world size {world}",
+                    a.device_ranks[i]
+                ))
+            })?;
+        let group = usize::try_from(a.device_groups[i])
+            .ok()
+            .filter(|&g| g < groups_bound)
+            .ok_or_else(|| {
+                bad(format!(
+                    "device {ordinal} (entry {i}) has group {} in attribute 'device_groups'; groups \
+                     number the positions on the other mesh axes, 0..{groups_bound}{}",
+                    a.device_groups[i],
+                    if job == 0 { " (the entries of this process)" } else { " (call::MAX_DEVICES)" }
+                ))
+            })?;
+        places.push((group, rank, i));
+    }
+    places.sort_unstable();
+    if let Some(w) = places
+        .windows(2)
+        .find(|w| (w[0].0, w[0].1) == (w[1].0, w[1].1))
+    {
+        return Err(bad(format!(
+            "rank {} appears twice in group {} of attribute 'device_ranks' (devices {} and {}): \
+             every rank of the axis is one device",
+            w[0].1, w[0].0, a.device_ordinals[w[0].2], a.device_ordinals[w[1].2]
+        )));
+    }
+    if job == 0 {
+        // Sorted by (group, rank) without repeats: a complete group is exactly ranks 0..world.
+        for chunk in places.chunk_by(|x, y| x.0 == y.0) {
+            if let Some(missing) = (0..world).find(|&r| chunk.get(r).map(|p| p.1) != Some(r)) {
+                return Err(bad(format!(
+                    "group {} lacks rank {missing} (it lists {} of the {world} ranks of attribute \
+                     'world' in 'device_ranks'); with attribute 'job' 0 every rank is a device of \
+                     this process",
+                    chunk[0].0,
+                    chunk.len()
+                )));
+            }
+        }
+    }
+    Ok(CheckedAttributes {
+        world,
+        topology,
+        rank: places
+            .iter()
+            .find(|p| p.2 == at)
+            .map(|p| p.1)
+            .expect("every entry has a place"),
+        group: usize::try_from(a.device_groups[at]).expect("checked above"),
+        job,
+    })
+}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BufferView {
@@ -63,30 +301,40 @@ fn op_name(op: Op) -> &'static str {
 
 fn build_layout(call: &CallInfo) -> Result<GroupLayout> {
     use crate::invalid;
-    let what = op_name(call.op);
+    let what = format!("{} site {}", op_name(call.op), call.site);
+    let who = format!("rank {} (device {})", call.rank, call.device_ordinal);
     let n = call.inputs.len();
     if n == 0 {
-        return invalid!(
-            "{what} on rank {}: empty parameter group (no operands)",
-            call.rank
-        );
+        return invalid!("{what} on {who}: empty parameter group (no operands)",);
     }
     if call.outputs.len() != n {
         return invalid!(
-            "{what} on rank {}: {} operands but {} results; one result per parameter",
-            call.rank,
+            "{what} on {who}: {} operands but {} results; one result per parameter",
             n,
             call.outputs.len()
         );
     }
     if call.world == 0 || call.rank >= call.world {
         return invalid!(
-            "{what}: rank {} is outside world size {}",
+            "{what} on {who}: rank {} is outside world size {}",
             call.rank,
             call.world
         );
     }
-    let name = |i: usize| call.names.get(i).cloned().unwrap_or_default();
+    if n > MAX_PARAMS {
+        return invalid!(
+            "{what} on {who}: {n} operands, more than tide's limit of {MAX_PARAMS} parameters per \
+             call (call::MAX_PARAMS)",
+        );
+    }
+    for (role, list) in [("operand", &call.inputs), ("result", &call.outputs)] {
+        for (i, b) in list.iter().enumerate() {
+            check_buffer(b).map_err(|m| {
+                TideError::InvalidArgument(format!("{what} on {who}: {role} {i}: {m}"))
+            })?;
+        }
+    }
+    let name = |i: usize| short_name(call.names.get(i).map(String::as_str).unwrap_or(""));
     // The full shape is the all-gather's output and the reduce-scatter's input.
     let (full, shard) = match call.op {
         Op::AllGather => (&call.outputs, &call.inputs),
@@ -95,9 +343,9 @@ fn build_layout(call: &CallInfo) -> Result<GroupLayout> {
     let specs: Vec<ParamSpec> = (0..n)
         .map(|i| ParamSpec::new(name(i), &full[i].dims, full[i].dtype))
         .collect();
-    let layout = GroupLayout::new(&specs, call.world).map_err(|e| {
-        crate::error::TideError::InvalidArgument(format!("{what} on rank {}: {e}", call.rank))
-    })?;
+    let layout = GroupLayout::new(&specs, call.world)
+        .map_err(|e| crate::error::TideError::InvalidArgument(format!("{what} on {who}: {e}")))?;
+    check_plan_size(&what, &who, call, &layout)?;
     for (i, p) in layout.params.iter().enumerate() {
         let mut want = vec![p.shard_rows];
         want.extend(p.shape.iter().skip(1));
@@ -108,8 +356,7 @@ fn build_layout(call: &CallInfo) -> Result<GroupLayout> {
         };
         if got.dims != want {
             return invalid!(
-                "{what} on rank {}: {}: {role} has shape {:?}, the layout over {} ranks wants {:?}",
-                call.rank,
+                "{what} on {who}: {}: {role} has shape {:?}, the layout over {} ranks wants {:?}",
                 p.describe(),
                 got.dims,
                 call.world,
@@ -120,8 +367,7 @@ fn build_layout(call: &CallInfo) -> Result<GroupLayout> {
             Op::AllGather => {
                 if got.dtype != p.dtype {
                     return invalid!(
-                        "{what} on rank {}: {}: shard dtype {} differs from the result dtype {}",
-                        call.rank,
+                        "{what} on {who}: {}: shard dtype {} differs from the result dtype {}",
                         p.describe(),
                         got.dtype.name(),
                         p.dtype.name()
@@ -131,19 +377,13 @@ fn build_layout(call: &CallInfo) -> Result<GroupLayout> {
             Op::ReduceScatter => {
                 if !p.dtype.is_reducible() {
                     return Err(crate::error::TideError::UnsupportedDtype {
-                        dtype: format!(
-                            "{} ({} on rank {})",
-                            p.dtype.name(),
-                            p.describe(),
-                            call.rank
-                        ),
+                        dtype: format!("{} ({} in {what} on {who})", p.dtype.name(), p.describe()),
                         op: "reduce_scatter (bfloat16, float16 or float32 gradients)",
                     });
                 }
                 if got.dtype != DType::F32 {
                     return invalid!(
-                        "{what} on rank {}: {}: result dtype is {}, tide reduces into float32",
-                        call.rank,
+                        "{what} on {who}: {}: result dtype is {}, tide reduces into float32",
                         p.describe(),
                         got.dtype.name()
                     );
@@ -152,4 +392,101 @@ fn build_layout(call: &CallInfo) -> Result<GroupLayout> {
         }
     }
     Ok(layout)
+}
+
+/// At most `MAX_NAME_CHARS` characters of a parameter name, for messages.
+fn short_name(name: &str) -> String {
+    match name.char_indices().nth(MAX_NAME_CHARS) {
+        Some((at, _)) => format!("{}...", &name[..at]),
+        None => name.to_string(),
+    }
+}
+
+/// A buffer's own bounds: at most `MAX_DIMS` dims, at most `MAX_BUFFER_BYTES` bytes (checked
+/// multiplication), and an address unless it is empty.
+fn check_buffer(b: &BufferView) -> std::result::Result<(), String> {
+    if b.dims.len() > MAX_DIMS {
+        return Err(format!(
+            "{} dims, more than tide's limit of {MAX_DIMS} (call::MAX_DIMS)",
+            b.dims.len()
+        ));
+    }
+    let bytes = b
+        .dims
+        .iter()
+        .try_fold(b.dtype.size_bytes(), |acc, &d| acc.checked_mul(d))
+        .filter(|&bytes| bytes <= MAX_BUFFER_BYTES);
+    match bytes {
+        None => Err(format!(
+            "shape {:?} of {} is more than tide's limit of 2^48 bytes per buffer \
+             (call::MAX_BUFFER_BYTES)",
+            b.dims,
+            b.dtype.name()
+        )),
+        Some(bytes) if bytes > 0 && b.ptr == 0 => Err(format!(
+            "shape {:?} of {} at address 0 (a null buffer)",
+            b.dims,
+            b.dtype.name()
+        )),
+        Some(_) => Ok(()),
+    }
+}
+
+/// An upper bound on the steps of the plan for `layout` over `topology` (`crate::plan::build`;
+/// every rank's steps are in one plan), `None` if it overflows. All-gather: every executor pulls
+/// each source rank's rows of each parameter once (at most min(world, rows) sources hold rows),
+/// plus per rail round one block per parameter and node. Reduce-scatter: per round, every
+/// destination's rows of each parameter in chunks of a staging slot, each chunk one copy per local
+/// peer and one reduce, plus a few level-2 steps and three step lists per phase and executor.
+pub fn plan_steps_bound(
+    op: Op,
+    layout: &GroupLayout,
+    topology: Topology,
+    slot_bytes: usize,
+) -> Option<usize> {
+    let world = layout.world;
+    let params = layout.params.len();
+    let sources = layout
+        .params
+        .iter()
+        .try_fold(0usize, |acc, p| acc.checked_add(p.rows.min(world)))?;
+    let nodes = topology.nodes;
+    match op {
+        Op::AllGather => {
+            let rounds = (usize::BITS - nodes.leading_zeros()) as usize; // >= ceil(log2(nodes))
+            let rail = rounds.checked_mul(params.checked_add(nodes)?)?;
+            world.checked_mul(sources.checked_add(rail)?)
+        }
+        Op::ReduceScatter => {
+            let gpus = topology.gpus_per_node;
+            let per_piece = (slot_bytes / gpus.saturating_sub(1).max(1)).max(1);
+            let chunks = layout.params.iter().try_fold(0usize, |acc, p| {
+                let bytes = p.rows.checked_mul(p.row_bytes())?;
+                acc.checked_add(bytes / per_piece + 1)
+            })?;
+            let level1 = nodes
+                .checked_mul(gpus)?
+                .checked_mul(chunks.checked_add(sources)?)?;
+            let level2 = world
+                .checked_mul(nodes.checked_add(2)?)?
+                .checked_mul(params.checked_add(3)?.checked_mul(3)?)?;
+            level1.checked_add(level2)
+        }
+    }
+}
+
+fn check_plan_size(what: &str, who: &str, call: &CallInfo, layout: &GroupLayout) -> Result<()> {
+    let slot_bytes = crate::config::current().rs_slot_bytes;
+    match plan_steps_bound(call.op, layout, call.topology, slot_bytes) {
+        Some(steps) if steps <= MAX_PLAN_STEPS => Ok(()),
+        steps => crate::invalid!(
+            "{what} on {who}: the plan for {} parameters over world {} (topology {}) would have {} \
+             steps, more than tide's limit of {MAX_PLAN_STEPS} (call::MAX_PLAN_STEPS); split the \
+             parameter group into several calls",
+            layout.params.len(),
+            layout.world,
+            call.topology,
+            steps.map_or("more than 2^64".to_string(), |s| format!("up to {s}"))
+        ),
+    }
 }

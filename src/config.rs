@@ -1,42 +1,55 @@
 //! Tunables, in one place, read once from the environment. Each has a default; docs/design.md lists them.
+//!
+//! Parsing is strict (`parse`): a value outside a setting's accepted range is never clamped or
+//! ignored. The setting keeps its default for code that reads `CONFIG`, and `check` reports it, so
+//! every tide call fails with an error naming the variable, the value and the accepted range
+//! (`call::check_attributes` calls `check` first). An empty value means unset (the default).
+//! `tide_jax` asks the same question when it registers the FFI targets (`tide_settings_error`), so
+//! the error shows at the first traced call.
 
 use once_cell::sync::Lazy;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
-    /// TIDE_TIMEOUT_S (default 120): how long a rank waits at a rendezvous or barrier for its peers
-    /// before the call fails with an error naming the missing ranks. Never hang.
+    /// TIDE_TIMEOUT_S (default 120; seconds, a decimal number in [0.001, 1e6]): how long a rank
+    /// waits at a rendezvous or barrier for its peers before the call fails with an error naming the
+    /// missing ranks. Never hang: `inf` (and `nan`, `0`, negatives, more than 1e6 s = 11.6 days) are
+    /// refused, not clamped; a job that wants a very long wait says so with a number.
     pub timeout_s: f64,
-    /// TIDE_RS_MAX_CTAS (default 16): upper bound on CTAs of one fp32 reduction kernel launch.
+    /// TIDE_RS_MAX_CTAS (default 16; an integer in [1, 1024]): upper bound on CTAs of one fp32
+    /// reduction kernel launch.
     pub rs_max_ctas: u32,
-    /// TIDE_RS_STAGE_SLOTS (default 3): number of staging slots in the reduce-scatter pipeline
-    /// (3 beat 2 on 2 H200s: bench/results/2026-11-30-cuda-bench.md).
+    /// TIDE_RS_STAGE_SLOTS (default 3; an integer in [1, 64]): number of staging slots in the
+    /// reduce-scatter pipeline (3 beat 2 on 2 H200s: bench/results/2026-11-30-cuda-bench.md).
     pub rs_stage_slots: usize,
-    /// TIDE_RS_SLOT_BYTES (default 32 MiB): bytes of one staging slot. The reduce-scatter's scratch per
-    /// rank is rs_stage_slots * rs_slot_bytes, independent of the group size.
+    /// TIDE_RS_SLOT_BYTES (default 32 MiB; an integer in [4096, 2^32]): bytes of one staging slot.
+    /// The reduce-scatter's scratch per rank is rs_stage_slots * rs_slot_bytes, independent of the
+    /// group size.
     pub rs_slot_bytes: usize,
-    /// TIDE_AG_STREAMS (default 1; 1 was fastest on 2 H200s, more streams only add event and host
-    /// overhead: bench/results/2026-11-30-cuda-bench.md): copy streams the CUDA all-gather spreads peer copies over (its
-    /// local copy-engine copies go on one more stream of their own, overlapping them).
+    /// TIDE_AG_STREAMS (default 1; an integer in [1, 16]; 1 was fastest on 2 H200s, more streams
+    /// only add event and host overhead: bench/results/2026-11-30-cuda-bench.md): copy streams the
+    /// CUDA all-gather spreads peer copies over (its local copy-engine copies go on one more stream
+    /// of their own, overlapping them).
     pub ag_streams: usize,
-    /// TIDE_MULTICAST (default off): allow the NVLink multicast all-gather (`cuda::multicast`) when
+    /// TIDE_MULTICAST (default off; a flag: 0/1, false/true, off/on, no/yes): allow the NVLink multicast all-gather (`cuda::multicast`) when
     /// the whole gate passes: the environment does not disable NVLink multicast (NCCL_NVLS_ENABLE=0
     /// etc.), single node, at least 3 GPUs, 16-byte shards, and the device reports
     /// CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED. Never set on shared machines.
     pub multicast: bool,
-    /// TIDE_RS_COPY_STREAMS (default 1, fastest on 2 H200s): copy streams the CUDA reduce-scatter spreads each chunk's
+    /// TIDE_RS_COPY_STREAMS (default 1, fastest on 2 H200s; an integer in [1, 16]): copy streams the CUDA reduce-scatter spreads each chunk's
     /// staging copies over (pieces of at least 1 MiB).
     pub rs_copy_streams: usize,
     /// TIDE_LOCAL_COPY (default `ce`): how the CUDA engine copies between two buffers of the same GPU
     /// (the all-gather's own shard): `ce` = copy engine (cuMemcpyAsync on a copy stream, zero SMs),
     /// `sm` = the `tide_copy` kernel on XLA's stream (at most TIDE_RS_MAX_CTAS CTAs).
     pub local_copy: LocalCopy,
-    /// TIDE_NVRTC_LIB_DIR (default unset): a folder holding libnvrtc.so.* (and libnvrtc-builtins),
+    /// TIDE_NVRTC_LIB_DIR (default unset; any path, checked when NVRTC is loaded): a folder holding libnvrtc.so.* (and libnvrtc-builtins),
     /// e.g. site-packages/nvidia/cu13/lib of the nvidia-cuda-nvrtc wheel; loaded before the system's.
     pub nvrtc_lib_dir: Option<String>,
-    /// TIDE_COPY_BATCH (default 1): when 1, the CUDA engine issues consecutive copy-engine copies of
+    /// TIDE_COPY_BATCH (default 1; a flag as TIDE_MULTICAST): when on, the CUDA engine issues consecutive copy-engine copies of
     /// one stream as one cuMemcpyBatchAsync (CUDA 13 drivers) instead of one cuMemcpyAsync each.
     /// On: 1.2-1.6x faster all-gathers on 2 H200s (bench/results/2026-11-30-cuda-bench.md); the engine
     /// falls back to single copies where the driver lacks the symbol.
@@ -48,22 +61,23 @@ pub struct Config {
     /// (`rs_sum_*_f32_bulk`; compute capability >= 9.0, 16-byte aligned, at most 4 sources per launch,
     /// otherwise the `ld` kernel). Both give bitwise identical results.
     pub rs_kernel: RsKernel,
-    /// TIDE_MAX_IN_FLIGHT (default 4, 1..=16): CUDA calls of one op (all-gather, reduce-scatter)
-    /// that may be started and not yet done at once per device. Each owns an in-flight slot: a tide
-    /// stream, side streams, events and (reduce-scatter) its own stage slots, so staging memory per
-    /// device is at most TIDE_MAX_IN_FLIGHT x TIDE_RS_STAGE_SLOTS x TIDE_RS_SLOT_BYTES (default
-    /// 4 x 96 MiB, allocated only when that many reduce-scatters were in flight at once, then kept);
-    /// the all-gather needs none. A start beyond it fails with an error naming it. 4, not 2: XLA
-    /// may issue a layer loop's next start before the previous done (tide_jax's prefetch=2 then has
-    /// 3 gathers in flight).
+    /// TIDE_MAX_IN_FLIGHT (default 4, an integer in [1, 16]): CUDA calls of one op (all-gather,
+    /// reduce-scatter) that may be started and not yet done at once per device. Each owns an
+    /// in-flight slot: a tide stream, side streams, events and (reduce-scatter) its own stage slots,
+    /// so staging memory per device is at most TIDE_MAX_IN_FLIGHT x TIDE_RS_STAGE_SLOTS x
+    /// TIDE_RS_SLOT_BYTES (default 4 x 96 MiB, allocated only when that many reduce-scatters were in
+    /// flight at once, then kept); the all-gather needs none. A start beyond it fails with an error
+    /// naming it. 4, not 2: XLA may issue a layer loop's next start before the previous done
+    /// (tide_jax's prefetch=2 then has 3 gathers in flight).
     pub max_in_flight: usize,
-    /// TIDE_FUSE_BYTES (default 524288; 0 = off): on the in-process CUDA path, runs of independent
-    /// copies (copy-engine or SM) and reductions on one stream whose segments are each smaller than
-    /// this go as batched kernel launches (`tide_copy_batch`, `rs_sum_batch_*`: up to 32 copies or
-    /// 16 sums per launch, one CTA per segment, at most TIDE_RS_MAX_CTAS CTAs) instead of one
-    /// driver operation each, so a group of many small parameters costs a few launches, not one
-    /// per parameter (issue #9: 5-7 us per parameter before). Small copies then use SMs briefly.
-    /// A sum's size is its fp32 output (a 128 KiB bf16 gradient shard on one GPU: 256 KiB).
+    /// TIDE_FUSE_BYTES (default 524288; an integer in [0, 2^30], 0 = off): on the in-process CUDA
+    /// path, runs of independent copies (copy-engine or SM) and reductions on one stream whose
+    /// segments are each smaller than this go as batched kernel launches (`tide_copy_batch`,
+    /// `rs_sum_batch_*`: up to 32 copies or 16 sums per launch, one CTA per segment, at most
+    /// TIDE_RS_MAX_CTAS CTAs) instead of one driver operation each, so a group of many small
+    /// parameters costs a few launches, not one per parameter (issue #9: 5-7 us per parameter
+    /// before). Small copies then use SMs briefly. A sum's size is its fp32 output (a 128 KiB bf16
+    /// gradient shard on one GPU: 256 KiB).
     pub fuse_bytes: usize,
 }
 
@@ -106,43 +120,225 @@ impl std::str::FromStr for LocalCopy {
     }
 }
 
-fn env_parse<T: std::str::FromStr>(name: &str, default: T) -> T {
-    match std::env::var(name) {
-        Ok(v) => match v.trim().parse() {
-            Ok(x) => x,
-            Err(_) => {
-                log::warn!("tide: ignoring {name}={v:?}: not a valid value");
+/// A setting whose value tide cannot use: the variable, the value (at most 64 characters of it)
+/// and what the variable accepts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SettingError {
+    pub variable: &'static str,
+    pub value: String,
+    pub accepted: String,
+}
+
+impl std::fmt::Display for SettingError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}={:?} is not a valid setting: expected {}",
+            self.variable, self.value, self.accepted
+        )
+    }
+}
+
+/// Shortest and longest TIDE_TIMEOUT_S, in seconds.
+pub const TIMEOUT_RANGE_S: (f64, f64) = (0.001, 1e6);
+
+fn bounded_value(v: &str) -> String {
+    match v.char_indices().nth(64) {
+        Some((at, _)) => format!("{}...", &v[..at]),
+        None => v.to_string(),
+    }
+}
+
+/// Reads settings through `lookup` (the environment, or a test's map), collecting every error.
+struct Reader<'a> {
+    lookup: &'a dyn Fn(&str) -> Option<String>,
+    errors: Vec<SettingError>,
+}
+
+impl Reader<'_> {
+    /// The trimmed value of `variable`; `None` when unset or empty.
+    fn raw(&self, variable: &str) -> Option<String> {
+        (self.lookup)(variable)
+            .map(|v| v.trim().to_string())
+            .filter(|v| !v.is_empty())
+    }
+
+    /// `parse(value)`, or `default` and an error naming `accepted`.
+    fn get<T>(
+        &mut self,
+        variable: &'static str,
+        default: T,
+        accepted: &dyn Fn() -> String,
+        parse: &dyn Fn(&str) -> Option<T>,
+    ) -> T {
+        let Some(v) = self.raw(variable) else {
+            return default;
+        };
+        match parse(&v) {
+            Some(x) => x,
+            None => {
+                self.errors.push(SettingError {
+                    variable,
+                    value: bounded_value(&v),
+                    accepted: accepted(),
+                });
                 default
             }
-        },
-        Err(_) => default,
+        }
     }
+
+    fn int(&mut self, variable: &'static str, default: u64, lo: u64, hi: u64) -> u64 {
+        self.get(
+            variable,
+            default,
+            &|| format!("an integer in [{lo}, {hi}]"),
+            &|v| v.parse::<u64>().ok().filter(|x| (lo..=hi).contains(x)),
+        )
+    }
+
+    fn flag(&mut self, variable: &'static str, default: bool) -> bool {
+        self.get(
+            variable,
+            default,
+            &|| "0 or 1 (also false/true, off/on, no/yes)".to_string(),
+            &|v| match v.to_ascii_lowercase().as_str() {
+                "1" | "true" | "on" | "yes" => Some(true),
+                "0" | "false" | "off" | "no" => Some(false),
+                _ => None,
+            },
+        )
+    }
+
+    fn choice<T: std::str::FromStr>(
+        &mut self,
+        variable: &'static str,
+        default: T,
+        accepted: &str,
+    ) -> T {
+        self.get(variable, default, &|| accepted.to_string(), &|v| {
+            v.parse().ok()
+        })
+    }
+}
+
+/// Whether `s` is an accepted TIDE_TIMEOUT_S value: a finite decimal number of seconds in
+/// `TIMEOUT_RANGE_S` (so `inf`, `nan`, `0` and negatives are refused).
+pub fn parse_timeout_s(s: &str) -> Option<f64> {
+    let x: f64 = s.trim().parse().ok()?;
+    (x.is_finite() && x >= TIMEOUT_RANGE_S.0 && x <= TIMEOUT_RANGE_S.1).then_some(x)
 }
 
 impl Config {
-    pub fn from_env() -> Config {
-        Config {
-            timeout_s: env_parse("TIDE_TIMEOUT_S", 120.0),
-            rs_max_ctas: env_parse("TIDE_RS_MAX_CTAS", 16u32).max(1),
-            rs_stage_slots: env_parse("TIDE_RS_STAGE_SLOTS", 3usize).max(1),
-            rs_slot_bytes: env_parse("TIDE_RS_SLOT_BYTES", 32usize << 20).max(4096),
-            ag_streams: env_parse("TIDE_AG_STREAMS", 1usize).clamp(1, 16),
-            multicast: env_parse("TIDE_MULTICAST", 0u32) != 0,
-            rs_copy_streams: env_parse("TIDE_RS_COPY_STREAMS", 1usize).clamp(1, 16),
-            local_copy: env_parse("TIDE_LOCAL_COPY", LocalCopy::CopyEngine),
-            copy_batch: env_parse("TIDE_COPY_BATCH", 1u32) != 0,
-            rs_kernel: env_parse("TIDE_RS_KERNEL", RsKernel::St),
-            max_in_flight: env_parse("TIDE_MAX_IN_FLIGHT", 4usize).clamp(1, 16),
-            fuse_bytes: env_parse("TIDE_FUSE_BYTES", 512usize << 10),
-            nvrtc_lib_dir: std::env::var("TIDE_NVRTC_LIB_DIR")
-                .ok()
-                .filter(|s| !s.trim().is_empty()),
+    /// The defaults (no variable set).
+    pub fn defaults() -> Config {
+        Config::parse(&|_| None).expect("the defaults are valid")
+    }
+
+    /// Strict parsing of every setting through `lookup` (`std::env::var`, or a test's map): the
+    /// configuration, or every setting that is invalid.
+    pub fn parse(lookup: &dyn Fn(&str) -> Option<String>) -> Result<Config, Vec<SettingError>> {
+        let (config, errors) = Config::parse_lenient(lookup);
+        if errors.is_empty() {
+            Ok(config)
+        } else {
+            Err(errors)
         }
+    }
+
+    /// `parse`, keeping the default of each invalid setting: the configuration and the errors.
+    fn parse_lenient(lookup: &dyn Fn(&str) -> Option<String>) -> (Config, Vec<SettingError>) {
+        let mut r = Reader {
+            lookup,
+            errors: Vec::new(),
+        };
+        let (lo, hi) = TIMEOUT_RANGE_S;
+        let config = Config {
+            timeout_s: r.get(
+                "TIDE_TIMEOUT_S",
+                120.0,
+                &|| {
+                    format!(
+                        "seconds, a number in [{lo}, {hi}] (tide never waits forever: inf, nan, 0 and \
+                         negatives are refused)"
+                    )
+                },
+                &parse_timeout_s,
+            ),
+            rs_max_ctas: r.int("TIDE_RS_MAX_CTAS", 16, 1, 1024) as u32,
+            rs_stage_slots: r.int("TIDE_RS_STAGE_SLOTS", 3, 1, 64) as usize,
+            rs_slot_bytes: r.int("TIDE_RS_SLOT_BYTES", 32 << 20, 4096, 1 << 32) as usize,
+            ag_streams: r.int("TIDE_AG_STREAMS", 1, 1, 16) as usize,
+            multicast: r.flag("TIDE_MULTICAST", false),
+            rs_copy_streams: r.int("TIDE_RS_COPY_STREAMS", 1, 1, 16) as usize,
+            local_copy: r.choice("TIDE_LOCAL_COPY", LocalCopy::CopyEngine, "ce or sm"),
+            copy_batch: r.flag("TIDE_COPY_BATCH", true),
+            rs_kernel: r.choice("TIDE_RS_KERNEL", RsKernel::St, "ld, bulk or st"),
+            max_in_flight: r.int("TIDE_MAX_IN_FLIGHT", 4, 1, 16) as usize,
+            fuse_bytes: r.int("TIDE_FUSE_BYTES", 512 << 10, 0, 1 << 30) as usize,
+            nvrtc_lib_dir: r.raw("TIDE_NVRTC_LIB_DIR"),
+        };
+        (config, r.errors)
+    }
+
+    /// The environment's configuration, every invalid setting at its default (see `check`).
+    pub fn from_env() -> Config {
+        Config::parse_lenient(&|k| std::env::var(k).ok()).0
+    }
+
+    /// TIDE_TIMEOUT_S as a `Duration`. Total even on a configuration built by hand (a test's
+    /// override): a value outside `TIMEOUT_RANGE_S`, or nan, becomes the nearest bound.
+    pub fn timeout(&self) -> Duration {
+        let (lo, hi) = TIMEOUT_RANGE_S;
+        let s = if self.timeout_s.is_nan() {
+            lo
+        } else {
+            self.timeout_s.clamp(lo, hi)
+        };
+        Duration::from_secs_f64(s)
     }
 }
 
+/// The environment as read once: the configuration and the invalid settings.
+static LOADED: Lazy<(Config, Vec<SettingError>)> =
+    Lazy::new(|| Config::parse_lenient(&|k| std::env::var(k).ok()));
+
+/// The invalid settings of the environment, if any, as one error naming each variable, its value
+/// and its accepted range. `Ok` while a test override is set (it replaces the environment).
+/// Every tide call checks this first (`call::check_attributes`).
+pub fn check() -> crate::error::Result<()> {
+    if OVERRIDDEN.load(Ordering::Acquire) || LOADED.1.is_empty() {
+        return Ok(());
+    }
+    let list: Vec<String> = LOADED.1.iter().map(|e| e.to_string()).collect();
+    Err(crate::error::TideError::InvalidArgument(format!(
+        "tide setting: {} (fix or unset it; settings are read once, when the process first uses tide)",
+        list.join("; ")
+    )))
+}
+
+/// For `tide_jax` (ctypes): writes the message of `check`'s error, if any, into `buf` (at most
+/// `cap` bytes, not NUL-terminated) and returns its full length; 0 when every setting is valid.
+///
+/// # Safety
+/// `buf` must be valid for writes of `cap` bytes (or `cap` 0).
+#[no_mangle]
+pub unsafe extern "C" fn tide_settings_error(buf: *mut u8, cap: usize) -> usize {
+    let msg = match std::panic::catch_unwind(check) {
+        Ok(Ok(())) => return 0,
+        Ok(Err(crate::error::TideError::InvalidArgument(m))) => m,
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => "tide setting: panic while reading the settings (a tide bug)".to_string(),
+    };
+    let n = msg.len().min(cap);
+    if n > 0 && !buf.is_null() {
+        // SAFETY: the caller gives `cap` writable bytes at `buf`; n <= cap.
+        unsafe { std::ptr::copy_nonoverlapping(msg.as_ptr(), buf, n) };
+    }
+    msg.len()
+}
+
 /// The process-wide configuration, read on first use.
-pub static CONFIG: Lazy<Config> = Lazy::new(Config::from_env);
+pub static CONFIG: Lazy<Config> = Lazy::new(|| LOADED.0.clone());
 
 static BASE: Lazy<Arc<Config>> = Lazy::new(|| Arc::new(CONFIG.clone()));
 static OVERRIDDEN: AtomicBool = AtomicBool::new(false);
@@ -171,4 +367,91 @@ pub fn set_override(config: Option<Config>) {
     let mut g = OVERRIDE.write().unwrap_or_else(|e| e.into_inner());
     OVERRIDDEN.store(config.is_some(), Ordering::Release);
     *g = config.map(Arc::new);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse_one(variable: &str, value: &str) -> Result<Config, Vec<SettingError>> {
+        let (variable, value) = (variable.to_string(), value.to_string());
+        Config::parse(&move |k| (k == variable).then(|| value.clone()))
+    }
+
+    #[test]
+    fn timeout_edge_values_are_refused_with_the_range() {
+        for bad in [
+            "inf", "-inf", "1e30", "0", "nan", "-1", "abc", "1e6.5", "0.0009", "1000001",
+        ] {
+            let errors = parse_one("TIDE_TIMEOUT_S", bad).expect_err(bad);
+            assert_eq!(errors.len(), 1, "{bad}");
+            let msg = errors[0].to_string();
+            assert!(
+                msg.starts_with(&format!("TIDE_TIMEOUT_S={bad:?} is not a valid setting")),
+                "{msg}"
+            );
+            assert!(msg.contains("[0.001, 1000000]"), "{msg}");
+        }
+        for (good, want) in [("0.001", 0.001), ("2.5", 2.5), (" 30 ", 30.0), ("1e6", 1e6)] {
+            assert_eq!(parse_one("TIDE_TIMEOUT_S", good).unwrap().timeout_s, want);
+        }
+        // Empty means unset: the default.
+        assert_eq!(parse_one("TIDE_TIMEOUT_S", "  ").unwrap().timeout_s, 120.0);
+    }
+
+    #[test]
+    fn every_setting_is_strict() {
+        let cases = [
+            ("TIDE_RS_MAX_CTAS", "0", "[1, 1024]"),
+            ("TIDE_RS_MAX_CTAS", "4096", "[1, 1024]"),
+            ("TIDE_RS_STAGE_SLOTS", "-1", "[1, 64]"),
+            ("TIDE_RS_SLOT_BYTES", "100", "[4096, 4294967296]"),
+            ("TIDE_RS_SLOT_BYTES", "32MiB", "[4096, 4294967296]"),
+            ("TIDE_AG_STREAMS", "17", "[1, 16]"),
+            ("TIDE_RS_COPY_STREAMS", "1.5", "[1, 16]"),
+            ("TIDE_MULTICAST", "2", "0 or 1"),
+            ("TIDE_COPY_BATCH", "maybe", "0 or 1"),
+            ("TIDE_LOCAL_COPY", "dma", "ce or sm"),
+            ("TIDE_RS_KERNEL", "fast", "ld, bulk or st"),
+        ];
+        for (variable, value, accepted) in cases {
+            let errors = parse_one(variable, value).expect_err(variable);
+            assert_eq!(errors[0].variable, variable);
+            assert!(errors[0].to_string().contains(accepted), "{}", errors[0]);
+        }
+        let c = parse_one("TIDE_MULTICAST", "On").unwrap();
+        assert!(c.multicast);
+        assert_eq!(
+            parse_one("TIDE_RS_KERNEL", "BULK").unwrap().rs_kernel,
+            RsKernel::Bulk
+        );
+        assert_eq!(Config::parse(&|_| None).unwrap(), Config::defaults());
+    }
+
+    #[test]
+    fn all_errors_are_reported_and_values_bounded() {
+        let long = "9".repeat(10_000);
+        let errors = Config::parse(&|k| match k {
+            "TIDE_TIMEOUT_S" => Some("inf".into()),
+            "TIDE_AG_STREAMS" => Some(long.clone()),
+            _ => None,
+        })
+        .unwrap_err();
+        assert_eq!(errors.len(), 2);
+        assert!(errors[1].value.len() < 80, "{}", errors[1].value);
+    }
+
+    #[test]
+    fn timeout_is_total_on_hand_built_configs() {
+        let mut c = Config::defaults();
+        for (s, want) in [
+            (f64::INFINITY, 1e6),
+            (f64::NAN, 0.001),
+            (0.0, 0.001),
+            (-5.0, 0.001),
+        ] {
+            c.timeout_s = s;
+            assert_eq!(c.timeout(), Duration::from_secs_f64(want));
+        }
+    }
 }

@@ -44,3 +44,30 @@ impl std::error::Error for TideError {}
 macro_rules! invalid {
     ($($arg:tt)*) => { Err($crate::error::TideError::InvalidArgument(format!($($arg)*))) };
 }
+
+/// Longest error message tide hands to XLA, in bytes: attributes and names come from callers, and a
+/// message listing them must not grow with them.
+pub const MAX_MESSAGE_BYTES: usize = 2048;
+
+/// `message` cut to at most `MAX_MESSAGE_BYTES` (on a character boundary), saying how long it was.
+pub fn bounded(message: String) -> String {
+    if message.len() <= MAX_MESSAGE_BYTES {
+        return message;
+    }
+    let note = format!(" ... ({} bytes, cut)", message.len());
+    let mut end = MAX_MESSAGE_BYTES - note.len();
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{note}", &message[..end])
+}
+
+/// `[a, b, c]`, or the first `max` items and the count: lists in messages stay short.
+pub fn short_list<T: fmt::Display>(items: &[T], max: usize) -> String {
+    let shown: Vec<String> = items.iter().take(max).map(|x| x.to_string()).collect();
+    if items.len() <= max {
+        format!("[{}]", shown.join(", "))
+    } else {
+        format!("[{}, ... ({} in all)]", shown.join(", "), items.len())
+    }
+}

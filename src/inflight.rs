@@ -156,7 +156,13 @@ pub fn register(op: u8, record: Arc<Record>) -> Result<()> {
 
 /// Takes the record of the call whose results are `outputs` and operands `inputs` on `device`.
 /// `what` names the done call in errors.
-pub fn take(what: &str, op: u8, device: i64, outputs: &[usize], inputs: &[usize]) -> Result<Arc<Record>> {
+pub fn take(
+    what: &str,
+    op: u8,
+    device: i64,
+    outputs: &[usize],
+    inputs: &[usize],
+) -> Result<Arc<Record>> {
     let Some(&first) = outputs.first() else {
         return crate::invalid!("{what}: done needs at least one result");
     };

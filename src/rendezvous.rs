@@ -81,25 +81,43 @@ pub fn next_seq(site: i64, group: usize, rank: usize) -> u64 {
     seq
 }
 
-/// Per (site, group, rank): the run it last executed `site` in, and how many times it did so.
-static RUN_CALLS: Lazy<Mutex<HashMap<RankKey, (i64, u32)>>> =
+/// How many runs per (site, group, rank) keep their own call count: runs in flight at once on one
+/// device (the same jitted program launched from several Python threads) each count separately.
+const RUNS_TRACKED: usize = 64;
+
+/// (run id, calls of the site in that run) of a rank's recent runs, oldest first.
+type RecentRuns = Vec<(i64, u32)>;
+
+/// Per (site, group, rank): the runs it recently executed `site` in and how many times it did in
+/// each.
+static RUN_CALLS: Lazy<Mutex<HashMap<RankKey, RecentRuns>>> =
     Lazy::new(|| Mutex::new(HashMap::new()));
 
 /// The sequence number of this execution of `site` by `rank` of `group` within XLA's run `run_id`
-/// (the FFI context `RunId`, shared by every device of one launch): `(run_id << 32) | call`, where
-/// `call` counts this rank's executions of `site` in that run (a loop body runs it many times).
+/// (the FFI context `RunId`, distinct for every launch, shared by every device of one launch):
+/// `(run_id << 32) | call`, where `call` counts this rank's executions of `site` in that run (a
+/// loop body runs it many times).
 ///
 /// Unlike `next_seq`, ranks re-synchronize at every run: if one rank never reached the call in some
 /// run (a device failed earlier in the program), its peers time out in that run only, and the next
-/// run meets again. Assumes a rank executes its runs one after another, as XLA does per device.
+/// run meets again. Runs may interleave on a device (two Python threads launching the same program
+/// at once): each of the last `RUNS_TRACKED` runs keeps its own count, so a loop's calls of one run
+/// never take another run's numbers.
 pub fn run_seq(site: i64, group: usize, rank: usize, run_id: i64) -> u64 {
     let mut calls = lock(&RUN_CALLS);
-    let entry = calls.entry((site, group, rank)).or_insert((run_id, 0));
-    if entry.0 != run_id {
-        *entry = (run_id, 0);
-    }
-    let call = entry.1;
-    entry.1 = entry.1.wrapping_add(1);
+    let runs = calls.entry((site, group, rank)).or_default();
+    let at = match runs.iter().position(|r| r.0 == run_id) {
+        Some(at) => at,
+        None => {
+            if runs.len() == RUNS_TRACKED {
+                runs.remove(0);
+            }
+            runs.push((run_id, 0));
+            runs.len() - 1
+        }
+    };
+    let call = runs[at].1;
+    runs[at].1 = call.wrapping_add(1);
     ((run_id as u64) << 32) | call as u64
 }
 
@@ -153,10 +171,12 @@ fn missing(flags: &[bool]) -> Vec<usize> {
         .collect()
 }
 
+/// "rank 3", "ranks [1, 2]", or for many the first few and the count: a message never grows with
+/// the world size.
 fn describe_ranks(ranks: &[usize]) -> String {
     match ranks.len() {
         1 => format!("rank {}", ranks[0]),
-        _ => format!("ranks {ranks:?}"),
+        _ => format!("ranks {}", crate::error::short_list(ranks, 16)),
     }
 }
 

@@ -49,22 +49,24 @@ fn call(
 
 #[test]
 fn decode_maps_ordinal_to_rank_and_group() {
+    // A 2 x 2 mesh: world 2 along the axis, groups 0 and 1 over the other axis.
     let mut c = call(
         1,
         4,
         12,
-        vec![buf(8, F32, &[2, 3])],
+        vec![buf(8, F32, &[4, 3])],
         vec![buf(16, F32, &[7, 3])],
     );
-    c.device_ranks = vec![3, 2, 1, 0];
-    c.device_groups = vec![0, 0, 5, 0];
+    (c.world, c.gpus_per_node) = (2, 2);
+    c.device_ranks = vec![1, 0, 0, 1];
+    c.device_groups = vec![0, 0, 1, 1];
     let info = decode(Op::AllGather, &c).unwrap();
     assert_eq!(
         (info.rank, info.group, info.world, info.device_ordinal),
-        (1, 5, 4, 12)
+        (0, 1, 2, 12)
     );
     assert_eq!(info.names, vec!["p0".to_string()]);
-    assert_eq!(info.inputs[0].dims, vec![2, 3]);
+    assert_eq!(info.inputs[0].dims, vec![4, 3]);
     assert_eq!(info.outputs[0].ptr, 16);
     info.layout().unwrap();
 }
@@ -81,7 +83,7 @@ fn decode_errors_name_the_attribute() {
     let mut c = base();
     c.device_ordinal = 3;
     let e = err(c);
-    assert!(e.contains("tide all_gather site 2: device ordinal 3 is not in attribute 'device_ordinals' [10, 11, 12, 13]"), "{e}");
+    assert!(e.contains("tide all_gather site 2 on device 3: device ordinal 3 is not in attribute 'device_ordinals' [10, 11, 12, 13]"), "{e}");
 
     let mut c = base();
     c.device_groups.pop();
@@ -235,7 +237,7 @@ fn one_rank_with_a_bad_shard_fails_everyone_fast() {
     for (rank, s) in out.iter().enumerate() {
         if rank == 2 {
             assert_eq!(s.code, StatusCode::InvalidArgument);
-            assert!(s.message.contains("rank 2: param 0 'p0' (shape [8], float32): operand (local shard) has shape [3]"), "{}", s.message);
+            assert!(s.message.contains("rank 2 (device 12): param 0 'p0' (shape [8], float32): operand (local shard) has shape [3]"), "{}", s.message);
         } else {
             assert_eq!(s.code, StatusCode::Internal);
             assert!(

@@ -282,8 +282,52 @@ static void check_copy_batch(int count, unsigned grid, unsigned block, std::mt19
     }
 }
 
+// The kernels' IEEE contract on fixed values (src/engine/cpu.rs [Note: IEEE arithmetic]): 8
+// subnormal FLT_MIN/4 sources sum to 2 * FLT_MIN (nothing flushed; on the GPU NVRTC's default
+// -ftz=false), all -0.0 sources to -0.0, -0.0 and +0.0 to +0.0; every body (scalar, vector, quad).
+static void check_ieee() {
+    static const SumKernel kernels[3] = {rs_sum_bf16_f32, rs_sum_f16_f32, rs_sum_f32_f32};
+    const float quarter_min = 2.9387358770557188e-39f;  // FLT_MIN / 4
+    struct Case { int dtype; unsigned int bits; float one; };
+    // bf16 0x0020 = FLT_MIN / 4; f16 0x0001 = 2^-24 (a subnormal half).
+    const Case subnormal[3] = {{0, 0x0020, quarter_min}, {1, 0x0001, 5.9604644775390625e-08f}, {2, 0x00200000, quarter_min}};
+    const size_t n = 35;  // vectors, quads and a scalar tail
+    for (int neg_zero = 0; neg_zero < 3; ++neg_zero) {
+        for (const Case& c : subnormal) {
+            const size_t esize = c.dtype == 2 ? 4 : 2;
+            const unsigned int nz = c.dtype == 2 ? 0x80000000u : 0x8000u;
+            std::vector<std::vector<unsigned char>> store(8, std::vector<unsigned char>(n * esize + 64));
+            TideSrcs srcs;
+            std::memset(&srcs, 0, sizeof(srcs));
+            for (int s = 0; s < 8; ++s) {
+                unsigned char* p = (unsigned char*)((((uintptr_t)store[s].data() + 15) & ~(uintptr_t)15));
+                // neg_zero 0: subnormals; 1: all -0.0; 2: source 0 +0.0, the rest -0.0.
+                const unsigned int bits = neg_zero == 0 ? c.bits : (neg_zero == 2 && s == 0 ? 0u : nz);
+                for (size_t i = 0; i < n; ++i) std::memcpy(p + i * esize, &bits, esize);
+                srcs.p[s] = p;
+            }
+            for (int mode = 0; mode <= 2; ++mode) {
+                std::vector<unsigned char> dstore(n * 4 + 64);
+                float* dst = (float*)((((uintptr_t)dstore.data() + 15) & ~(uintptr_t)15));
+                launch(2, 32, [&] { kernels[c.dtype](dst, srcs, 8, (unsigned long long)n, 0, mode); });
+                const unsigned int want = neg_zero == 0 ? f32_bits(8.0f * c.one) : (neg_zero == 1 ? 0x80000000u : 0u);
+                for (size_t i = 0; i < n; ++i) {
+                    ++checks;
+                    if (f32_bits(dst[i]) != want) {
+                        std::printf("IEEE MISMATCH dtype=%d case=%d mode=%d at %zu: got %a want bits %08x\n",
+                                    c.dtype, neg_zero, mode, i, dst[i], want);
+                        ++failures;
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
 int main() {
     std::mt19937_64 rng(12345);
+    check_ieee();
     const size_t sizes[] = {0, 1, 3, 7, 8, 9, 15, 16, 17, 63, 64, 65, 255, 1000, 4099};
     const unsigned grids[][2] = {{1, 1}, {1, 32}, {3, 32}, {2, 512}, {16, 64}};
     for (int dtype = 0; dtype < 3; ++dtype)

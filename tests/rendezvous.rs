@@ -501,3 +501,23 @@ fn run_seq_counts_within_a_run_and_resyncs_across_runs() {
     assert_eq!(k.to_string(), "group 3 run 0x10 call 0");
     assert_eq!(key(1, 7).to_string(), "group 0 seq 7");
 }
+
+#[test]
+fn run_seq_keeps_interleaved_runs_apart() {
+    // Two launches of one program in flight on a device (two Python threads): a loop calls site
+    // 123 twice per run, and the device interleaves the runs A, B, A, B. Each run counts its own
+    // calls, so a rank that did not interleave (A, A, B, B) gets the same keys.
+    use tide::rendezvous::run_seq;
+    let (a, b) = (0x51_i64, 0x52_i64);
+    let interleaved: Vec<u64> = [a, b, a, b]
+        .iter()
+        .map(|&r| run_seq(123, 0, 0, r))
+        .collect();
+    let in_order: Vec<u64> = [a, a, b, b]
+        .iter()
+        .map(|&r| run_seq(123, 0, 1, r))
+        .collect();
+    let of = |r: i64, call: u64| ((r as u64) << 32) | call;
+    assert_eq!(interleaved, vec![of(a, 0), of(b, 0), of(a, 1), of(b, 1)]);
+    assert_eq!(in_order, vec![of(a, 0), of(a, 1), of(b, 0), of(b, 1)]);
+}

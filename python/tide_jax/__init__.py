@@ -15,7 +15,7 @@ chosen with `set_backend` or TIDE_BACKEND.
 
 from . import reference
 from ._layout import Layout, ParamInfo, layout
-from ._lib import LibraryNotFoundError, library_path
+from ._lib import LibraryNotFoundError, SettingError, library_path
 from ._ops import (
     BACKENDS,
     Handle,
@@ -46,6 +46,7 @@ __all__ = [
     "reduce_scatter_start",
     "Layout",
     "LibraryNotFoundError",
+    "SettingError",
     "ParamInfo",
     "all_gather",
     "gather_params",

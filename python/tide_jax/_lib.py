@@ -95,11 +95,32 @@ def load() -> ctypes.CDLL:
         return _lib
 
 
+class SettingError(ValueError):
+    """A TIDE_* environment variable has a value the native library does not accept."""
+
+
+def _check_settings(lib) -> None:
+    """Raises SettingError naming each invalid TIDE_* setting, its value and accepted range.
+
+    The library reads its settings once (src/config.rs) and would fail every call with the same
+    message; asking here makes the mistake surface when the first tide op is traced."""
+    fn = getattr(lib, "tide_settings_error", None)
+    if fn is None:  # a library older than this check
+        return
+    fn.restype = ctypes.c_size_t
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    buf = ctypes.create_string_buffer(4096)
+    n = fn(buf, len(buf))
+    if n:
+        raise SettingError(buf.raw[: min(n, len(buf))].decode("utf-8", "replace"))
+
+
 def ensure_registered(platform: str = "cpu") -> None:
     """Registers the FFI targets for `platform` ("cpu", or "CUDA" / "gpu") once.
 
     Called with the platform of the layout's mesh when a tide op is first traced for it, so CUDA
     handlers are registered only where a GPU mesh is used (a CUDA backend is then present).
+    Raises SettingError (before registering) if a TIDE_* setting is invalid.
     """
     platform = "CUDA" if platform.lower() in ("cuda", "gpu") else "cpu"
     if platform in _registered:
@@ -108,6 +129,7 @@ def ensure_registered(platform: str = "cpu") -> None:
     with _lock:
         if platform in _registered:
             return
+        _check_settings(lib)
         suffix = "_cuda" if platform == "CUDA" else "_cpu"
 
         def symbol(name: str):

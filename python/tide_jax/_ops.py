@@ -228,6 +228,9 @@ def _start(op: str, leaves: list, lay: Layout, backend: str) -> Handle:
     else:
         types = [jax.ShapeDtypeStruct(p.shard_shape, jnp.float32) for p in lay.params]
     n = len(leaves)
+    # A barrier first: XLA:GPU's dynamic-slice fusion would otherwise fold a sliced operand (a layer
+    # of stacked shards) into the custom call and not honor the aliasing below (seen on the H200).
+    leaves = list(jax.lax.optimization_barrier(tuple(leaves)))
     # The operands come back as results N.. (aliased): done takes those, so XLA keeps the very
     # buffers tide reads alive until done, and cannot give done a recomputed copy.
     types = types + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
@@ -251,6 +254,10 @@ def _done(handle: Handle, op: str) -> list:
     outs = jax.ffi.ffi_call(
         f"tide_{op}_done", types, input_output_aliases={i: i for i in range(n)}
     )(*handle.results, *handle.operands, **_attrs(lay, _new_site()))
+    # A barrier after, as before start: XLA:GPU's dynamic-slice fusion would otherwise have done
+    # write a result straight into a slice of a larger buffer (a scan's stacked outputs), which
+    # breaks the aliasing done relies on (seen on the H200).
+    outs = jax.lax.optimization_barrier(tuple(outs))
     return [_compat.mark_varying(o, list(vma)) for o in outs]
 
 

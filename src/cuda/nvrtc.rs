@@ -193,7 +193,8 @@ static COMPILE_LOCK: Mutex<()> = Mutex::new(());
 
 /// Compiles `source` for `arch` ("sm_90" or "compute_90") and returns PTX or a cubin. Errors carry
 /// NVRTC's log. Options: `--fmad=false` (the kernels only add; kept so no contraction can change
-/// bits), no fast math (denormals kept, as in the CPU engine).
+/// bits), no fast math: NVRTC's default `-ftz=false`, so denormals are kept, as in the CPU engine
+/// (src/engine/cpu.rs [Note: IEEE arithmetic]; tests/kernels_host_harness.cpp `check_ieee`).
 pub fn compile(source: &str, name: &str, arch: &str, output: Output) -> Result<Vec<u8>> {
     compile_with(source, name, arch, output, &[]).map(|(image, _log)| image)
 }

@@ -5,6 +5,15 @@
 //! that no executor reads or writes what another executor writes, so the only synchronisation needed
 //! is the barrier after each phase, which must give happens-before (a mutex/condvar barrier does).
 //! Reduce sums in fp32 in the listed order; bf16/f16 are widened exactly (subnormals, inf, nan).
+//!
+//! [Note: IEEE arithmetic] Reductions follow IEEE 754 binary32 with subnormals kept, whatever the
+//! calling thread's floating-point mode: XLA:CPU runs its threads with flush-to-zero and
+//! denormals-are-zero set (x86 MXCSR FTZ/DAZ), and threads spawned from them (tide's CPU workers,
+//! `ffi::worker`) inherit the mode, which flushed 8 x FLT_MIN/4 to 0. `execute_rank_with` clears
+//! the flush bits for the duration of a rank's work (`IeeeFloats`) and restores them after, so CPU
+//! results equal the CUDA kernels' (NVRTC's default `-ftz=false`, kernels/rs_sum.cu) bit for bit.
+//! Signed zeros follow IEEE too: the first source initializes the sum (not `0.0 +`), so a sum of
+//! -0.0 values is -0.0 and -0.0 + 0.0 is +0.0, on both engines.
 
 use super::{Barrier, Rail, RankBuffers};
 use crate::error::{Result, TideError};
@@ -44,6 +53,98 @@ pub fn f32_to_bf16(x: f32) -> u16 {
     }
     let round = 0x7fff + ((b >> 16) & 1);
     ((b + round) >> 16) as u16
+}
+
+/// Flush-to-zero and denormals-are-zero, cleared while alive and restored on drop: see
+/// [Note: IEEE arithmetic]. Only the calling thread's mode changes.
+pub struct IeeeFloats {
+    saved: fp_mode::Mode,
+}
+
+impl IeeeFloats {
+    pub fn enter() -> IeeeFloats {
+        let saved = fp_mode::read();
+        if saved & fp_mode::FLUSH != 0 {
+            fp_mode::write(saved & !fp_mode::FLUSH);
+        }
+        IeeeFloats { saved }
+    }
+}
+
+impl Drop for IeeeFloats {
+    fn drop(&mut self) {
+        if self.saved & fp_mode::FLUSH != 0 {
+            fp_mode::write(self.saved);
+        }
+    }
+}
+
+/// Whether the calling thread flushes subnormals (FTZ or DAZ set), and a way to set it: for tests.
+pub fn flushes_subnormals() -> bool {
+    fp_mode::read() & fp_mode::FLUSH != 0
+}
+
+/// Sets (or clears) FTZ and DAZ on the calling thread, as XLA:CPU does on its threads: for tests.
+pub fn set_flush_subnormals(on: bool) {
+    let m = fp_mode::read();
+    fp_mode::write(if on {
+        m | fp_mode::FLUSH
+    } else {
+        m & !fp_mode::FLUSH
+    });
+}
+
+/// The thread's floating-point control register.
+#[cfg(target_arch = "x86_64")]
+mod fp_mode {
+    pub type Mode = u32;
+    /// MXCSR bit 15 (FTZ) and bit 6 (DAZ).
+    pub const FLUSH: Mode = (1 << 15) | (1 << 6);
+    pub fn read() -> Mode {
+        let mut csr: Mode = 0;
+        // SAFETY: stmxcsr stores the 4-byte MXCSR to a valid, writable u32.
+        unsafe {
+            std::arch::asm!("stmxcsr [{}]", in(reg) &mut csr as *mut Mode, options(nostack, preserves_flags))
+        };
+        csr
+    }
+    pub fn write(csr: Mode) {
+        // SAFETY: ldmxcsr loads a value read from MXCSR with only FTZ/DAZ changed (no reserved bit).
+        unsafe {
+            std::arch::asm!("ldmxcsr [{}]", in(reg) &csr as *const Mode, options(nostack, preserves_flags, readonly))
+        };
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+mod fp_mode {
+    pub type Mode = u64;
+    /// FPCR bit 24 (FZ) and bit 19 (FZ16).
+    pub const FLUSH: Mode = (1 << 24) | (1 << 19);
+    pub fn read() -> Mode {
+        let v: Mode;
+        // SAFETY: reading FPCR has no side effects.
+        unsafe {
+            std::arch::asm!("mrs {}, fpcr", out(reg) v, options(nomem, nostack, preserves_flags))
+        };
+        v
+    }
+    pub fn write(v: Mode) {
+        // SAFETY: writes back FPCR as read with only FZ/FZ16 changed.
+        unsafe {
+            std::arch::asm!("msr fpcr, {}", in(reg) v, options(nomem, nostack, preserves_flags))
+        };
+    }
+}
+
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+mod fp_mode {
+    pub type Mode = u32;
+    pub const FLUSH: Mode = 0;
+    pub fn read() -> Mode {
+        0
+    }
+    pub fn write(_: Mode) {}
 }
 
 /// Reads `elems` values of `dtype` at `ptr` as f32 into `out` (`acc == false`) or adds them (`acc == true`).
@@ -169,6 +270,7 @@ pub unsafe fn execute_rank_with(
             plan.layout.world
         )));
     }
+    let _ieee = IeeeFloats::enter(); // [Note: IEEE arithmetic]
     let mut scratch: Vec<f32> = Vec::new();
     for (k, phase) in plan.phases.iter().enumerate() {
         if let Some(r) = rail.as_deref_mut() {

@@ -11,7 +11,6 @@
 
 use super::op_name;
 use crate::call::CallInfo;
-use crate::config::CONFIG;
 use crate::engine::RankBuffers;
 use crate::error::{Result, TideError};
 use crate::layout::GroupLayout;
@@ -46,10 +45,7 @@ struct CachedPlan {
 static PLANS: Lazy<Mutex<HashMap<i64, CachedPlan>>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
 fn rs_options() -> RsOptions {
-    RsOptions {
-        stage_slots: CONFIG.rs_stage_slots,
-        slot_bytes: CONFIG.rs_slot_bytes,
-    }
+    RsOptions::from_config()
 }
 
 fn plan_for(site: i64, inputs: PlanInputs) -> Result<Arc<Plan>> {
@@ -74,7 +70,7 @@ fn plan_for(site: i64, inputs: PlanInputs) -> Result<Arc<Plan>> {
 }
 
 fn timeout() -> Duration {
-    Duration::from_secs_f64(CONFIG.timeout_s.max(0.001))
+    crate::config::current().timeout()
 }
 
 /// What every rank publishes: its buffers, and a fingerprint of the plan it built.
@@ -107,8 +103,9 @@ fn same_plan(what: &str, key: Key, published: &[Published]) -> Result<Vec<RankBu
         .collect();
     if !differ.is_empty() {
         return crate::invalid!(
-            "{what} {key}: ranks {differ:?} built a different plan than rank 0 (different shapes, dtypes or \
-             topology at one call site: is a site id shared by two calls?)"
+            "{what} {key}: ranks {} built a different plan than rank 0 (different shapes, dtypes or \
+             topology at one call site: is a site id shared by two calls?)",
+            crate::error::short_list(&differ, 16)
         );
     }
     Ok(published.iter().map(|p| p.0.clone()).collect())
@@ -289,7 +286,7 @@ pub fn execute_multiprocess_ticket(call: &CallInfo, job: u64, ticket: u64) -> Re
     let key = lane_key(call);
     {
         let mut lanes = LANES.0.lock().unwrap_or_else(|p| p.into_inner());
-        while lanes.get(&key).map_or(false, |l| l.serving < ticket) {
+        while lanes.get(&key).is_some_and(|l| l.serving < ticket) {
             lanes = LANES.1.wait(lanes).unwrap_or_else(|p| p.into_inner());
         }
     }

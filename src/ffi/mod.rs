@@ -20,7 +20,6 @@ use crate::call::{BufferView, CallInfo};
 use crate::error::{Result, TideError};
 use crate::layout::DType;
 use crate::plan::Op;
-use crate::topology::Topology;
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -214,7 +213,8 @@ pub fn op_code(op: Op) -> u8 {
 
 /// Instance counters by (op, phase, site): the instantiate stage numbers each HLO instruction of a
 /// site (docs/design.md "Call sites and instances").
-static INSTANCES: Lazy<Mutex<HashMap<(u8, u8, i64), u64>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+type InstanceKey = (u8, u8, i64);
+static INSTANCES: Lazy<Mutex<HashMap<InstanceKey, u64>>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
 fn tide_instantiate(op: u8, phase: u8, site: i64) -> u64 {
     let mut map = INSTANCES.lock().unwrap_or_else(|p| p.into_inner());
@@ -290,7 +290,11 @@ fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize
         };
         // Registered before the sequence number is taken: nothing after that may fail.
         let record = if phase == Phase::Start {
-            let what = format!("{} on device {}", phase_name(op, phase, site), info.device_ordinal);
+            let what = format!(
+                "{} on device {}",
+                phase_name(op, phase, site),
+                info.device_ordinal
+            );
             let record = crate::inflight::Record::new(
                 what,
                 info.device_ordinal,
@@ -338,7 +342,12 @@ fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize
         }))
         .unwrap_or_else(|payload| {
             Err(internal_panic(
-                format_args!("{} site {} on device {}", op_name(info.op), info.site, info.device_ordinal),
+                format_args!(
+                    "{} site {} on device {}",
+                    op_name(info.op),
+                    info.site,
+                    info.device_ordinal
+                ),
                 &*payload,
             ))
         });
@@ -366,7 +375,10 @@ fn tide_call_cuda(op: u8, phase: u8, instance: u64, call: &FfiCall) -> FfiStatus
     }))
     .unwrap_or_else(|payload| {
         Err(internal_panic(
-            format_args!("tide call site {} on device {}", call.site, call.device_ordinal),
+            format_args!(
+                "tide call site {} on device {}",
+                call.site, call.device_ordinal
+            ),
             &*payload,
         ))
     });
@@ -386,7 +398,12 @@ pub fn run_cpu(op: Op, call: &FfiCall) -> FfiStatus {
     }))
     .unwrap_or_else(|payload| {
         Err(internal_panic(
-            format_args!("{} site {} on device {}", op_name(op), call.site, call.device_ordinal),
+            format_args!(
+                "{} site {} on device {}",
+                op_name(op),
+                call.site,
+                call.device_ordinal
+            ),
             &*payload,
         ))
     });
@@ -495,7 +512,7 @@ pub fn status(result: Result<()>) -> FfiStatus {
             };
             FfiStatus {
                 code,
-                message: e.to_string(),
+                message: crate::error::bounded(e.to_string()),
             }
         }
     }
@@ -527,59 +544,29 @@ fn buffers(list: &[FfiBuffer], role: &str, call_name: &str) -> Result<Vec<Buffer
         .collect()
 }
 
-/// Builds the `CallInfo` of a decoded frame: checks the attributes and maps the device ordinal to
-/// this device's rank and group. Buffer shapes are checked later, by `CallInfo::layout`.
+/// Builds the `CallInfo` of a decoded frame: checks the attributes (`call::check_attributes`) and
+/// maps the device ordinal to this device's rank and group. Buffer shapes are checked later, by
+/// `CallInfo::layout`.
 pub fn decode(op: Op, call: &FfiCall) -> Result<CallInfo> {
+    let attrs = crate::call::check_attributes(
+        op,
+        &crate::call::Attributes {
+            site: call.site,
+            world: call.world,
+            nodes: call.nodes,
+            gpus_per_node: call.gpus_per_node,
+            device_ordinal: call.device_ordinal,
+            device_ordinals: &call.device_ordinals,
+            device_ranks: &call.device_ranks,
+            device_groups: &call.device_groups,
+            job: call.job,
+            operands: call.inputs.len(),
+            results: call.outputs.len(),
+        },
+    )?;
     let name = format!("{} site {}", op_name(op), call.site);
     let device = call.device_ordinal;
-    let world = nonneg(call.world, || format!("{name}: attribute 'world'"))?;
-    if world == 0 {
-        return crate::invalid!(
-            "{name}: attribute 'world' is 0; the sharded axis needs at least one device"
-        );
-    }
-    let nodes = nonneg(call.nodes, || format!("{name}: attribute 'nodes'"))?;
-    let gpus_per_node = nonneg(call.gpus_per_node, || {
-        format!("{name}: attribute 'gpus_per_node'")
-    })?;
-    let topology = Topology::new(nodes, gpus_per_node)
-        .and_then(|t| t.check_world(world).map(|()| t))
-        .map_err(|e| {
-            TideError::InvalidTopology(format!("{name}: attributes 'nodes' x 'gpus_per_node': {e}"))
-        })?;
-    let n = call.device_ordinals.len();
-    if call.device_ranks.len() != n || call.device_groups.len() != n {
-        return crate::invalid!(
-            "{name}: attributes 'device_ordinals', 'device_ranks', 'device_groups' must have equal lengths, \
-             got {}, {}, {}",
-            n,
-            call.device_ranks.len(),
-            call.device_groups.len()
-        );
-    }
-    let at = call.device_ordinals.iter().position(|&d| d == device).ok_or_else(|| {
-        TideError::InvalidArgument(format!(
-            "{name}: device ordinal {device} is not in attribute 'device_ordinals' {:?}: the call runs on \
-             a device outside the mesh it was traced for",
-            call.device_ordinals
-        ))
-    })?;
-    if call.device_ordinals[at + 1..].contains(&device) {
-        return crate::invalid!(
-            "{name}: device ordinal {device} appears twice in attribute 'device_ordinals'"
-        );
-    }
-    let rank = nonneg(call.device_ranks[at], || {
-        format!("{name}: 'device_ranks' entry of device {device}")
-    })?;
-    let group = nonneg(call.device_groups[at], || {
-        format!("{name}: 'device_groups' entry of device {device}")
-    })?;
-    if rank >= world {
-        return crate::invalid!(
-            "{name}: device {device} has rank {rank} in attribute 'device_ranks', outside world size {world}"
-        );
-    }
+    let (world, topology, rank, group) = (attrs.world, attrs.topology, attrs.rank, attrs.group);
     let names = if call.names.is_empty() {
         Vec::new()
     } else {
@@ -592,7 +579,7 @@ pub fn decode(op: Op, call: &FfiCall) -> Result<CallInfo> {
         op,
         site: call.site,
         run_id: call.run_id,
-        job: call.job as u64,
+        job: attrs.job,
         device_ordinal: device,
         rank,
         group,

@@ -84,7 +84,7 @@ pub struct Timing {
 impl Timing {
     pub fn from_config() -> Timing {
         Timing {
-            timeout: Duration::from_secs_f64(crate::config::CONFIG.timeout_s.max(0.001)),
+            timeout: crate::config::current().timeout(),
             poll: Duration::from_millis(20),
             liveness_interval: Duration::from_millis(100),
         }
@@ -416,11 +416,12 @@ impl ProcessGroup {
                     String::new()
                 };
                 return Err(self.fail_with(format!(
-                    "rank {} of group {} waited {:.1?} for ranks {missing:?} to join{site} (no control block \
+                    "rank {} of group {} waited {:.1?} for ranks {} to join{site} (no control block \
                      {}): did every process start, with the same TIDE job id, and trace the same tide calls?",
                     self.rank,
                     self.group,
                     self.timing.timeout,
+                    crate::error::short_list(&missing, 16),
                     segment_name(self.job, self.group, missing[0], &lane_name(self.lane, "ctl"))
                 )));
             }

@@ -181,3 +181,73 @@ def test_native_error_surfaces_naming_the_parameter(tide_backend):
     # the process and the library still work afterwards
     ok = smap(lambda s: tide_jax.all_gather(s, lay)["w"][None], mesh, (lay.spec,))(lay.shard(params))
     assert (np.asarray(ok) == 1).all()
+
+
+# ----- issue #8: attributes any caller of jax.ffi.ffi_call can pass, and settings -----
+def _direct_call(lay, **override):
+    """A tide_all_gather through jax.ffi.ffi_call with tide_jax's attributes, some replaced."""
+    from tide_jax import _lib, _ops
+
+    _lib.ensure_registered("cpu")
+    attrs = dict(_ops._attrs(lay, _ops._new_site()), **override)
+
+    def f(s):
+        out = jax.ffi.ffi_call("tide_all_gather", [jax.ShapeDtypeStruct((9, 5), jnp.float32)])(s["w"], **attrs)
+        return out[0][None]
+
+    return f
+
+
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        (dict(world=np.int64(2**32), gpus_per_node=np.int64(2**32)), r"attribute 'world' is 4294967296"),
+        (dict(world=np.int64(10**6), gpus_per_node=np.int64(10**6)), r"attribute 'world' is 1000000"),
+        (dict(nodes=np.int64(768614336404564651), gpus_per_node=np.int64(24)), r"attribute 'nodes' is 768614336404564651"),
+        (dict(device_ranks=np.array([0, 1, 2, 3, 4, 5, 6, 2], np.int64)), r"rank 2 appears twice in group 0"),
+        (dict(world=np.int64(10**4), gpus_per_node=np.int64(10**4)), r"group 0 lacks rank 8"),
+        (dict(job=np.int64(-5)), r"attribute 'job' is -5"),
+    ],
+    ids=["world-2^32", "world-1e6", "wrapping-topology", "duplicate-rank", "world-1e4", "negative-job"],
+)
+def test_adversarial_attributes_fail_fast_and_clearly(tide_backend, override, match):
+    """Attributes tide_jax never builds: a clear exception in well under a second, not an abort,
+    a hang or a timeout; the process and the library keep working."""
+    import time
+
+    mesh = make_mesh((8,), (AXIS,))
+    params = {"w": np.ones((9, 5), np.float32)}
+    lay = tide_jax.layout(params, mesh, AXIS)
+    sharded = lay.shard(params)
+    f = smap(_direct_call(lay, **override), mesh, (lay.spec,))
+    f.lower(sharded).compile()  # compile outside the timed part
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match=match) as info:
+        jax.block_until_ready(f(sharded))
+    elapsed = time.monotonic() - t0
+    assert elapsed < 1.0, f"took {elapsed:.2f} s"
+    message = str(info.value)
+    assert "tide all_gather site" in message and "on device" in message
+    assert len(message) < 4096, len(message)
+    ok = smap(lambda s: tide_jax.all_gather(s, lay)["w"][None], mesh, (lay.spec,))(sharded)
+    assert (np.asarray(ok) == 1).all()
+
+
+@pytest.mark.parametrize("value", ["inf", "1e30", "0", "nan", "-1", "abc"])
+def test_invalid_timeout_setting_is_a_clear_error(value):
+    code = (
+        "import jax, numpy as np, tide_jax\n"
+        "from jax.sharding import PartitionSpec as P\n"
+        "mesh = jax.make_mesh((2,), ('x',), devices=jax.devices()[:2])\n"
+        "lay = tide_jax.layout({'w': np.ones(3, np.float32)}, mesh, 'x')\n"
+        "f = jax.jit(tide_jax.shard_map(lambda s: tide_jax.all_gather(s, lay)['w'][None], mesh=mesh,"
+        " in_specs=(lay.spec,), out_specs=P('x')))\n"
+        "try:\n"
+        "    f(lay.shard({'w': np.ones(3, np.float32)}))\n"
+        "except tide_jax.SettingError as e:\n"
+        "    print('MSG', e)\n"
+    )
+    r = _run_python(code, TIDE_TIMEOUT_S=value, PYTHONPATH=os.path.dirname(tide_jax.__path__[0]))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f'MSG tide setting: TIDE_TIMEOUT_S="{value}" is not a valid setting' in r.stdout, r.stdout
+    assert "[0.001, 1000000]" in r.stdout

@@ -308,19 +308,43 @@ def test_start_done_misuse_raises_at_once():
 
 
 def assert_start_compute_done(text: str) -> None:
-    """Some computation of `text` (the loop body) holds, in this order: an all-gather start, a dot,
-    the all-gather done."""
-    bodies = [c for c in text.split("\n\n") if "tide_all_gather_start" in c and "tide_all_gather_done" in c]
-    assert bodies, "no computation holds both a gather start and its done"
-    ok = []
-    for body in bodies:
-        lines = body.splitlines()
-        start = next(i for i, l in enumerate(lines) if "tide_all_gather_start" in l)
-        done = next(i for i, l in enumerate(lines) if "tide_all_gather_done" in l)
-        dots = [i for i, l in enumerate(lines) if " dot(" in l or "dot_general" in l or "custom-call" in l and "matmul" in l
-                or ("fusion" in l and "dot" in l) or "__cublas" in l]
-        ok.append(any(start < i < done for i in dots))
-    assert any(ok), "no loop body orders start -> matmul -> done"
+    """Some computation of `text` (a loop body) holds, in this order: an all-gather start (directly,
+    or inside a fusion or async wrapper it calls), a matmul, and the all-gather done."""
+    comps = {}
+    for block in text.split("\n\n"):
+        head = block.lstrip().split(" ", 1)[0]
+        comps[head.lstrip("%")] = block
+
+    def holds(block, target, depth=0):
+        if f'custom_call_target="{target}"' in block:
+            return True
+        if depth > 3:
+            return False
+        import re
+
+        return any(holds(comps.get(c, ""), target, depth + 1)
+                   for c in re.findall(r"(?:calls|to_apply|async_execution_thread=\"\w+\", calls)=%([\w.\-]+)", block))
+
+    def line_holds(line, target):
+        import re
+
+        if f'custom_call_target="{target}"' in line:
+            return True
+        m = re.search(r"calls=%([\w.\-]+)", line)
+        return bool(m) and holds(comps.get(m.group(1), ""), target)
+
+    def is_matmul(line):
+        return any(k in line for k in (" dot(", "gemm_fusion", "__cublas", "cublas", "triton_gemm", "ynn_fusion"))
+
+    found = False
+    for block in comps.values():
+        lines = block.splitlines()[1:]
+        starts = [i for i, l in enumerate(lines) if line_holds(l, "tide_all_gather_start")]
+        dones = [i for i, l in enumerate(lines) if line_holds(l, "tide_all_gather_done")]
+        dots = [i for i, l in enumerate(lines) if is_matmul(l)]
+        if any(s < d < e for s in starts for d in dots for e in dones):
+            found = True
+    assert found, "no computation orders a gather start -> matmul -> done"
 
 
 # ----- multi-process (the launcher: 2 processes x 2 CPU devices) -----
