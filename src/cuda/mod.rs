@@ -98,7 +98,8 @@
 //! still ordered before XLA's later work (A3's error path, `released`).
 //!
 //! Multi-process jobs (`call.job != 0`) go to `multiproc` (the same protocol over a shared-memory
-//! mailbox, peers mapped by VMM/IPC, the rail over NCCL: docs/multiprocess.md). In one process,
+//! mailbox, peers mapped by VMM/IPC, the rail over NCCL: docs/multiprocess.md; its start runs it on
+//! a slot's tide stream, `start_multiprocess`; it is still a second driver). In one process,
 //! multi-node (hierarchical) plans are refused with a clear error; CUDA graph capture
 //! of the call is refused (the handler must not be declared command-buffer compatible).
 
@@ -195,8 +196,9 @@ impl Started {
 /// making XLA's stream wait; done makes XLA's stream wait on the call's `released` event (this
 /// rank's results written, every peer done reading its inputs). Sync is start and done back to back.
 ///
-/// Multi-process jobs: start runs the synchronous call on XLA's stream and records it; done checks
-/// its buffers and returns start's result (correct, no overlap yet).
+/// Multi-process jobs (`start_multiprocess`): start runs the multi-process driver with a slot's
+/// tide stream as its MAIN (ordered after XLA's stream by `entry`), so XLA's stream is not made to
+/// wait either; done as in-process. Synchronous multi-process calls run on XLA's stream as before.
 pub fn execute_phase(call: &CallInfo, job: u64, phase: crate::ffi::Phase) -> Result<()> {
     use crate::ffi::{op_code, Phase};
     use crate::inflight;
@@ -221,19 +223,23 @@ pub fn execute_phase(call: &CallInfo, job: u64, phase: crate::ffi::Phase) -> Res
                 abandon(call, seq, &e);
                 return Err(e);
             }
-            if job != 0 {
-                let result = multiproc::execute(call, job);
-                record.finish(result.clone());
-                return result;
-            }
-            match start(call, seq) {
-                Ok(started) => {
+            let started = if job != 0 {
+                start_multiprocess(call, job)
+            } else {
+                start(call, seq).map(Some)
+            };
+            match started {
+                // The multi-process fallback ran synchronously on XLA's stream: nothing to wait on.
+                Ok(None) => {
+                    record.finish(Ok(()));
+                    Ok(())
+                }
+                Ok(Some(started)) => {
                     record.set_payload(Box::new(started));
                     record.finish(Ok(()));
                     Ok(())
                 }
                 Err(e) => {
-                    // Nothing for a done to wait on: forget the call (a done fails: no start).
                     let _ = inflight::take(
                         "",
                         op_code(call.op),
@@ -247,6 +253,85 @@ pub fn execute_phase(call: &CallInfo, job: u64, phase: crate::ffi::Phase) -> Res
             }
         }
         Phase::Done => {
+            done(call, job)
+        }
+    }
+}
+
+/// The start of a multi-process call: the synchronous multi-process driver (`multiproc`, its own
+/// rules 1-5) run with a slot's tide stream T as its MAIN instead of XLA's stream X: X records
+/// `entry`, T waits on it, the whole call is enqueued on T (its rule 1 waits on the device's
+/// previous `done`, so calls stay serialized on the device's shared side streams and staging), and
+/// T records `released` after rule 5's waits on every peer's `done`. Done makes X wait on it, as
+/// in-process. When no slot can be had (TIDE_MAX_IN_FLIGHT, or a CUDA error before the call), the
+/// call runs synchronously on X instead (`Ok(None)`): skipping it would leave this rank's peers out
+/// of step.
+fn start_multiprocess(call: &CallInfo, job: u64) -> Result<Option<Started>> {
+    let ord = call.device_ordinal;
+    let prepared = (|| -> Result<_> {
+        if call.stream == 0 {
+            return Err(TideError::InvalidArgument(format!("device {ord}: XLA passed no CUDA stream")));
+        }
+        let cfg = crate::config::current();
+        driver::init()?;
+        let dev = device::get(ord)?;
+        let mut st = dev
+            .lock()
+            .map_err(|_| TideError::Internal(format!("CUDA device {ord} state poisoned by an earlier panic")))?;
+        let _g = driver::CtxGuard::set(st.ctx, ord)?;
+        let (slot, lease) = st.acquire_slot(call.op, cfg.max_in_flight)?;
+        let s = st.slot(call.op, slot)?;
+        let x = call.stream as CUstream;
+        // SAFETY: XLA's stream, the slot's stream and event; context current.
+        unsafe {
+            check(sys::cuEventRecord(s.entry, x), "cuEventRecord", || format!("device {ord}: entry event"))?;
+            check(sys::cuStreamWaitEvent(s.tide, s.entry, 0), "cuStreamWaitEvent", || {
+                format!("device {ord}: tide's stream on the entry event")
+            })?;
+        }
+        Ok((st.ctx, s.tide, s.released, lease))
+    })();
+    let (ctx, tide, released, lease) = match prepared {
+        Ok(p) => p,
+        Err(e) => {
+            log::warn!("tide: multi-process start on device {ord} runs synchronously: {e}");
+            return multiproc::execute(call, job).map(|()| None);
+        }
+    };
+    let mut on_tide = call.clone();
+    on_tide.stream = tide as usize;
+    let result = multiproc::execute(&on_tide, job);
+    let started = Started {
+        ctx,
+        released,
+        _lease: lease,
+    };
+    let recorded = driver::CtxGuard::set(ctx, ord).and_then(|_g| {
+        // SAFETY: the slot's stream and event; context current.
+        check(unsafe { sys::cuEventRecord(released, tide) }, "cuEventRecord", || {
+            format!("device {ord}: released event")
+        })
+    });
+    match result.and(recorded) {
+        Ok(()) => Ok(Some(started)),
+        Err(e) => {
+            // Keep XLA's stream after whatever was enqueued on tide's stream.
+            if let Err(j) = started.join_into(call.stream as CUstream, ord) {
+                log::warn!("tide: device {ord}: joining tide's stream after an error failed: {j}");
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Done (rule A4): finds the call by its buffers, returns its start's error if it failed, else
+/// makes XLA's stream wait on the call's `released` event and frees its slot.
+fn done(call: &CallInfo, job: u64) -> Result<()> {
+    use crate::ffi::op_code;
+    use crate::inflight;
+    let outputs = || call.outputs.iter().map(|b| b.ptr).collect::<Vec<_>>();
+    {
+        {
             let n = call.outputs.len();
             let what = format!("tide {}_done site {}", op_name(call.op), call.site);
             if call.inputs.len() != 2 * n {
