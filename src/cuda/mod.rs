@@ -330,56 +330,52 @@ fn done(call: &CallInfo, job: u64) -> Result<()> {
     use crate::ffi::op_code;
     use crate::inflight;
     let outputs = || call.outputs.iter().map(|b| b.ptr).collect::<Vec<_>>();
-    {
-        {
-            let n = call.outputs.len();
-            let what = format!("tide {}_done site {}", op_name(call.op), call.site);
-            if call.inputs.len() != 2 * n {
+    let n = call.outputs.len();
+    let what = format!("tide {}_done site {}", op_name(call.op), call.site);
+    if call.inputs.len() != 2 * n {
+        return Err(TideError::InvalidArgument(format!(
+            "{what}: expected {} operands (start's {n} results, then its {n} operands), got {}",
+            2 * n,
+            call.inputs.len()
+        )));
+    }
+    let record = inflight::take(
+        &what,
+        op_code(call.op),
+        call.device_ordinal,
+        &outputs(),
+        &call.inputs[n..].iter().map(|b| b.ptr).collect::<Vec<_>>(),
+    )?;
+    // A CUDA start finishes before it returns, so the result is there at once; the bound
+    // only guards against a start that never finished (never a hang).
+    let (tx, rx) = std::sync::mpsc::channel();
+    record.on_finish(move |r| {
+        let _ = tx.send(r);
+    });
+    let wait = timeout(&crate::config::current());
+    rx.recv_timeout(wait).unwrap_or_else(|_| {
+        Err(TideError::Internal(format!(
+            "{what}: its start did not finish within {wait:?}"
+        )))
+    })?;
+    match record.take_payload() {
+        // A multi-process start that ran synchronously on XLA's stream.
+        None if job != 0 => Ok(()),
+        None => Err(TideError::Internal(format!(
+            "{what}: its start left nothing to wait on"
+        ))),
+        Some(p) => {
+            let started = p.downcast::<Started>().map_err(|_| {
+                TideError::Internal(format!("{what}: its start left foreign data"))
+            })?;
+            if call.stream == 0 {
                 return Err(TideError::InvalidArgument(format!(
-                    "{what}: expected {} operands (start's {n} results, then its {n} operands), got {}",
-                    2 * n,
-                    call.inputs.len()
+                    "{what} on device {}: XLA passed no CUDA stream",
+                    call.device_ordinal
                 )));
             }
-            let record = inflight::take(
-                &what,
-                op_code(call.op),
-                call.device_ordinal,
-                &outputs(),
-                &call.inputs[n..].iter().map(|b| b.ptr).collect::<Vec<_>>(),
-            )?;
-            // A CUDA start finishes before it returns, so the result is there at once; the bound
-            // only guards against a start that never finished (never a hang).
-            let (tx, rx) = std::sync::mpsc::channel();
-            record.on_finish(move |r| {
-                let _ = tx.send(r);
-            });
-            let wait = timeout(&crate::config::current());
-            rx.recv_timeout(wait).unwrap_or_else(|_| {
-                Err(TideError::Internal(format!(
-                    "{what}: its start did not finish within {wait:?}"
-                )))
-            })?;
-            match record.take_payload() {
-                // The multi-process path: start already ran on XLA's stream.
-                None if job != 0 => Ok(()),
-                None => Err(TideError::Internal(format!(
-                    "{what}: its start left nothing to wait on"
-                ))),
-                Some(p) => {
-                    let started = p.downcast::<Started>().map_err(|_| {
-                        TideError::Internal(format!("{what}: its start left foreign data"))
-                    })?;
-                    if call.stream == 0 {
-                        return Err(TideError::InvalidArgument(format!(
-                            "{what} on device {}: XLA passed no CUDA stream",
-                            call.device_ordinal
-                        )));
-                    }
-                    // The lease (the slot) is freed when `started` drops, after the wait.
-                    started.join_into(call.stream as CUstream, call.device_ordinal)
-                }
-            }
+            // The lease (the slot) is freed when `started` drops, after the wait.
+            started.join_into(call.stream as CUstream, call.device_ordinal)
         }
     }
 }
