@@ -8,6 +8,7 @@
 //! - forced 2x1: the hierarchical plans, cross-node copies over NCCL (libnccl.so.2 or TIDE_NCCL_LIB);
 //! - a process that exits while its peer is inside a call: the peer fails within seconds, naming it.
 //!
+//! TIDE_CUDA_MP_SPLIT=1 runs every call as start + done (scripts/gpu-check-9 on 2 GPUs).
 //! Needs 2 GPUs: `#[ignore]`d (run with --ignored; panics without a driver or with fewer GPUs). Build here, run on the GPU
 //! machine (no Rust there):
 //!   cargo test --release --test cuda_mp --no-run     # prints the binary's path
@@ -356,9 +357,19 @@ fn run_case_with(
         plan,
     } = prepare_case(c, pool, op, site, seed);
     let n = layout.len();
+    // TIDE_CUDA_MP_SPLIT=1: every call as start + done (`execute_phase`), the done's operands
+    // being the start's results then its operands, as XLA passes them.
+    let split = std::env::var("TIDE_CUDA_MP_SPLIT").is_ok_and(|v| v == "1");
     for rep in 0..reps {
-        tide::cuda::execute_job(&call, c.job)
-            .map_err(|e| format!("{op:?} {} rank {} rep {rep}: {e}", c.topo, c.rank))?;
+        let r = if split {
+            let mut done = call.clone();
+            done.inputs = call.outputs.iter().chain(call.inputs.iter()).cloned().collect();
+            tide::cuda::execute_phase(&call, c.job, tide::ffi::Phase::Start)
+                .and_then(|()| tide::cuda::execute_phase(&done, c.job, tide::ffi::Phase::Done))
+        } else {
+            tide::cuda::execute_job(&call, c.job)
+        };
+        r.map_err(|e| format!("{op:?} {} rank {} rep {rep}: {e}", c.topo, c.rank))?;
     }
     if !check {
         return Ok(());
