@@ -360,9 +360,14 @@ def make_train_step(cfg: Config, backend: Backend, lays: Layouts, mesh: Mesh, tx
         loss, grads = sharded(state["params"], tokens)
         updates, opt_state = tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        return {"params": params, "opt": opt_state}, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return {"params": params, "opt": opt_state}, {"loss": loss, "grad_norm": _global_norm(grads)}
 
     return jax.jit(step, donate_argnums=(0,), out_shardings=(state_shardings, None))
+
+
+def _global_norm(tree):
+    tree_ns = getattr(optax, "tree", None)
+    return tree_ns.norm(tree) if hasattr(tree_ns, "norm") else optax.global_norm(tree)
 
 
 def make_eval_step(cfg: Config, backend: Backend, lays: Layouts, mesh: Mesh):

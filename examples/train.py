@@ -82,7 +82,8 @@ def parse_args(argv=None):
     ap.add_argument("--devices", type=int, help="number of devices (default: all GPUs, 8 CPU devices)")
     ap.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s per device for MFU (default: from the device kind)")
     ap.add_argument("--out", help="folder for <run>.json, summary.md and train.png (default with --compare: runs/<model>)")
-    ap.add_argument("--save", help="checkpoint folder (written every --save-every steps and at the end)")
+    ap.add_argument("--save", help="checkpoint folder, written every --save-every steps and at the end "
+                    "('{step}' in it is replaced by the step)")
     ap.add_argument("--save-every", type=int, default=0)
     ap.add_argument("--resume", help="checkpoint folder to continue from (any device count)")
     ap.add_argument("--stop-after", type=int, help="stop after this step (the schedule still spans --steps)")
@@ -224,10 +225,11 @@ def train(args) -> dict:
         return {"step": step, "loss": loss}
 
     def save(step):
+        path = args.save.format(step=step)  # "{step}" in --save: one folder per checkpoint
         meta = dict(step=step, model=args.model, config=dataclasses.asdict(cfg), batch=batch, seed=args.seed,
                     data=args.data, steps=steps, devices=ndev, backend=name)
-        llama.save_checkpoint(args.save, state, lays, meta)
-        say(f"[{name}] saved step {step} to {args.save}")
+        llama.save_checkpoint(path, state, lays, meta)
+        say(f"[{name}] saved step {step} to {path}")
 
     records, evals = [], []
     if start == 0:
@@ -415,7 +417,7 @@ def plot(results: list[dict], path: str) -> None:
                      color=line.get_color(), label=f"{res['name']} (median {1e3 * res['median_step_s']:.1f} ms)")
     r0 = results[0]
     ax_loss.set(xlabel="step", ylabel="loss (nats/token)", title=f"{r0['model']}: loss")
-    ax_time.set(xlabel="step", ylabel="step time (ms)", yscale="log",
+    ax_time.set(xlabel="step", ylabel="step time (ms)", ylim=(0, None),
                 title=f"step time, {r0['devices']} x {r0['device_kind']}")
     ax_loss.legend(fontsize=8)
     ax_time.legend(fontsize=8)
@@ -424,7 +426,8 @@ def plot(results: list[dict], path: str) -> None:
     print(f"train: wrote {path}", flush=True)
 
 
-def main(argv=None) -> int:
+def main(argv=None):
+    """Returns the exit code (--compare) or the run's summary (one run)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     use_gpu = gpu_present(args)
@@ -440,9 +443,9 @@ def main(argv=None) -> int:
     if args.xla_flags is None:
         args.xla_flags = "default" if args.backend == "tide" else "maxtext"
     setup_env(args, use_gpu, multiprocess)
-    train(args)
-    return 0
+    return train(args)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    result = main()
+    sys.exit(result if isinstance(result, int) else 0)
