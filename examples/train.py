@@ -75,7 +75,7 @@ def parse_args(argv=None):
                     help=f"runs of --compare, comma-separated NAME[:FLAGS] (default {DEFAULT_RUNS}; e.g. jax-bf16:default)")
     ap.add_argument("--check", action="store_true", help="--compare: exit 1 unless every run's loss agrees with the first to --rtol")
     ap.add_argument("--rtol", type=float, default=2e-2, help="allowed relative loss difference (bf16 level)")
-    ap.add_argument("--eval-every", type=int, default=None, help="eval loss every N steps (default steps / 6)")
+    ap.add_argument("--eval-every", type=int, default=None, help="eval loss every N steps (default steps / 6; 0: never)")
     ap.add_argument("--eval-batches", type=int, default=4)
     ap.add_argument("--log-every", type=int, default=None, help="print every N steps (default: about 30 lines)")
     ap.add_argument("--cpu", action="store_true", help="CPU devices even where GPUs exist")
@@ -87,6 +87,8 @@ def parse_args(argv=None):
     ap.add_argument("--save-every", type=int, default=0)
     ap.add_argument("--resume", help="checkpoint folder to continue from (any device count)")
     ap.add_argument("--stop-after", type=int, help="stop after this step (the schedule still spans --steps)")
+    ap.add_argument("--replot", metavar="DIR", help="only redo DIR's table, summary.md and train.png from its <run>.json "
+                    "(e.g. on a machine with matplotlib)")
     ap.add_argument("--name", help=argparse.SUPPRESS)  # run name (set by --compare)
     args = ap.parse_args(argv)
     if args.backend is None:
@@ -201,7 +203,9 @@ def train(args) -> dict:
         f"XLA flags: {args.xla_flags}; model {args.model}: {cfg.n_params() / 1e6:.2f}M params, d {cfg.d_model}, "
         f"{cfg.layers} layers, {cfg.heads}/{cfg.kv_heads} heads, mlp {cfg.d_ff}, vocab {cfg.vocab}, "
         f"{'tied' if cfg.tied else 'untied'}{', remat' if cfg.remat else ''}; batch {batch} x {cfg.seq} tokens; "
-        f"{steps} steps, lr {cfg.lr:g}, warm-up {opt_cfg.warmup}; data {data.describe()}")
+        f"{steps} steps, lr {cfg.lr:g}, warm-up {opt_cfg.warmup}; data {data.describe()}"
+        + ("" if backend.name == "jax" or hasattr(tide_jax, "scan_layers")
+           else "; layer loop: examples/llama.py's fallback (this tide_jax has no scan_layers: no prefetch)"))
 
     lays = llama.Layouts.build(cfg, mesh)
     tx = llama.optimizer(opt_cfg, cfg)
@@ -215,7 +219,7 @@ def train(args) -> dict:
     train_step = llama.make_train_step(cfg, backend, lays, mesh, tx, shardings)
     eval_step = llama.make_eval_step(cfg, backend, lays, mesh)
     eval_set = [llama.put_batch(b, mesh) for b in data.eval_batches(args.seed, args.eval_batches, batch, cfg.seq)]
-    eval_every = args.eval_every or max(1, steps // 6)
+    eval_every = max(1, steps // 6) if args.eval_every is None else args.eval_every
     log_every = args.log_every or max(1, steps // 30)
     stop = min(steps, args.stop_after or steps)
 
@@ -232,7 +236,7 @@ def train(args) -> dict:
         say(f"[{name}] saved step {step} to {path}")
 
     records, evals = [], []
-    if start == 0:
+    if start == 0 and eval_every:
         evals.append(evaluate(0))
     t_run = time.perf_counter()
     for step in range(start, stop):
@@ -253,7 +257,7 @@ def train(args) -> dict:
             say(f"[{name}] step {step + 1:5d}/{steps}  loss {loss:.4f}  gnorm {rec['grad_norm']:.3f}  "
                 f"{what} {1e3 * dt:8.1f} ms  {tokens_per_step / dt:10,.0f} tok/s  MFU {mfu}  "
                 f"mem {_gib(mem)}")
-        if (step + 1) % eval_every == 0 or step + 1 == stop:
+        if eval_every and ((step + 1) % eval_every == 0 or step + 1 == stop):
             evals.append(evaluate(step + 1))
         if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 != stop:
             save(step + 1)
@@ -276,8 +280,8 @@ def train(args) -> dict:
         final_loss=records[-1]["loss"] if records else None, final_val_loss=evals[-1]["loss"] if evals else None,
         records=records, evals=evals, gpu=use_gpu,
     )
-    say(f"[{name}] done: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}, val loss "
-        f"{evals[0]['loss']:.4f} -> {evals[-1]['loss']:.4f}; median step {1e3 * median:.1f} ms "
+    val = f"val loss {evals[0]['loss']:.4f} -> {evals[-1]['loss']:.4f}" if evals else "no eval"
+    say(f"[{name}] done: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}, {val}; median step {1e3 * median:.1f} ms "
         f"({summary['timed_steps']} steps), {summary['tokens_per_s']:,.0f} tok/s, "
         f"MFU {_pct(summary['mfu'])}, peak memory {_gib(mem)}; {wall:.1f} s")
     if args.out and lead:
@@ -336,15 +340,35 @@ def compare(args, argv) -> int:
             return r.returncode or 1
         with open(path) as f:
             results.append(json.load(f))
-    ok, text = summarize(results, args.rtol)
-    print(text, flush=True)
-    with open(os.path.join(out, "summary.md"), "w") as f:
-        f.write(f"`{' '.join(['python3', 'examples/train.py', *argv])}`\n\n{text}\n")
-    plot(results, os.path.join(out, "train.png"))
+    ok = report(results, out, argv, args.rtol)
     if args.check and not ok:
         print(f"FAIL: losses disagree beyond --rtol {args.rtol:g}", file=sys.stderr)
         return 1
     return 0
+
+
+def report(results: list[dict], out: str, argv, rtol: float) -> bool:
+    ok, text = summarize(results, rtol)
+    print(text, flush=True)
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(f"`{' '.join(['python3', 'examples/train.py', *argv])}`\n\n{text}\n")
+    plot(results, os.path.join(out, "train.png"))
+    return ok
+
+
+def replot(args) -> int:
+    results = []
+    for fname in sorted(os.listdir(args.replot)):
+        if fname.endswith(".json"):
+            with open(os.path.join(args.replot, fname)) as f:
+                res = json.load(f)
+            if "records" in res:
+                results.append(res)
+    if not results:
+        print(f"train: no run results (<run>.json) in {args.replot}", file=sys.stderr)
+        return 1
+    results.sort(key=lambda r: (r["backend"] != "tide", r["name"]))  # tide first: the reference
+    return 0 if report(results, args.replot, ["--replot", args.replot], args.rtol) else 1
 
 
 def _strip(argv, flags, options):
@@ -386,13 +410,18 @@ def summarize(results: list[dict], rtol: float) -> tuple[bool, str]:
         recs = res["records"]
         lines.append(
             f"| {res['name']} | {res['xla_flags']} | {recs[0]['loss']:.4f} -> {recs[-1]['loss']:.4f} | "
-            f"{res['evals'][0]['loss']:.4f} -> {res['final_val_loss']:.4f} | {1e3 * res['median_step_s']:.1f} ms | "
+            f"{_val(res)} | {1e3 * res['median_step_s']:.1f} ms | "
             f"{res['tokens_per_s']:,.0f} | {_pct(res['mfu'])} | {_gib(res['peak_memory_bytes'])} | "
             f"{'-' if res is ref else f'{worst:.2e}'} |")
     lines.append("")
     lines.append(f"losses {'agree' if ok else 'DISAGREE'} to rtol {rtol:g} (bf16 level); median step time over "
                  f"the {ref['timed_steps']} steps after compile and warm-up")
     return ok, "\n".join(lines)
+
+
+def _val(res) -> str:
+    ev = res["evals"]
+    return f"{ev[0]['loss']:.4f} -> {ev[-1]['loss']:.4f}" if ev else "-"
 
 
 def plot(results: list[dict], path: str) -> None:
@@ -430,6 +459,8 @@ def main(argv=None):
     """Returns the exit code (--compare) or the run's summary (one run)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.replot:
+        return replot(args)
     use_gpu = gpu_present(args)
     multiprocess = int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1
     if args.model is None:
