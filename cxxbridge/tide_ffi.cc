@@ -1,22 +1,25 @@
 // XLA FFI handlers of tide (docs/design.md "FFI contract"). Built against jaxlib 0.10.2's headers
 // (XLA FFI API 0.3, see build.rs). Needs no CUDA headers: the stream is taken as `void*`.
 //
-// Binding, in order (the attribute set must match what tide_jax passes exactly: XLA's decoder
-// rejects both missing and extra attributes):
-//   RemainingArgs   N operands (all-gather: local shards; reduce-scatter: full gradients)
-//   RemainingRets   N results (all-gather: full parameters; reduce-scatter: fp32 shards)
-//   site            int64 scalar: id of the call site, the same on every rank
-//   world           int64 scalar: size of the sharded mesh axis
-//   nodes           int64 scalar: topology
-//   gpus_per_node   int64 scalar: topology, nodes * gpus_per_node == world
-//   device_ordinals int64 array: XLA device ordinal of every device of the mesh
-//   device_ranks    int64 array: its rank along the axis
-//   device_groups   int64 array: its group over the other mesh axes
-//   names           string: parameter names joined by '\n' (for error messages)
-//   job             int64 scalar: multi-process job id, 0 when every rank is in this process
-//                   (docs/multiprocess.md)
+// Binding (the attribute set must match what tide_jax passes exactly: XLA's decoder rejects both
+// missing and extra attributes; it is bound once, as the struct `TideAttrs`):
+//   RemainingArgs   operands (all-gather: N local shards; reduce-scatter: N full gradients;
+//                   done: start's N results, then start's N operands again)
+//   RemainingRets   N results (all-gather: full parameters; reduce-scatter: fp32 shards; done: the
+//                   same buffers as its first N operands, aliased by tide_jax)
+//   TideAttrs       site, world, nodes, gpus_per_node, device_ordinals, device_ranks,
+//                   device_groups, names, job (docs/design.md "FFI contract")
 //   DeviceOrdinal   context: the executing device (CPU: global device id; GPU: local hardware id)
+//   RunId           context: XLA's run id, the same on every device of one launch
+//   State<Instance> context: which instance of its call site this HLO instruction is (below)
 //   PlatformStream  context, CUDA only: XLA's stream, as void*
+//
+// Instances (docs/design.md "Call sites and instances"): JAX reuses a traced function's body (a
+// jitted helper called per layer, remat, ...), so one `site` attribute can sit on several HLO
+// instructions that XLA runs in any order. XLA runs the instantiate stage once per instruction and
+// process, in the compiled program's order; the handler numbers a site's instructions 0, 1, ...
+// (per target), the same numbers in every process compiling the same program, and every call is
+// keyed by (site, instance).
 //
 // Buffers are borrowed views owned by XLA; only their addresses, dtypes and dims cross to Rust.
 // No handler claims command-buffer compatibility: execution talks to the host (rendezvous).
@@ -31,6 +34,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <string>
 #include <string_view>
 
@@ -40,13 +44,52 @@
 namespace ffi = xla::ffi;
 
 namespace tide::ffi {
+
+// The attributes of every tide target, decoded once as a struct.
+struct TideAttrs {
+  int64_t site;
+  int64_t world;
+  int64_t nodes;
+  int64_t gpus_per_node;
+  ::ffi::Span<const int64_t> device_ordinals;
+  ::ffi::Span<const int64_t> device_ranks;
+  ::ffi::Span<const int64_t> device_groups;
+  std::string_view names;
+  int64_t job;
+};
+
+// Instantiate-stage state of one HLO instruction: its instance number within its site.
+struct Instance {
+  static ::ffi::TypeId id;
+  uint64_t instance;
+};
+::ffi::TypeId Instance::id = {};
+XLA_FFI_TypeInfo instance_type_info = ::ffi::MakeTypeInfo<Instance>();
+
+}  // namespace tide::ffi
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    tide::ffi::TideAttrs, ::xla::ffi::StructMember<int64_t>("site"),
+    ::xla::ffi::StructMember<int64_t>("world"), ::xla::ffi::StructMember<int64_t>("nodes"),
+    ::xla::ffi::StructMember<int64_t>("gpus_per_node"),
+    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("device_ordinals"),
+    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("device_ranks"),
+    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("device_groups"),
+    ::xla::ffi::StructMember<std::string_view>("names"),
+    ::xla::ffi::StructMember<int64_t>("job"));
+
+namespace tide::ffi {
 namespace {
 
-enum class Op { kAllGather, kReduceScatter };
-enum class Platform { kCpu, kCuda };
+// Must match `Op` and `Phase` codes in src/ffi/mod.rs.
+enum class Op : uint8_t { kAllGather = 0, kReduceScatter = 1 };
+enum class Phase : uint8_t { kSync = 0, kStart = 1, kDone = 2 };
 
-const char* OpName(Op op) {
-  return op == Op::kAllGather ? "tide all_gather" : "tide reduce_scatter";
+std::string Where(Op op, Phase phase, int64_t site) {
+  std::string name = op == Op::kAllGather ? "tide all_gather" : "tide reduce_scatter";
+  if (phase == Phase::kStart) name += "_start";
+  if (phase == Phase::kDone) name += "_done";
+  return name + " site " + std::to_string(site);
 }
 
 rust::Vec<int64_t> ToVec(::ffi::Span<const int64_t> span) {
@@ -67,108 +110,106 @@ FfiBuffer ToBuffer(const ::ffi::AnyBuffer& buf) {
 }
 
 // Fills `call` from the frame; an error for a non-buffer operand or result. May throw (allocation).
-::ffi::Error Decode(Op op, ::ffi::RemainingArgs args, ::ffi::RemainingRets rets, int64_t site,
-                    int64_t world, int64_t nodes, int64_t gpus_per_node,
-                    ::ffi::Span<const int64_t> device_ordinals,
-                    ::ffi::Span<const int64_t> device_ranks,
-                    ::ffi::Span<const int64_t> device_groups, std::string_view names, int64_t job,
-                    int32_t device_ordinal, ::ffi::RunId run_id, void* stream, FfiCall& call) {
-    std::string where = std::string(OpName(op)) + " site " + std::to_string(site) +
-                        " on device " + std::to_string(device_ordinal);
-    call.site = site;
-    call.world = world;
-    call.nodes = nodes;
-    call.gpus_per_node = gpus_per_node;
-    call.device_ordinal = device_ordinal;
-    call.device_ordinals = ToVec(device_ordinals);
-    call.device_ranks = ToVec(device_ranks);
-    call.device_groups = ToVec(device_groups);
-    call.names.reserve(names.size());
-    for (char c : names) call.names.push_back(static_cast<uint8_t>(c));
-    call.stream = reinterpret_cast<size_t>(stream);
-    call.run_id = run_id.run_id;
-    call.job = job;
+::ffi::Error Decode(Op op, Phase phase, ::ffi::RemainingArgs args, ::ffi::RemainingRets rets,
+                    const TideAttrs& a, int32_t device_ordinal, ::ffi::RunId run_id, void* stream,
+                    FfiCall& call) {
+  std::string where = Where(op, phase, a.site) + " on device " + std::to_string(device_ordinal);
+  call.site = a.site;
+  call.world = a.world;
+  call.nodes = a.nodes;
+  call.gpus_per_node = a.gpus_per_node;
+  call.device_ordinal = device_ordinal;
+  call.device_ordinals = ToVec(a.device_ordinals);
+  call.device_ranks = ToVec(a.device_ranks);
+  call.device_groups = ToVec(a.device_groups);
+  call.names.reserve(a.names.size());
+  for (char c : a.names) call.names.push_back(static_cast<uint8_t>(c));
+  call.stream = reinterpret_cast<size_t>(stream);
+  call.run_id = run_id.run_id;
+  call.job = a.job;
 
-    call.inputs.reserve(args.size());
-    for (size_t i = 0; i < args.size(); ++i) {
-      auto buf = args.get<::ffi::AnyBuffer>(i);
-      if (!buf.has_value()) {
-        return ::ffi::Error::InvalidArgument(where + ": operand " + std::to_string(i) +
-                                             " is not a buffer: " + buf.error().message());
-      }
-      call.inputs.push_back(ToBuffer(*buf));
+  call.inputs.reserve(args.size());
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto buf = args.get<::ffi::AnyBuffer>(i);
+    if (!buf.has_value()) {
+      return ::ffi::Error::InvalidArgument(where + ": operand " + std::to_string(i) +
+                                           " is not a buffer: " + buf.error().message());
     }
-    call.outputs.reserve(rets.size());
-    for (size_t i = 0; i < rets.size(); ++i) {
-      auto buf = rets.get<::ffi::AnyBuffer>(i);
-      if (!buf.has_value()) {
-        return ::ffi::Error::InvalidArgument(where + ": result " + std::to_string(i) +
-                                             " is not a buffer: " + buf.error().message());
-      }
-      call.outputs.push_back(ToBuffer(**buf));
+    call.inputs.push_back(ToBuffer(*buf));
+  }
+  call.outputs.reserve(rets.size());
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto buf = rets.get<::ffi::AnyBuffer>(i);
+    if (!buf.has_value()) {
+      return ::ffi::Error::InvalidArgument(where + ": result " + std::to_string(i) +
+                                           " is not a buffer: " + buf.error().message());
     }
-    return ::ffi::Error::Success();
+    call.outputs.push_back(ToBuffer(**buf));
+  }
+  return ::ffi::Error::Success();
 }
 
 ::ffi::Error ToError(const FfiStatus& status) {
-    switch (status.code) {
-      case StatusCode::Ok:
-        return ::ffi::Error::Success();
-      case StatusCode::InvalidArgument:
-        return ::ffi::Error::InvalidArgument(std::string(status.message));
-      default:
-        return ::ffi::Error::Internal(std::string(status.message));
-    }
+  switch (status.code) {
+    case StatusCode::Ok:
+      return ::ffi::Error::Success();
+    case StatusCode::InvalidArgument:
+      return ::ffi::Error::InvalidArgument(std::string(status.message));
+    default:
+      return ::ffi::Error::Internal(std::string(status.message));
+  }
 }
 
-::ffi::Error Run(Op op, Platform platform, ::ffi::RemainingArgs args, ::ffi::RemainingRets rets,
-                 int64_t site, int64_t world, int64_t nodes, int64_t gpus_per_node,
-                 ::ffi::Span<const int64_t> device_ordinals, ::ffi::Span<const int64_t> device_ranks,
-                 ::ffi::Span<const int64_t> device_groups, std::string_view names, int64_t job,
-                 int32_t device_ordinal, ::ffi::RunId run_id, void* stream) {
+::ffi::Error FromException(Op op, Phase phase, int64_t site, const char* what) {
+  return ::ffi::Error::Internal(Where(op, phase, site) + ": C++ exception in the FFI handler: " +
+                                what);
+}
+
+template <Op op, Phase phase>
+::ffi::ErrorOr<std::unique_ptr<Instance>> Instantiate(TideAttrs a) {
+  try {
+    auto state = std::make_unique<Instance>();
+    state->instance = tide_instantiate(static_cast<uint8_t>(op), static_cast<uint8_t>(phase), a.site);
+    return state;
+  } catch (const std::exception& e) {
+    return ::ffi::Unexpected(FromException(op, phase, a.site, e.what()));
+  } catch (...) {
+    return ::ffi::Unexpected(FromException(op, phase, a.site, "unknown"));
+  }
+}
+
+// CUDA: synchronous from XLA's point of view (tide's work is enqueued on streams).
+template <Op op, Phase phase>
+::ffi::Error RunCuda(::ffi::RemainingArgs args, ::ffi::RemainingRets rets, TideAttrs a,
+                     int32_t device_ordinal, ::ffi::RunId run_id, Instance* instance,
+                     void* stream) {
   // Nothing may escape a handler: a C++ exception (allocation failure, a cxx conversion) becomes
   // an internal error; Rust catches its own panics (src/ffi/mod.rs).
   try {
     FfiCall call;
-    ::ffi::Error decoded = Decode(op, args, rets, site, world, nodes, gpus_per_node,
-                                  device_ordinals, device_ranks, device_groups, names, job,
-                                  device_ordinal, run_id, stream, call);
+    ::ffi::Error decoded = Decode(op, phase, args, rets, a, device_ordinal, run_id, stream, call);
     if (!decoded.success()) return decoded;
-    FfiStatus status;
-    switch (platform) {
-      case Platform::kCpu:
-        status = op == Op::kAllGather ? tide_all_gather_cpu(call) : tide_reduce_scatter_cpu(call);
-        break;
-      case Platform::kCuda:
-        status = op == Op::kAllGather ? tide_all_gather_cuda(call) : tide_reduce_scatter_cuda(call);
-        break;
-    }
-    return ToError(status);
+    return ToError(tide_call_cuda(static_cast<uint8_t>(op), static_cast<uint8_t>(phase),
+                                  instance->instance, call));
   } catch (const std::exception& e) {
-    return ::ffi::Error::Internal(std::string(OpName(op)) + " site " + std::to_string(site) +
-                                  ": C++ exception in the FFI handler: " + e.what());
+    return FromException(op, phase, a.site, e.what());
   } catch (...) {
-    return ::ffi::Error::Internal(std::string(OpName(op)) + " site " + std::to_string(site) +
-                                  ": unknown C++ exception in the FFI handler");
+    return FromException(op, phase, a.site, "unknown");
   }
 }
 
-template <Op op>
-::ffi::Future RunCpu(::ffi::RemainingArgs args, ::ffi::RemainingRets rets, int64_t site,
-                     int64_t world, int64_t nodes, int64_t gpus_per_node,
-                     ::ffi::Span<const int64_t> device_ordinals,
-                     ::ffi::Span<const int64_t> device_ranks,
-                     ::ffi::Span<const int64_t> device_groups, std::string_view names,
-                     int64_t job, int32_t device_ordinal, ::ffi::RunId run_id) {
+// CPU: asynchronous (docs/design.md "CPU handlers are asynchronous"): decode, hand the call and a
+// heap-allocated Promise to Rust, return its Future at once.
+template <Op op, Phase phase>
+::ffi::Future RunCpu(::ffi::RemainingArgs args, ::ffi::RemainingRets rets, TideAttrs a,
+                     int32_t device_ordinal, ::ffi::RunId run_id, Instance* instance) {
   ::ffi::Promise promise;
   ::ffi::Future future(promise);
-  // Owned by Rust from the start call on; completed and deleted by tide_complete_cpu.
+  // Owned by Rust from the call on; completed and deleted by tide_complete_cpu.
   auto* box = new ::ffi::Promise(std::move(promise));
   try {
     FfiCall call;
-    ::ffi::Error decoded = Decode(op, args, rets, site, world, nodes, gpus_per_node,
-                                  device_ordinals, device_ranks, device_groups, names, job,
-                                  device_ordinal, run_id, nullptr, call);
+    ::ffi::Error decoded = Decode(op, phase, args, rets, a, device_ordinal, run_id, nullptr, call);
     if (!decoded.success()) {
       box->SetError(decoded);
       delete box;
@@ -176,56 +217,30 @@ template <Op op>
     }
     size_t handle = reinterpret_cast<size_t>(box);
     box = nullptr;  // Rust completes it, exactly once, on every path (src/ffi/mod.rs)
-    if (op == Op::kAllGather) {
-      tide_all_gather_cpu_start(std::move(call), handle);
-    } else {
-      tide_reduce_scatter_cpu_start(std::move(call), handle);
-    }
+    tide_call_cpu(static_cast<uint8_t>(op), static_cast<uint8_t>(phase), instance->instance,
+                  std::move(call), handle);
   } catch (const std::exception& e) {
     if (box != nullptr) {
-      box->SetError(::ffi::Error::Internal(std::string(OpName(op)) + " site " +
-                                           std::to_string(site) +
-                                           ": C++ exception in the FFI handler: " + e.what()));
+      box->SetError(FromException(op, phase, a.site, e.what()));
       delete box;
     }
   } catch (...) {
     if (box != nullptr) {
-      box->SetError(::ffi::Error::Internal(std::string(OpName(op)) + " site " +
-                                           std::to_string(site) +
-                                           ": unknown C++ exception in the FFI handler"));
+      box->SetError(FromException(op, phase, a.site, "unknown"));
       delete box;
     }
   }
   return future;
 }
 
-template <Op op>
-::ffi::Error RunCuda(::ffi::RemainingArgs args, ::ffi::RemainingRets rets, int64_t site,
-                     int64_t world, int64_t nodes, int64_t gpus_per_node,
-                     ::ffi::Span<const int64_t> device_ordinals,
-                     ::ffi::Span<const int64_t> device_ranks,
-                     ::ffi::Span<const int64_t> device_groups, std::string_view names,
-                     int64_t job, int32_t device_ordinal, ::ffi::RunId run_id, void* stream) {
-  return Run(op, Platform::kCuda, args, rets, site, world, nodes, gpus_per_node, device_ordinals,
-             device_ranks, device_groups, names, job, device_ordinal, run_id, stream);
-}
-
-// The binding shared by every handler, up to the platform-specific context.
-auto Bind() {
+auto BindExecute() {
   return ::ffi::Ffi::Bind()
       .RemainingArgs()
       .RemainingRets()
-      .Attr<int64_t>("site")
-      .Attr<int64_t>("world")
-      .Attr<int64_t>("nodes")
-      .Attr<int64_t>("gpus_per_node")
-      .Attr<::ffi::Span<const int64_t>>("device_ordinals")
-      .Attr<::ffi::Span<const int64_t>>("device_ranks")
-      .Attr<::ffi::Span<const int64_t>>("device_groups")
-      .Attr<std::string_view>("names")
-      .Attr<int64_t>("job")
+      .Attrs<TideAttrs>()
       .Ctx<::ffi::DeviceOrdinal>()
-      .Ctx<::ffi::RunId>();
+      .Ctx<::ffi::RunId>()
+      .Ctx<::ffi::State<Instance>>();
 }
 
 }  // namespace
@@ -243,15 +258,26 @@ void tide_complete_cpu(size_t promise, int32_t code, rust::Str message) {
 
 }  // namespace tide::ffi
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(tide_cxx_all_gather_cpu,
-                              tide::ffi::RunCpu<tide::ffi::Op::kAllGather>,
-                              tide::ffi::Bind());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(tide_cxx_reduce_scatter_cpu,
-                              tide::ffi::RunCpu<tide::ffi::Op::kReduceScatter>,
-                              tide::ffi::Bind());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(tide_cxx_all_gather_cuda,
-                              tide::ffi::RunCuda<tide::ffi::Op::kAllGather>,
-                              tide::ffi::Bind().Ctx<::ffi::PlatformStream<void*>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(tide_cxx_reduce_scatter_cuda,
-                              tide::ffi::RunCuda<tide::ffi::Op::kReduceScatter>,
-                              tide::ffi::Bind().Ctx<::ffi::PlatformStream<void*>>());
+extern "C" void* tide_cxx_instance_type_id() { return &tide::ffi::Instance::id; }
+extern "C" void* tide_cxx_instance_type_info() { return &tide::ffi::instance_type_info; }
+
+// The targets: one line each. Every target has an instantiate handler (numbering its
+// instructions) and an execute handler per platform.
+#define TIDE_TARGET(name, op, phase)                                                            \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(tide_cxx_##name##_instantiate,                                  \
+                                (tide::ffi::Instantiate<op, phase>),                            \
+                                ::xla::ffi::Ffi::BindInstantiate()                              \
+                                    .Attrs<tide::ffi::TideAttrs>());                            \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(tide_cxx_##name##_cpu, (tide::ffi::RunCpu<op, phase>),          \
+                                tide::ffi::BindExecute());                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(tide_cxx_##name##_cuda, (tide::ffi::RunCuda<op, phase>),        \
+                                tide::ffi::BindExecute().Ctx<::xla::ffi::PlatformStream<void*>>());
+
+using tide::ffi::Op;
+using tide::ffi::Phase;
+TIDE_TARGET(all_gather, Op::kAllGather, Phase::kSync)
+TIDE_TARGET(reduce_scatter, Op::kReduceScatter, Phase::kSync)
+TIDE_TARGET(all_gather_start, Op::kAllGather, Phase::kStart)
+TIDE_TARGET(all_gather_done, Op::kAllGather, Phase::kDone)
+TIDE_TARGET(reduce_scatter_start, Op::kReduceScatter, Phase::kStart)
+TIDE_TARGET(reduce_scatter_done, Op::kReduceScatter, Phase::kDone)

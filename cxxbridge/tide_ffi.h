@@ -1,10 +1,11 @@
 // tide's XLA FFI handlers: the C++ half of the FFI edge (the Rust half is src/ffi/mod.rs).
 //
-// The handlers decode XLA's call frame (variadic buffers, attributes, device ordinal, stream) into
-// the cxx shared struct `tide::ffi::FfiCall` and hand it to Rust, which validates and executes the
-// call. Rust's status comes back as an `xla::ffi::Error`. The symbols exported from the cdylib
-// (`tide_ffi_all_gather_cpu`, ...) are Rust functions forwarding to the `tide_cxx_*` handlers below;
-// a Rust cdylib exports only Rust-defined symbols.
+// The handlers decode XLA's call frame (variadic buffers, the attribute struct `TideAttrs`, device
+// ordinal, run id, stream, and the call site's instantiate-stage state) into the cxx shared struct
+// `tide::ffi::FfiCall` and hand it to Rust, which validates and executes the call. Rust's status
+// comes back as an `xla::ffi::Error`. The symbols exported from the cdylib (`tide_ffi_*`) are Rust
+// functions forwarding to the `tide_cxx_*` handlers; a Rust cdylib exports only Rust-defined
+// symbols. The list of targets is `TIDE_TARGETS` in tide_ffi.cc (one line per target).
 #pragma once
 
 #include <cstddef>
@@ -21,8 +22,20 @@ void tide_complete_cpu(std::size_t promise, std::int32_t code, rust::Str message
 }  // namespace tide::ffi
 
 extern "C" {
-XLA_FFI_Error* tide_cxx_all_gather_cpu(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* tide_cxx_reduce_scatter_cpu(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* tide_cxx_all_gather_cuda(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* tide_cxx_reduce_scatter_cuda(XLA_FFI_CallFrame* call_frame);
+// The instance state's XLA_FFI_TypeId and XLA_FFI_TypeInfo, registered by tide_jax
+// (jax.ffi.register_ffi_type) before the targets.
+void* tide_cxx_instance_type_id();
+void* tide_cxx_instance_type_info();
+
+#define TIDE_DECLARE_TARGET(name)                                     \
+  XLA_FFI_Error* tide_cxx_##name##_instantiate(XLA_FFI_CallFrame* f); \
+  XLA_FFI_Error* tide_cxx_##name##_cpu(XLA_FFI_CallFrame* f);         \
+  XLA_FFI_Error* tide_cxx_##name##_cuda(XLA_FFI_CallFrame* f);
+TIDE_DECLARE_TARGET(all_gather)
+TIDE_DECLARE_TARGET(reduce_scatter)
+TIDE_DECLARE_TARGET(all_gather_start)
+TIDE_DECLARE_TARGET(all_gather_done)
+TIDE_DECLARE_TARGET(reduce_scatter_start)
+TIDE_DECLARE_TARGET(reduce_scatter_done)
+#undef TIDE_DECLARE_TARGET
 }

@@ -13,6 +13,7 @@ pub mod cuda;
 pub mod engine;
 pub mod error;
 pub mod ffi;
+pub mod inflight;
 pub mod layout;
 pub mod plan;
 pub mod rendezvous;

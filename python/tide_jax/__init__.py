@@ -16,14 +16,34 @@ chosen with `set_backend` or TIDE_BACKEND.
 from . import reference
 from ._layout import Layout, ParamInfo, layout
 from ._lib import LibraryNotFoundError, library_path
-from ._ops import BACKENDS, all_gather, gather_params, get_backend, reduce_scatter, set_backend
+from ._ops import (
+    BACKENDS,
+    Handle,
+    all_gather,
+    all_gather_done,
+    all_gather_start,
+    gather_params,
+    get_backend,
+    ordered,
+    reduce_scatter,
+    reduce_scatter_done,
+    reduce_scatter_start,
+    set_backend,
+)
 from ._compat import shard_map
+from ._loop import scan_layers
 from ._distributed import initialize
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
+    "Handle",
+    "all_gather_done",
+    "all_gather_start",
+    "ordered",
+    "reduce_scatter_done",
+    "reduce_scatter_start",
     "Layout",
     "LibraryNotFoundError",
     "ParamInfo",
@@ -35,6 +55,7 @@ __all__ = [
     "library_path",
     "reduce_scatter",
     "reference",
+    "scan_layers",
     "set_backend",
     "shard_map",
 ]

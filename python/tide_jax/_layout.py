@@ -285,6 +285,46 @@ class Layout:
             out.append(_crop(x, p, self.replicated))
         return self._tree(out)
 
+    # ----- stacked layers (tide_jax.scan_layers) -----
+    @property
+    def stacked_spec(self):
+        """Pytree of PartitionSpec(None, axis): in_specs / out_specs of stacked shards
+        `(L, world * shard_rows, *rest)` (`shard_stacked`), sharded on dim 1."""
+        return self._tree(PartitionSpec(None, self.axis) for _ in self.params)
+
+    def shard_stacked(self, stacked_params):
+        """Stacked full parameters `(L, *shape)` (this layout's pytree, a leading layer axis on every
+        leaf) -> global arrays `(L, world * shard_rows, *rest)`, zero-padded per layer, sharded on
+        dim 1: what `scan_layers` takes."""
+        leaves = self._leaves_matching(stacked_params, "params passed to shard_stacked()")
+        sharding = NamedSharding(self.mesh, PartitionSpec(None, self.axis))
+        num = _num_layers(leaves, self.params, "shard_stacked()", lambda p: p.shape)
+        out = []
+        for p, x in zip(self.params, leaves):
+
+            def pad(x, p=p):
+                x = jnp.reshape(jnp.asarray(x, p.dtype), (num, p.rows, *p.rest))
+                pad_rows = p.padded_rows - p.rows
+                if pad_rows:
+                    x = jnp.pad(x, [(0, 0), (0, pad_rows)] + [(0, 0)] * len(p.rest))
+                return x
+
+            out.append(jax.jit(pad, out_shardings=sharding)(x))
+        return self._tree(out)
+
+    def unshard_stacked(self, stacked_sharded):
+        """Inverse of `shard_stacked`: `(L, world * shard_rows, *rest)` -> `(L, *shape)`."""
+        leaves = self._leaves_matching(stacked_sharded, "arrays passed to unshard_stacked()")
+        num = _num_layers(leaves, self.params, "unshard_stacked()", lambda p: p.global_shape)
+        out = []
+        for p, x in zip(self.params, leaves):
+
+            def crop(x, p=p):
+                return jnp.reshape(x[:, : p.rows], (num, *p.shape))
+
+            out.append(jax.jit(crop, out_shardings=self.replicated)(jax.device_put(x, self.replicated)))
+        return self._tree(out)
+
     # ----- sub-layouts -----
     def __getitem__(self, key) -> "Layout":
         sub = self.abstract[key]
@@ -309,6 +349,25 @@ class Layout:
                 f"  {p.path or '<root>'}: {p.shape} {p.dtype.name} -> shard {p.shard_shape}"
             )
         return "\n".join(lines)
+
+
+def _num_layers(leaves, params, what: str, shape_of) -> int:
+    """The common leading layer count L of stacked leaves whose other dims are `shape_of(param)`."""
+    num = None
+    for p, x in zip(params, leaves):
+        shape = tuple(np.shape(x))
+        if len(shape) < 1 or shape[1:] != tuple(shape_of(p)):
+            raise ValueError(
+                f"tide: {what}: {p.describe()}: expected a stacked array (L, *{tuple(shape_of(p))}), "
+                f"got shape {shape}"
+            )
+        if num is None:
+            num = shape[0]
+        elif shape[0] != num:
+            raise ValueError(
+                f"tide: {what}: {p.describe()} has {shape[0]} layers, earlier leaves have {num}"
+            )
+    return int(num)
 
 
 def _pad_and_place(x, p: ParamInfo, sharding):

@@ -17,11 +17,19 @@ import jax
 
 log = logging.getLogger("tide_jax")
 
-#: FFI target names and the symbol prefixes that implement them (docs/design.md, "FFI contract").
+#: FFI target names and the symbol prefixes that implement them (docs/design.md, "FFI contract");
+#: each has `<prefix>_instantiate` and `<prefix>_cpu` / `<prefix>_cuda` (src/ffi/mod.rs `targets`).
 TARGETS = {
     "tide_all_gather": "tide_ffi_all_gather",
     "tide_reduce_scatter": "tide_ffi_reduce_scatter",
+    "tide_all_gather_start": "tide_ffi_all_gather_start",
+    "tide_all_gather_done": "tide_ffi_all_gather_done",
+    "tide_reduce_scatter_start": "tide_ffi_reduce_scatter_start",
+    "tide_reduce_scatter_done": "tide_ffi_reduce_scatter_done",
 }
+
+#: The instantiate-stage state type every target uses (docs/design.md "Call sites and instances").
+INSTANCE_TYPE = "tide_instance"
 
 _BUILD_HINT = (
     "Build and install it with `pip install .` at the root of the tide repository (needs a Rust "
@@ -101,14 +109,36 @@ def ensure_registered(platform: str = "cpu") -> None:
         if platform in _registered:
             return
         suffix = "_cuda" if platform == "CUDA" else "_cpu"
-        for target, prefix in TARGETS.items():
-            symbol = prefix + suffix
+
+        def symbol(name: str):
             try:
-                fn = getattr(lib, symbol)
+                return getattr(lib, name)
             except AttributeError as e:
                 raise LibraryNotFoundError(
-                    f"tide: {_lib_path} has no symbol {symbol} (needed for platform {platform}); "
+                    f"tide: {_lib_path} has no symbol {name} (needed for platform {platform}); "
                     f"the library is incomplete or stale. {_BUILD_HINT}"
                 ) from e
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform=platform)
+
+        # The state type first: XLA refuses a handler whose types are not registered yet.
+        type_id, type_info = symbol("tide_ffi_instance_type_id"), symbol("tide_ffi_instance_type_info")
+        type_id.restype = type_info.restype = ctypes.c_void_p
+        jax.ffi.register_ffi_type(
+            INSTANCE_TYPE,
+            {"type_id": _capsule(type_id()), "type_info": _capsule(type_info())},
+            platform=platform,
+        )
+        for target, prefix in TARGETS.items():
+            handlers = {
+                "instantiate": jax.ffi.pycapsule(symbol(prefix + "_instantiate")),
+                "execute": jax.ffi.pycapsule(symbol(prefix + suffix)),
+            }
+            jax.ffi.register_ffi_target(target, handlers, platform=platform)
         _registered.add(platform)
+
+
+def _capsule(address: int):
+    """A PyCapsule holding a raw pointer (what jax.ffi.register_ffi_type takes)."""
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype = ctypes.py_object
+    new.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+    return new(address, None, None)

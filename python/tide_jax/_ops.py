@@ -23,6 +23,12 @@ from . import _compat, _lib
 from ._layout import Layout
 
 __all__ = [
+    "Handle",
+    "all_gather_start",
+    "all_gather_done",
+    "reduce_scatter_start",
+    "reduce_scatter_done",
+    "ordered",
     "all_gather",
     "reduce_scatter",
     "gather_params",
@@ -64,10 +70,10 @@ def get_backend() -> str:
 
 # ----- call-site ids -----
 # Each traced call gets a fresh id; the traced program is the same on every rank, so the id is too.
-# The native rendezvous keys on (site, group, seq), seq counting a rank's executions of the site.
-# Caveat: JAX reuses a cached trace (an inner jax.jit called twice with the same shapes, remat), so
-# one site can appear several times in a program; ranks then pair those calls by execution order,
-# which is right as long as every device runs them in the same order (as XLA:CPU did in our tests).
+# JAX reuses a cached trace (an inner jax.jit called per layer, remat, ...), so one site can sit on
+# several HLO instructions that XLA runs in any order on each device: the native side numbers them
+# at XLA's instantiate stage and keys every call by (site, instance) (docs/design.md "Call sites and
+# instances"), never by execution order.
 _site_lock = threading.Lock()
 _site_counter = itertools.count(1)
 
@@ -184,6 +190,107 @@ def _tide_reduce_scatter(leaves: list, lay: Layout) -> list:
     result_types = [jax.ShapeDtypeStruct(p.shard_shape, jnp.float32) for p in lay.params]
     outs = jax.ffi.ffi_call("tide_reduce_scatter", result_types)(*leaves, **_attrs(lay, _new_site()))
     return _vary_like(list(outs), leaves, lay.axis)
+
+
+# ----- start/done (docs/design.md "Start/done") -----
+@jax.tree_util.register_pytree_node_class
+class Handle:
+    """A collective in flight between its start and its done: what `all_gather_start` /
+    `reduce_scatter_start` return and `*_done` take. A pytree (its arrays are the start's results and
+    operands), so it can go through `ordered`, `jax.lax.optimization_barrier` and scan carries; pass it
+    to its done unchanged, exactly once."""
+
+    def __init__(self, results, operands, meta):
+        self.results = list(results)
+        self.operands = list(operands)
+        self.meta = meta  # (op, layout, backend, output vma axes): static, the same for every
+        # start of one layout (so handles of different iterations fit one scan carry)
+
+    def tree_flatten(self):
+        return (self.results, self.operands), self.meta
+
+    @classmethod
+    def tree_unflatten(cls, meta, children):
+        return cls(children[0], children[1], meta)
+
+    def __repr__(self):
+        return f"Handle({self.meta[0]}, {len(self.results)} arrays, backend {self.meta[2]})"
+
+
+def _start(op: str, leaves: list, lay: Layout, backend: str) -> Handle:
+    if backend == "jax":  # XLA schedules its own collectives; the handle holds the results
+        gather, scatter = _impl("jax")
+        outs = (gather if op == "all_gather" else scatter)(leaves, lay)
+        return Handle(outs, [], (op, lay, backend, ()))
+    _lib.ensure_registered(lay.platform)
+    if op == "all_gather":
+        types = [jax.ShapeDtypeStruct(p.shape, x.dtype) for p, x in zip(lay.params, leaves)]
+    else:
+        types = [jax.ShapeDtypeStruct(p.shard_shape, jnp.float32) for p in lay.params]
+    site = _new_site()
+    outs = jax.ffi.ffi_call(f"tide_{op}_start", types)(*leaves, **_attrs(lay, site))
+    vma = tuple(sorted(frozenset().union(*(_compat.vma_of(x) for x in leaves)) | {lay.axis}))
+    outs = [_compat.mark_varying(o, list(vma)) for o in outs]
+    return Handle(outs, leaves, (op, lay, backend, vma))
+
+
+def _done(handle: Handle, op: str) -> list:
+    if not isinstance(handle, Handle):
+        raise TypeError(f"tide: {op}_done: expected the Handle its {op}_start returned, got {type(handle).__name__}")
+    hop, lay, backend, vma = handle.meta
+    if hop != op:
+        raise ValueError(f"tide: {op}_done got the handle of a {hop}_start")
+    if backend == "jax":
+        return list(handle.results)
+    n = len(handle.results)
+    types = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in handle.results]
+    outs = jax.ffi.ffi_call(
+        f"tide_{op}_done", types, input_output_aliases={i: i for i in range(n)}
+    )(*handle.results, *handle.operands, **_attrs(lay, _new_site()))
+    return [_compat.mark_varying(o, list(vma)) for o in outs]
+
+
+def all_gather_start(shards, lay: Layout, dtype=None, *, backend: str | None = None) -> Handle:
+    """Starts `all_gather(shards, lay, dtype)` and returns at once (its copies run on tide's streams
+    while XLA goes on); `all_gather_done(handle)` returns the full parameters. Order them around
+    compute with `ordered` (or `scan_layers`, which does it for a layer loop)."""
+    _check_context(lay, "all_gather_start")
+    leaves = [_maybe_cast(x, dtype) for x in _check_shards(shards, lay, "all_gather_start")]
+    return _start("all_gather", leaves, lay, backend or _backend)
+
+
+def all_gather_done(handle: Handle):
+    """The full parameters of the all-gather `handle` started (same as `all_gather`)."""
+    lay = handle.meta[1] if isinstance(handle, Handle) else None
+    outs = _done(handle, "all_gather")
+    return jax.tree_util.tree_unflatten(lay.treedef, outs)
+
+
+def reduce_scatter_start(grads, lay: Layout, *, backend: str | None = None) -> Handle:
+    """Starts `reduce_scatter(grads, lay)` (bf16/f16/f32 in, fp32 sums) and returns at once;
+    `reduce_scatter_done(handle, dtype)` returns this rank's shards."""
+    _check_context(lay, "reduce_scatter_start")
+    leaves = _check_grads(grads, lay, "reduce_scatter_start")
+    return _start("reduce_scatter", leaves, lay, backend or _backend)
+
+
+def reduce_scatter_done(handle: Handle, dtype=jnp.float32):
+    """This rank's shards of the sum `handle`'s start computes, cast to `dtype` (None: float32)."""
+    lay = handle.meta[1] if isinstance(handle, Handle) else None
+    outs = _done(handle, "reduce_scatter")
+    if dtype is not None:
+        outs = [o if o.dtype == np.dtype(dtype) else o.astype(dtype) for o in outs]
+    return jax.tree_util.tree_unflatten(lay.treedef, outs)
+
+
+def ordered(*xs):
+    """Pins program order between collectives and compute: returns `xs` unchanged, but everything
+    computed from any output waits for all inputs. `h, x = ordered(h, x)` after a start makes the
+    compute on `x` follow the start; `h, y = ordered(h, y)` before a done makes the done follow the
+    compute producing `y` (`jax.lax.optimization_barrier`; XLA does not move a done earlier by
+    itself, but without this it may place it right after its start)."""
+    out = jax.lax.optimization_barrier(xs)
+    return out[0] if len(xs) == 1 else out
 
 
 def _impl(backend: str | None):

@@ -120,6 +120,52 @@ pub fn execute_job(call: &CallInfo, job: u64) -> Result<()> {
     }
 }
 
+/// The FFI edge's entry for every target: `phase` says whether this is a whole call, its start or
+/// its done (docs/design.md "Start/done").
+///
+/// Today start enqueues the whole collective on XLA's stream as the synchronous call does (so its
+/// results are ordered before anything XLA runs later on the stream, done included) and records
+/// the call in `crate::inflight`; done checks that it received the very buffers its start wrote
+/// and returns the start's result. Correct, but without overlap: the asynchronous driver (tide's
+/// own streams, per-call events) replaces this.
+pub fn execute_phase(call: &CallInfo, job: u64, phase: crate::ffi::Phase) -> Result<()> {
+    use crate::ffi::{op_code, Phase};
+    use crate::inflight;
+    match phase {
+        Phase::Sync => execute_job(call, job),
+        Phase::Start => {
+            let record = inflight::Record::new(
+                format!("tide {}_start site {} on device {}", op_name(call.op), call.site, call.device_ordinal),
+                call.device_ordinal,
+                call.outputs.iter().map(|b| b.ptr).collect(),
+                call.inputs.iter().map(|b| b.ptr).collect(),
+            );
+            inflight::register(op_code(call.op), record.clone())?;
+            let result = execute_job(call, job);
+            record.finish(result.clone());
+            result
+        }
+        Phase::Done => {
+            let n = call.outputs.len();
+            let what = format!("tide {}_done site {}", op_name(call.op), call.site);
+            let record = inflight::take(
+                &what,
+                op_code(call.op),
+                call.device_ordinal,
+                &call.outputs.iter().map(|b| b.ptr).collect::<Vec<_>>(),
+                &call.inputs[n..].iter().map(|b| b.ptr).collect::<Vec<_>>(),
+            )?;
+            let (tx, rx) = std::sync::mpsc::channel();
+            record.on_finish(move |r| {
+                let _ = tx.send(r);
+            });
+            rx.recv().unwrap_or_else(|_| {
+                Err(TideError::Internal(format!("{what}: its start never finished")))
+            })
+        }
+    }
+}
+
 /// Executes one collective call on XLA's stream `call.stream` of device `call.device_ordinal`.
 /// Enqueues work only; never synchronizes the host with the device in the hot path. The rendezvous
 /// sequence number counts this rank's calls of the site within XLA's run `call.run_id`

@@ -242,3 +242,57 @@ pub fn execute_multiprocess(call: &CallInfo, job: u64) -> Result<()> {
         Err(err)
     })
 }
+
+/// Tickets of the multi-process lanes (one lane per call-site instruction, `transport::cpu`):
+/// calls of one lane must run in the order XLA issued them on every rank, since the lane matches
+/// calls by order. A synchronous call of one instruction never overlaps the next one, but started
+/// calls can (a start in iteration i+1 of a loop before iteration i's done). So each call takes a
+/// ticket on XLA's thread, in issue order, and its worker runs the call when the lane serves it.
+#[derive(Default)]
+struct Lane {
+    next: u64,
+    serving: u64,
+}
+
+type LaneKey = (u64, usize, i64, usize);
+static LANES: Lazy<(Mutex<HashMap<LaneKey, Lane>>, std::sync::Condvar)> =
+    Lazy::new(|| (Mutex::new(HashMap::new()), std::sync::Condvar::new()));
+
+fn lane_key(call: &CallInfo) -> LaneKey {
+    (call.job, call.group, call.site, call.rank)
+}
+
+/// Takes the next ticket of `call`'s lane (on XLA's thread, in issue order).
+pub fn lane_ticket(call: &CallInfo) -> u64 {
+    let mut lanes = LANES.0.lock().unwrap_or_else(|p| p.into_inner());
+    let lane = lanes.entry(lane_key(call)).or_default();
+    let t = lane.next;
+    lane.next += 1;
+    t
+}
+
+/// Advances the lane past `ticket` when dropped: on every path, panics included.
+struct Served(LaneKey);
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let mut lanes = LANES.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(lane) = lanes.get_mut(&self.0) {
+            lane.serving += 1;
+        }
+        LANES.1.notify_all();
+    }
+}
+
+/// `execute_multiprocess` once the lane serves `ticket` (after every earlier call of the lane).
+pub fn execute_multiprocess_ticket(call: &CallInfo, job: u64, ticket: u64) -> Result<()> {
+    let key = lane_key(call);
+    {
+        let mut lanes = LANES.0.lock().unwrap_or_else(|p| p.into_inner());
+        while lanes.get(&key).map_or(false, |l| l.serving < ticket) {
+            lanes = LANES.1.wait(lanes).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+    let _served = Served(key);
+    execute_multiprocess(call, job)
+}

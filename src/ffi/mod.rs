@@ -21,12 +21,16 @@ use crate::error::{Result, TideError};
 use crate::layout::DType;
 use crate::plan::Op;
 use crate::topology::Topology;
+use once_cell::sync::Lazy;
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Mutex;
 
 #[cxx::bridge(namespace = "tide::ffi")]
 mod bridge {
     /// One XLA buffer: address, `XLA_FFI_DataType` code, dims.
+    #[derive(Clone)]
     struct FfiBuffer {
         data: usize,
         dtype: i32,
@@ -34,6 +38,7 @@ mod bridge {
     }
 
     /// A decoded call frame. Attribute fields mirror docs/design.md "FFI contract".
+    #[derive(Clone)]
     struct FfiCall {
         site: i64,
         world: i64,
@@ -73,14 +78,15 @@ mod bridge {
     }
 
     extern "Rust" {
-        fn tide_all_gather_cpu(call: &FfiCall) -> FfiStatus;
-        fn tide_reduce_scatter_cpu(call: &FfiCall) -> FfiStatus;
-        /// Asynchronous CPU entry: runs the call on a tide worker thread, then completes
-        /// `promise` (an `xla::ffi::Promise*`) through `tide_complete_cpu`, exactly once.
-        fn tide_all_gather_cpu_start(call: FfiCall, promise: usize);
-        fn tide_reduce_scatter_cpu_start(call: FfiCall, promise: usize);
-        fn tide_all_gather_cuda(call: &FfiCall) -> FfiStatus;
-        fn tide_reduce_scatter_cuda(call: &FfiCall) -> FfiStatus;
+        /// Instantiate stage: the instance number of a new HLO instruction of target (op, phase)
+        /// with attribute `site` (docs/design.md "Call sites and instances").
+        fn tide_instantiate(op: u8, phase: u8, site: i64) -> u64;
+        /// Asynchronous CPU entry (every target): runs the call on a tide worker thread (or
+        /// attaches it to its start, for done), then completes `promise` (an
+        /// `xla::ffi::Promise*`) through `tide_complete_cpu`, exactly once.
+        fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize);
+        /// CUDA entry (every target): enqueues the call on the streams and returns.
+        fn tide_call_cuda(op: u8, phase: u8, instance: u64, call: &FfiCall) -> FfiStatus;
     }
 
     unsafe extern "C++" {
@@ -91,133 +97,296 @@ mod bridge {
 
 pub use bridge::{FfiBuffer, FfiCall, FfiStatus, StatusCode};
 
+/// Exports `tide_ffi_<target>_{instantiate,cpu,cuda}`, forwarding to the C++ handlers
+/// `tide_cxx_<target>_*` (cxxbridge/tide_ffi.cc `TIDE_TARGET`): one line per target.
+macro_rules! forward_target {
+    ($($name:ident),* $(,)?) => {
+        $(
+            #[allow(non_snake_case)]
+            pub mod $name {
+                use std::ffi::c_void;
+                extern "C" {
+                    #[link_name = concat!("tide_cxx_", stringify!($name), "_instantiate")]
+                    fn cxx_instantiate(call_frame: *mut c_void) -> *mut c_void;
+                    #[link_name = concat!("tide_cxx_", stringify!($name), "_cpu")]
+                    fn cxx_cpu(call_frame: *mut c_void) -> *mut c_void;
+                    #[link_name = concat!("tide_cxx_", stringify!($name), "_cuda")]
+                    fn cxx_cuda(call_frame: *mut c_void) -> *mut c_void;
+                }
+                /// XLA FFI handler, instantiate stage.
+                ///
+                /// # Safety
+                /// Called by XLA with a valid call frame.
+                #[export_name = concat!("tide_ffi_", stringify!($name), "_instantiate")]
+                pub unsafe extern "C" fn instantiate(call_frame: *mut c_void) -> *mut c_void {
+                    // SAFETY: forwarded unchanged to the C++ handler, which catches every C++ exception.
+                    unsafe { cxx_instantiate(call_frame) }
+                }
+                /// XLA FFI handler, platform cpu.
+                ///
+                /// # Safety
+                /// Called by XLA with a valid call frame.
+                #[export_name = concat!("tide_ffi_", stringify!($name), "_cpu")]
+                pub unsafe extern "C" fn cpu(call_frame: *mut c_void) -> *mut c_void {
+                    // SAFETY: as above.
+                    unsafe { cxx_cpu(call_frame) }
+                }
+                /// XLA FFI handler, platform CUDA.
+                ///
+                /// # Safety
+                /// Called by XLA with a valid call frame.
+                #[export_name = concat!("tide_ffi_", stringify!($name), "_cuda")]
+                pub unsafe extern "C" fn cuda(call_frame: *mut c_void) -> *mut c_void {
+                    // SAFETY: as above.
+                    unsafe { cxx_cuda(call_frame) }
+                }
+            }
+        )*
+    };
+}
+
+/// The targets (python/tide_jax/_lib.py `TARGETS` registers the same list).
+pub mod targets {
+    forward_target!(
+        all_gather,
+        reduce_scatter,
+        all_gather_start,
+        all_gather_done,
+        reduce_scatter_start,
+        reduce_scatter_done,
+    );
+}
+
 extern "C" {
-    fn tide_cxx_all_gather_cpu(call_frame: *mut c_void) -> *mut c_void;
-    fn tide_cxx_reduce_scatter_cpu(call_frame: *mut c_void) -> *mut c_void;
-    fn tide_cxx_all_gather_cuda(call_frame: *mut c_void) -> *mut c_void;
-    fn tide_cxx_reduce_scatter_cuda(call_frame: *mut c_void) -> *mut c_void;
+    fn tide_cxx_instance_type_id() -> *mut c_void;
+    fn tide_cxx_instance_type_info() -> *mut c_void;
 }
 
-/// XLA FFI handler (`XLA_FFI_Error* (XLA_FFI_CallFrame*)`): target `tide_all_gather`, platform cpu.
-///
-/// # Safety
-/// Called by XLA with a valid call frame.
+/// Address of the instance state's `XLA_FFI_TypeId` (registered by tide_jax before the targets).
 #[no_mangle]
-pub unsafe extern "C" fn tide_ffi_all_gather_cpu(call_frame: *mut c_void) -> *mut c_void {
-    // SAFETY: forwarded unchanged to the C++ handler, which catches every C++ exception.
-    unsafe { tide_cxx_all_gather_cpu(call_frame) }
+pub extern "C" fn tide_ffi_instance_type_id() -> *mut c_void {
+    // SAFETY: returns the address of a static; no arguments.
+    unsafe { tide_cxx_instance_type_id() }
 }
 
-/// XLA FFI handler: target `tide_reduce_scatter`, platform cpu.
-///
-/// # Safety
-/// Called by XLA with a valid call frame.
+/// Address of the instance state's `XLA_FFI_TypeInfo` (its deleter).
 #[no_mangle]
-pub unsafe extern "C" fn tide_ffi_reduce_scatter_cpu(call_frame: *mut c_void) -> *mut c_void {
+pub extern "C" fn tide_ffi_instance_type_info() -> *mut c_void {
     // SAFETY: as above.
-    unsafe { tide_cxx_reduce_scatter_cpu(call_frame) }
+    unsafe { tide_cxx_instance_type_info() }
 }
 
-/// XLA FFI handler: target `tide_all_gather`, platform CUDA.
-///
-/// # Safety
-/// Called by XLA with a valid call frame.
-#[no_mangle]
-pub unsafe extern "C" fn tide_ffi_all_gather_cuda(call_frame: *mut c_void) -> *mut c_void {
-    // SAFETY: as above.
-    unsafe { tide_cxx_all_gather_cuda(call_frame) }
-}
-
-/// XLA FFI handler: target `tide_reduce_scatter`, platform CUDA.
-///
-/// # Safety
-/// Called by XLA with a valid call frame.
-#[no_mangle]
-pub unsafe extern "C" fn tide_ffi_reduce_scatter_cuda(call_frame: *mut c_void) -> *mut c_void {
-    // SAFETY: as above.
-    unsafe { tide_cxx_reduce_scatter_cuda(call_frame) }
-}
-
+/// Which half of a collective a target is (docs/design.md "Start/done").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Platform {
-    Cpu,
-    Cuda,
+pub enum Phase {
+    /// The whole collective in one call (start and done back to back).
+    Sync,
+    /// Launch the collective and return; its results are valid only after the matching done.
+    Start,
+    /// Wait for the call its start launched (found by the buffers, `crate::inflight`).
+    Done,
 }
 
-fn tide_all_gather_cpu(call: &FfiCall) -> FfiStatus {
-    entry(Op::AllGather, Platform::Cpu, call)
-}
-fn tide_reduce_scatter_cpu(call: &FfiCall) -> FfiStatus {
-    entry(Op::ReduceScatter, Platform::Cpu, call)
-}
-fn tide_all_gather_cuda(call: &FfiCall) -> FfiStatus {
-    entry(Op::AllGather, Platform::Cuda, call)
-}
-fn tide_reduce_scatter_cuda(call: &FfiCall) -> FfiStatus {
-    entry(Op::ReduceScatter, Platform::Cuda, call)
+fn op_of(code: u8) -> Result<Op> {
+    match code {
+        0 => Ok(Op::AllGather),
+        1 => Ok(Op::ReduceScatter),
+        _ => Err(TideError::Internal(format!("unknown op code {code}"))),
+    }
 }
 
-fn tide_all_gather_cpu_start(call: FfiCall, promise: usize) {
-    start_cpu(Op::AllGather, call, promise)
-}
-fn tide_reduce_scatter_cpu_start(call: FfiCall, promise: usize) {
-    start_cpu(Op::ReduceScatter, call, promise)
+fn phase_of(code: u8) -> Result<Phase> {
+    match code {
+        0 => Ok(Phase::Sync),
+        1 => Ok(Phase::Start),
+        2 => Ok(Phase::Done),
+        _ => Err(TideError::Internal(format!("unknown phase code {code}"))),
+    }
 }
 
-/// The asynchronous CPU handlers' entry (docs/design.md "CPU handlers are asynchronous"). On
-/// XLA's thread: decode, and for in-process calls take the rendezvous sequence number (so it
-/// follows the order XLA invoked the handler). Then the call runs on a tide worker thread, which
-/// completes the promise. Never unwinds; completes the promise exactly once on every path.
-fn start_cpu(op: Op, call: FfiCall, promise: usize) {
+/// The op code of the FFI bridge and `crate::inflight`.
+pub fn op_code(op: Op) -> u8 {
+    match op {
+        Op::AllGather => 0,
+        Op::ReduceScatter => 1,
+    }
+}
+
+/// Instance counters by (op, phase, site): the instantiate stage numbers each HLO instruction of a
+/// site (docs/design.md "Call sites and instances").
+static INSTANCES: Lazy<Mutex<HashMap<(u8, u8, i64), u64>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+
+fn tide_instantiate(op: u8, phase: u8, site: i64) -> u64 {
+    let mut map = INSTANCES.lock().unwrap_or_else(|p| p.into_inner());
+    let n = map.entry((op, phase, site)).or_insert(0);
+    let instance = *n;
+    *n += 1;
+    instance
+}
+
+/// Bits of the site key that hold the instance: a site may have up to 2^16 instructions.
+pub const INSTANCE_BITS: u32 = 16;
+
+/// The key of one instruction of a call site: what the rendezvous, plan caches and lanes are keyed
+/// by. `site` (the attribute tide_jax assigns per traced call) must be in [0, 2^47).
+pub fn site_key(op: Op, site: i64, instance: u64) -> Result<i64> {
+    if !(0..(1i64 << (63 - INSTANCE_BITS))).contains(&site) {
+        return crate::invalid!(
+            "{} site {site}: attribute 'site' must be in [0, 2^{})",
+            op_name(op),
+            63 - INSTANCE_BITS
+        );
+    }
+    if instance >= 1 << INSTANCE_BITS {
+        return crate::invalid!(
+            "{} site {site}: more than 2^{INSTANCE_BITS} instructions carry this site in the \
+             compiled programs of this process",
+            op_name(op)
+        );
+    }
+    Ok((site << INSTANCE_BITS) | instance as i64)
+}
+
+fn internal_panic(what: impl std::fmt::Display, payload: &(dyn std::any::Any + Send)) -> TideError {
+    TideError::Internal(format!("{what}: panic: {}", panic_message(payload)))
+}
+
+fn with_site_key(op: Op, instance: u64, mut call: FfiCall) -> Result<FfiCall> {
+    call.site = site_key(op, call.site, instance)?;
+    Ok(call)
+}
+
+/// Every CPU call (docs/design.md "CPU handlers are asynchronous", "Start/done"). On XLA's
+/// thread: decode, and for in-process calls take the rendezvous sequence number (so it follows
+/// the order XLA invoked the handler). Sync and start: the call runs on a tide worker thread, which
+/// completes the promise (start also sets its `inflight::Record`). Done: finds its start's record
+/// by the buffers and completes the promise with its result. Never unwinds; completes the promise exactly once on every path.
+fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize) {
     let complete = move |st: FfiStatus| {
         bridge::tide_complete_cpu(promise, st.code.repr, &st.message);
     };
-    let prepared = catch_unwind(AssertUnwindSafe(|| -> Result<(CallInfo, u64)> {
+    let (site, device) = (call.site, call.device_ordinal);
+    let prepared = catch_unwind(AssertUnwindSafe(|| -> Result<_> {
+        let (op, phase) = (op_of(op)?, phase_of(phase)?);
+        let call = with_site_key(op, instance, call)?;
+        if phase == Phase::Done {
+            let info = decode_done(op, &call)?;
+            let record = crate::inflight::take(
+                &phase_name(op, phase, site),
+                op_code(op),
+                info.device_ordinal,
+                &info.outputs.iter().map(|b| b.ptr).collect::<Vec<_>>(),
+                &info.inputs[info.outputs.len()..]
+                    .iter()
+                    .map(|b| b.ptr)
+                    .collect::<Vec<_>>(),
+            )?;
+            return Ok((info, 0, Some(record), phase));
+        }
         let info = decode(op, &call)?;
+        // Registered before the sequence number is taken: nothing after that may fail.
+        let record = if phase == Phase::Start {
+            let what = format!("{} on device {}", phase_name(op, phase, site), info.device_ordinal);
+            let record = crate::inflight::Record::new(
+                what,
+                info.device_ordinal,
+                info.outputs.iter().map(|b| b.ptr).collect(),
+                info.inputs.iter().map(|b| b.ptr).collect(),
+            );
+            crate::inflight::register(op_code(op), record.clone())?;
+            Some(record)
+        } else {
+            None
+        };
         let seq = if info.job == 0 {
             crate::rendezvous::run_seq(info.site, info.group, info.rank, info.run_id)
         } else {
-            0
+            cpu::lane_ticket(&info)
         };
-        Ok((info, seq))
+        Ok((info, seq, record, phase))
     }))
     .unwrap_or_else(|payload| {
-        Err(TideError::Internal(format!(
-            "{} site {} on device {}: panic: {}",
-            op_name(op),
-            call.site,
-            call.device_ordinal,
-            panic_message(&*payload)
-        )))
+        Err(internal_panic(
+            format_args!("tide call site {site} on device {device}"),
+            &*payload,
+        ))
     });
-    let (info, seq) = match prepared {
+    let (info, seq, record, phase) = match prepared {
         Ok(p) => p,
         Err(e) => return complete(status(Err(e))),
     };
+    if phase == Phase::Done {
+        let record = record.expect("done has a record");
+        return record.on_finish(move |r| complete(status(r)));
+    }
+    // A CPU start completes its future only when its collective is finished, like the synchronous
+    // call: XLA:CPU may copy or free a start's results as soon as the start completes (a copy at
+    // a loop boundary), and a worker still writing them would corrupt memory. The future still
+    // frees XLA's thread at once, so independent work overlaps; done then checks the pairing.
+    let record_for_job = record.clone();
     worker::submit(move || {
         let result = catch_unwind(AssertUnwindSafe(|| {
             if info.job != 0 {
-                cpu::execute_multiprocess(&info, info.job)
+                cpu::execute_multiprocess_ticket(&info, info.job, seq)
             } else {
                 cpu::execute_seq(&info, seq)
             }
         }))
         .unwrap_or_else(|payload| {
-            Err(TideError::Internal(format!(
-                "{} site {} on device {}: panic: {}",
-                op_name(info.op),
-                info.site,
-                info.device_ordinal,
-                panic_message(&*payload)
-            )))
+            Err(internal_panic(
+                format_args!("{} site {} on device {}", op_name(info.op), info.site, info.device_ordinal),
+                &*payload,
+            ))
         });
+        if let Some(record) = record_for_job {
+            record.finish(result.clone());
+        }
         complete(status(result));
     });
 }
 
-/// What the CPU handlers run, callable without XLA (tests): `decode`, `cpu::execute`, `status`.
+/// Every CUDA call: decode, then the CUDA engine enqueues it on the streams (start and done
+/// split it: `crate::cuda::execute_phase`).
+fn tide_call_cuda(op: u8, phase: u8, instance: u64, call: &FfiCall) -> FfiStatus {
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        let (op, phase) = (op_of(op)?, phase_of(phase)?);
+        let call = with_site_key(op, instance, call.clone())?;
+        let info = if phase == Phase::Done {
+            decode_done(op, &call)?
+        } else {
+            decode(op, &call)?
+        };
+        // The CUDA engine validates the layout itself, after taking its rendezvous sequence
+        // number, so a rank that fails validation still tells its peers.
+        crate::cuda::execute_phase(&info, info.job, phase)
+    }))
+    .unwrap_or_else(|payload| {
+        Err(internal_panic(
+            format_args!("tide call site {} on device {}", call.site, call.device_ordinal),
+            &*payload,
+        ))
+    });
+    status(result)
+}
+
+/// What the CPU handlers run for a synchronous call, callable without XLA (tests): `decode`,
+/// `cpu::execute`, `status`.
 pub fn run_cpu(op: Op, call: &FfiCall) -> FfiStatus {
-    entry(op, Platform::Cpu, call)
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        let info = decode(op, call)?;
+        if info.job != 0 {
+            cpu::execute_multiprocess(&info, info.job)
+        } else {
+            cpu::execute(&info, info.run_id)
+        }
+    }))
+    .unwrap_or_else(|payload| {
+        Err(internal_panic(
+            format_args!("{} site {} on device {}", op_name(op), call.site, call.device_ordinal),
+            &*payload,
+        ))
+    });
+    status(result)
 }
 
 pub(crate) fn op_name(op: Op) -> &'static str {
@@ -227,28 +396,41 @@ pub(crate) fn op_name(op: Op) -> &'static str {
     }
 }
 
-/// Every call from C++ lands here: decode, validate, execute; never unwinds.
-fn entry(op: Op, platform: Platform, call: &FfiCall) -> FfiStatus {
-    let result = catch_unwind(AssertUnwindSafe(|| {
-        let info = decode(op, call)?;
-        match platform {
-            Platform::Cpu if info.job != 0 => cpu::execute_multiprocess(&info, info.job),
-            Platform::Cpu => cpu::execute(&info, info.run_id),
-            // The CUDA engine validates the layout itself, after taking its rendezvous sequence
-            // number, so a rank that fails validation still tells its peers.
-            Platform::Cuda => crate::cuda::execute_job(&info, info.job),
-        }
-    }))
-    .unwrap_or_else(|payload| {
-        Err(TideError::Internal(format!(
-            "{} site {} on device {}: panic: {}",
-            op_name(op),
-            call.site,
+fn phase_name(op: Op, phase: Phase, site: i64) -> String {
+    let suffix = match phase {
+        Phase::Sync => "",
+        Phase::Start => "_start",
+        Phase::Done => "_done",
+    };
+    format!("{}{suffix} site {site}", op_name(op))
+}
+
+/// Decodes a done call: operands are start's N results then start's N operands, results the N
+/// buffers aliased to the first N operands.
+pub fn decode_done(op: Op, call: &FfiCall) -> Result<CallInfo> {
+    let n = call.outputs.len();
+    if n == 0 || call.inputs.len() != 2 * n {
+        return crate::invalid!(
+            "{} on device {}: takes start's N results and start's N operands ({} operands) and \
+             returns N results; got {} operands and {} results",
+            phase_name(op, Phase::Done, call.site),
             call.device_ordinal,
-            panic_message(&*payload)
-        )))
-    });
-    status(result)
+            2 * n,
+            call.inputs.len(),
+            n
+        );
+    }
+    for i in 0..n {
+        if call.inputs[i].data != call.outputs[i].data {
+            return crate::invalid!(
+                "{} on device {}: result {i} is not aliased to operand {i} (input_output_aliases \
+                 must map operand i to result i for the first N operands)",
+                phase_name(op, Phase::Done, call.site),
+                call.device_ordinal
+            );
+        }
+    }
+    decode(op, call)
 }
 
 pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
