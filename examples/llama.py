@@ -6,7 +6,7 @@ Import it after JAX's environment is set (XLA_FLAGS, JAX_PLATFORMS): it imports 
 The model: RMSNorm, RoPE, grouped-query attention (`jax.nn.dot_product_attention`, cuDNN flash
 attention on GPUs), SwiGLU MLP, tied or untied embeddings; fp32 master parameters, bf16 compute.
 
-The parameters, as the training step sees them (`State.params`), are FSDP shards over one mesh axis:
+The parameters, as the training step sees them (`state["params"]`), are FSDP shards over one mesh axis:
     {"embed": {"tokens": (V, d)},                     layout `lays.embed`  (one gather, first)
      "layers": {"attn_norm": (L, d), "wq": (L, d, H*hd), ...},   each layer: `lays.layer`
      "head": {"norm": (d,), ["out": (d, V)]}}          layout `lays.head`   (one gather, last)
@@ -14,8 +14,9 @@ Every leaf is sharded on its rows (FSDP2's dim-0 rule, per layer for the stacked
 `stack_shard`), fp32, with AdamW's moments sharded the same way.
 
 Three ways to run the same step (`Backend`), same data, same init, same optimizer:
-- "tide": `tide_jax.scan_layers` (the layer loop with overlapped collectives) and
-  `tide_jax.gather_params`: bf16 all-gather, bf16 gradients reduce-scattered with fp32 accumulation;
+- "tide": `tide_jax.scan_layers` for the layers (prefetched all-gathers, overlapped reduce-scatters;
+  a plain per-layer fallback where tide_jax lacks it) and `tide_jax.gather_params` for the embedding
+  and the head: bf16 all-gather, bf16 gradients reduce-scattered with fp32 accumulation;
 - "jax" + reduce "bf16": `jax.lax.scan` over layers, `jax.lax.all_gather` of the bf16-cast shards;
   autodiff makes the backward a bf16 `psum_scatter` (JAX's default FSDP, lossy);
 - "jax" + reduce "fp32": the same loop, gradients upcast to fp32 before `psum_scatter`
@@ -31,7 +32,7 @@ import os
 import pathlib
 import sysconfig
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -201,7 +202,8 @@ def layer_fn(cfg: Config, p, x):
     k = (h @ p["wk"]).reshape(b, t, cfg.kv_heads, hd)
     v = (h @ p["wv"]).reshape(b, t, cfg.kv_heads, hd)
     q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
-    att = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # GQA: kv heads shared by groups
+    # GQA: each kv head serves heads / kv_heads query heads; cuDNN flash attention on GPUs (auto)
+    att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=cfg.attention)
     x = x + att.reshape(b, t, cfg.heads * hd) @ p["wo"]
     h = rms_norm(x, p["mlp_norm"])
     return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]

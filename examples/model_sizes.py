@@ -19,6 +19,7 @@ class Config:
     rope_theta: float = 10000.0
     vocab: int = 256  # set from the data (bytes: 256)
     remat: bool = False  # recompute each layer (and its gather) in the backward pass
+    attention: str | None = None  # jax.nn.dot_product_attention's implementation: None (auto), "xla", "cudnn"
 
     @property
     def head_dim(self) -> int:

@@ -65,6 +65,8 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, help="warm-up steps (default: steps / 10)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--remat", action="store_true", help="recompute each layer (and its gather) in the backward")
+    ap.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
+                    help="jax.nn.dot_product_attention implementation (auto: cuDNN where it applies)")
     ap.add_argument("--data", default="stdlib", help="stdlib (default) | synthetic | FILE (text, .npy, .bin)")
     ap.add_argument("--vocab", type=int, help="vocabulary of synthetic / token-file data")
     ap.add_argument("--backend", choices=("tide", "jax"), help="one run with this backend (default: --compare)")
@@ -189,12 +191,13 @@ def train(args) -> dict:
     cfg = llama.MODELS[args.model]
     over = {k: v for k, v in dict(layers=args.layers, seq=args.seq, batch_per_device=args.batch_per_device,
                                   lr=args.lr).items() if v is not None}
-    cfg = dataclasses.replace(cfg, vocab=data.vocab, remat=args.remat, **over)
+    cfg = dataclasses.replace(cfg, vocab=data.vocab, remat=args.remat,
+                              attention=None if args.attention == "auto" else args.attention, **over)
     batch = cfg.batch_per_device * ndev
     if resume_meta:  # same model, same global batch as the run being continued
         saved = llama.Config(**resume_meta["config"])
-        if dataclasses.replace(saved, batch_per_device=0, remat=False) != dataclasses.replace(
-                cfg, batch_per_device=0, remat=False):
+        how = dict(batch_per_device=0, remat=False, attention=None)  # may differ between the runs
+        if dataclasses.replace(saved, **how) != dataclasses.replace(cfg, **how):
             raise SystemExit(f"train: --resume {args.resume}: the checkpoint is of {saved}, not {cfg}")
         batch = resume_meta["batch"]
         if batch % ndev:
