@@ -288,7 +288,7 @@ def train(args) -> dict:
         mfu=flops_per_step / (median * peak * 1e12 * ndev) if peak and times else None,
         peak_memory_bytes=mem, first_step_s=times[0] if times else None, wall_s=wall,
         final_loss=records[-1]["loss"] if records else None, final_val_loss=evals[-1]["loss"] if evals else None,
-        records=records, evals=evals, gpu=use_gpu,
+        records=records, evals=evals, gpu=use_gpu, lead=lead,
     )
     val = f"val loss {evals[0]['loss']:.4f} -> {evals[-1]['loss']:.4f}" if evals else "no eval"
     say(f"[{name}] done: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}, {val}; median step {1e3 * median:.1f} ms "
@@ -492,11 +492,17 @@ def main(argv=None):
         args.steps = 300 if use_gpu else 150
         argv += ["--steps", str(args.steps)]
     if args.compare:
+        if multiprocess:
+            raise SystemExit("train: under a launcher, run one backend per job (--backend tide or jax); "
+                             "--compare starts its runs as processes of its own")
         return compare(args, argv)
     if args.xla_flags is None:
         args.xla_flags = "default" if args.backend == "tide" else "maxtext"
     setup_env(args, use_gpu, multiprocess)
-    return train(args)
+    summary = train(args)
+    if args.out and not args.name and summary["lead"]:  # a run of its own (not one of --compare's)
+        plot([summary], os.path.join(args.out, "train.png"))
+    return summary
 
 
 if __name__ == "__main__":
