@@ -6,9 +6,10 @@ registered as XLA FFI targets (python/tide_jax/_lib.py). It lands as
 tide_jax/libtide.<python-tag>.so, which _lib.py finds by the glob libtide*.so.
 
 XLA FFI headers: build.rs takes them from TIDE_XLA_FFI_INCLUDE, else asks $PYO3_PYTHON (which
-setuptools-rust sets to this interpreter) for `import jaxlib`. Under `pip install .` this interpreter
-runs in pip's isolated build environment, whose jaxlib is the pinned 0.10.2 of pyproject.toml; we
-set TIDE_XLA_FFI_INCLUDE from it explicitly so the choice never depends on what else is installed.
+setuptools-rust sets to this interpreter) for `import jaxlib`. We set TIDE_XLA_FFI_INCLUDE to the copy
+of jaxlib 0.10.2's headers in third_party/xla_ffi (so pip's build environment needs no jaxlib
+download, and the choice never depends on what else is installed); without that folder, to the
+headers of this interpreter's jaxlib.
 """
 
 import os
@@ -20,6 +21,11 @@ from setuptools_rust import Binding, RustExtension
 
 def _pin_xla_ffi_headers():
     if os.environ.get("TIDE_XLA_FFI_INCLUDE"):
+        return
+    vendored = os.path.join(os.path.dirname(os.path.abspath(__file__)), "third_party", "xla_ffi", "include")
+    if os.path.isfile(os.path.join(vendored, "xla", "ffi", "api", "ffi.h")):
+        os.environ["TIDE_XLA_FFI_INCLUDE"] = vendored
+        print(f"tide: XLA FFI headers of jaxlib 0.10.2 from {vendored}", file=sys.stderr)
         return
     try:
         import jaxlib
