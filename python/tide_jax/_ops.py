@@ -181,14 +181,14 @@ def _attrs(lay: Layout, site: int) -> dict[str, Any]:
 def _tide_all_gather(leaves: list, lay: Layout) -> list:
     _lib.ensure_registered(lay.platform)
     result_types = [jax.ShapeDtypeStruct(p.shape, x.dtype) for p, x in zip(lay.params, leaves)]
-    outs = jax.ffi.ffi_call("tide_all_gather", result_types)(*leaves, **_attrs(lay, _new_site()))
+    outs = jax.ffi.ffi_call("tide_all_gather", result_types, vmap_method="sequential")(*leaves, **_attrs(lay, _new_site()))
     return _vary_like(list(outs), leaves, lay.axis)
 
 
 def _tide_reduce_scatter(leaves: list, lay: Layout) -> list:
     _lib.ensure_registered(lay.platform)
     result_types = [jax.ShapeDtypeStruct(p.shard_shape, jnp.float32) for p in lay.params]
-    outs = jax.ffi.ffi_call("tide_reduce_scatter", result_types)(*leaves, **_attrs(lay, _new_site()))
+    outs = jax.ffi.ffi_call("tide_reduce_scatter", result_types, vmap_method="sequential")(*leaves, **_attrs(lay, _new_site()))
     return _vary_like(list(outs), leaves, lay.axis)
 
 
@@ -227,11 +227,18 @@ def _start(op: str, leaves: list, lay: Layout, backend: str) -> Handle:
         types = [jax.ShapeDtypeStruct(p.shape, x.dtype) for p, x in zip(lay.params, leaves)]
     else:
         types = [jax.ShapeDtypeStruct(p.shard_shape, jnp.float32) for p in lay.params]
-    site = _new_site()
-    outs = jax.ffi.ffi_call(f"tide_{op}_start", types)(*leaves, **_attrs(lay, site))
+    n = len(leaves)
+    # A barrier first: XLA:GPU's dynamic-slice fusion would otherwise fold a sliced operand (a layer
+    # of stacked shards) into the custom call and not honor the aliasing below (seen on the H200).
+    leaves = list(jax.lax.optimization_barrier(tuple(leaves)))
+    # The operands come back as results N.. (aliased): done takes those, so XLA keeps the very
+    # buffers tide reads alive until done, and cannot give done a recomputed copy.
+    types = types + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    outs = jax.ffi.ffi_call(f"tide_{op}_start", types, input_output_aliases={i: n + i for i in range(n)})(
+        *leaves, **_attrs(lay, _new_site()))
     vma = tuple(sorted(frozenset().union(*(_compat.vma_of(x) for x in leaves)) | {lay.axis}))
-    outs = [_compat.mark_varying(o, list(vma)) for o in outs]
-    return Handle(outs, leaves, (op, lay, backend, vma))
+    results = [_compat.mark_varying(o, list(vma)) for o in outs[:n]]
+    return Handle(results, list(outs[n:]), (op, lay, backend, vma))
 
 
 def _done(handle: Handle, op: str) -> list:
@@ -247,6 +254,10 @@ def _done(handle: Handle, op: str) -> list:
     outs = jax.ffi.ffi_call(
         f"tide_{op}_done", types, input_output_aliases={i: i for i in range(n)}
     )(*handle.results, *handle.operands, **_attrs(lay, _new_site()))
+    # A barrier after, as before start: XLA:GPU's dynamic-slice fusion would otherwise have done
+    # write a result straight into a slice of a larger buffer (a scan's stacked outputs), which
+    # breaks the aliasing done relies on (seen on the H200).
+    outs = jax.lax.optimization_barrier(tuple(outs))
     return [_compat.mark_varying(o, list(vma)) for o in outs]
 
 

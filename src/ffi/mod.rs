@@ -283,7 +283,11 @@ fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize
             )?;
             return Ok((info, 0, Some(record), phase));
         }
-        let info = decode(op, &call)?;
+        let info = if phase == Phase::Start {
+            decode_start(op, &call)?
+        } else {
+            decode(op, &call)?
+        };
         // Registered before the sequence number is taken: nothing after that may fail.
         let record = if phase == Phase::Start {
             let what = format!("{} on device {}", phase_name(op, phase, site), info.device_ordinal);
@@ -351,10 +355,10 @@ fn tide_call_cuda(op: u8, phase: u8, instance: u64, call: &FfiCall) -> FfiStatus
     let result = catch_unwind(AssertUnwindSafe(|| {
         let (op, phase) = (op_of(op)?, phase_of(phase)?);
         let call = with_site_key(op, instance, call.clone())?;
-        let info = if phase == Phase::Done {
-            decode_done(op, &call)?
-        } else {
-            decode(op, &call)?
+        let info = match phase {
+            Phase::Done => decode_done(op, &call)?,
+            Phase::Start => decode_start(op, &call)?,
+            Phase::Sync => decode(op, &call)?,
         };
         // The CUDA engine validates the layout itself, after taking its rendezvous sequence
         // number, so a rank that fails validation still tells its peers.
@@ -405,8 +409,40 @@ fn phase_name(op: Op, phase: Phase, site: i64) -> String {
     format!("{}{suffix} site {site}", op_name(op))
 }
 
-/// Decodes a done call: operands are start's N results then start's N operands, results the N
-/// buffers aliased to the first N operands.
+/// Decodes a start call: N operands; 2N results, the N results proper, then the N operands passed
+/// through (result N+i aliased to operand i). Passing them through makes them start's outputs,
+/// which done takes: XLA can then neither free them nor hand done a recomputed copy while tide
+/// still reads them. The `CallInfo` has the N results proper.
+pub fn decode_start(op: Op, call: &FfiCall) -> Result<CallInfo> {
+    let n = call.inputs.len();
+    if n == 0 || call.outputs.len() != 2 * n {
+        return crate::invalid!(
+            "{} on device {}: takes N operands and returns 2N results (the N results, then the N \
+             operands aliased); got {} operands and {} results",
+            phase_name(op, Phase::Start, call.site),
+            call.device_ordinal,
+            n,
+            call.outputs.len()
+        );
+    }
+    for i in 0..n {
+        if call.outputs[n + i].data != call.inputs[i].data {
+            return crate::invalid!(
+                "{} on device {}: result {} is not aliased to operand {i} (input_output_aliases must \
+                 map operand i to result N+i)",
+                phase_name(op, Phase::Start, call.site),
+                call.device_ordinal,
+                n + i
+            );
+        }
+    }
+    let mut call = call.clone();
+    call.outputs.truncate(n);
+    decode(op, &call)
+}
+
+/// Decodes a done call: operands are start's N results then start's N operands (as start passed
+/// them through), results the N buffers aliased to the first N operands.
 pub fn decode_done(op: Op, call: &FfiCall) -> Result<CallInfo> {
     let n = call.outputs.len();
     if n == 0 || call.inputs.len() != 2 * n {
