@@ -6,7 +6,8 @@ Each process gets `JAX_COORDINATOR_ADDRESS` (a free localhost port), `JAX_NUM_PR
 (`CUDA_VISIBLE_DEVICES`, taken from the launcher's own list when set) unless `--gpus-per-process`
 says otherwise or `--no-gpu-split`. `--cpu-devices K` runs on CPU with K devices per process.
 
-Output lines are prefixed with `[rank i]`. If a process exits non-zero or dies, the others get
+Output lines are prefixed with `[rank i]`; Gloo's "Rank i is connected to N peer ranks" lines (one
+per process and CPU collective group, from JAX's CPU collectives) are dropped. If a process exits non-zero or dies, the others get
 `--grace` seconds to finish on their own (they usually fail fast with tide's error naming the
 dead rank), then SIGTERM, then SIGKILL 5 s later; the launcher exits non-zero naming the rank.
 Multi-host clusters (SLURM, mpirun): see docs/multiprocess.md.
@@ -45,9 +46,15 @@ def local_gpus() -> list[str]:
     return [str(i) for i in sorted(ids)]
 
 
+def _noise(line: str) -> bool:
+    return line.startswith("[Gloo] Rank ") and "is connected to" in line
+
+
 def _pump(stream, prefix: str, out, lock: threading.Lock) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace")
+        if _noise(line):
+            continue
         with lock:
             out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
             out.flush()

@@ -1,6 +1,6 @@
 """pytest setup for tide_jax: 8 forced CPU devices, set before jax is imported anywhere.
 
-JAX_PLATFORMS defaults to cpu (an explicit setting wins, e.g. on the GPU machine). Tests that use
+JAX_PLATFORMS defaults to cpu, or cuda,cpu where a GPU is present (an explicit setting wins). Tests that use
 the native library fail, not skip, when it is missing: CI installs it (`pip install .`).
 """
 
@@ -13,7 +13,15 @@ _flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
 # write (convert to bf16 and back), so a reference would not compute what it says (seen on H200).
 os.environ["XLA_FLAGS"] = " ".join(
     _flags + ["--xla_force_host_platform_device_count=8", "--xla_allow_excess_precision=false"])
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+def _gpu_present() -> bool:
+    import importlib.util
+
+    plugin = any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+    return plugin and os.path.exists("/dev/nvidiactl")
+
+
+# GPUs present: CUDA for the gpu-marked tests and the 8 CPU devices for the rest; else CPU only.
+os.environ.setdefault("JAX_PLATFORMS", "cuda,cpu" if _gpu_present() else "cpu")
 # XLA:CPU runs each device's program on a pool of max(NPROC or cores, devices) threads, and its
 # collectives (and tide's) block a pool thread until every device arrives: with exactly as many
 # threads as devices, one thread busy elsewhere starves the last device and XLA aborts the process

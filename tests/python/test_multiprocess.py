@@ -278,7 +278,7 @@ def test_fsdp_example_under_the_launcher(topo):
     devices; every process must print the same losses as the plain-JAX run, flat and through the
     rail."""
     cmd = [sys.executable, "-m", "tide_jax.launch", "-n", "2", "--cpu-devices", "4", "--",
-           sys.executable, os.path.join(REPO, "examples", "fsdp_train.py"), "--cpu", "--steps", "4"]
+           sys.executable, os.path.join(REPO, "tests", "python", "fsdp_toy.py"), "--cpu", "--steps", "4"]
     env = _env(TIDE_TOPOLOGY=topo) if topo else _env()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

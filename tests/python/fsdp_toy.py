@@ -1,6 +1,8 @@
-"""FSDP training of a small decoder-only transformer with tide, next to the same model on plain JAX.
+"""The first toy example (now a test: tests/python/test_multiprocess.py runs it under the launcher):
+FSDP training of a small decoder-only transformer with tide, next to the same model on plain JAX.
+examples/train.py is the training script.
 
-    python examples/fsdp_train.py            # GPUs when present, else 8 CPU devices; 50 steps
+    python tests/python/fsdp_toy.py          # GPUs when present, else 8 CPU devices; 50 steps
 
 Both runs start from the same fp32 parameter shards (one FSDP axis over every device) and the same
 synthetic token data, and train with Adam on the fp32 shards; the forward computes in bf16.
@@ -58,7 +60,7 @@ if not USE_GPU and not MULTIPROCESS:  # (the launcher's --cpu-devices sets the c
     # (a 40 s XLA abort on 2-core machines otherwise).
     os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 2 * (args.devices or 8))))
 # Running from a source checkout without `pip install .`: use python/.
-_repo_python = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
+_repo_python = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "python")
 if importlib.util.find_spec("tide_jax") is None and os.path.isdir(_repo_python):
     sys.path.insert(0, _repo_python)
 

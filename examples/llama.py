@@ -1,0 +1,541 @@
+"""A Llama-style decoder trained with FSDP: the model, the data, the training step, checkpoints.
+
+Used by `examples/train.py` (the command line), `bench/train_bench.py` and `tests/python/test_train.py`.
+Import it after JAX's environment is set (XLA_FLAGS, JAX_PLATFORMS): it imports jax.
+
+The model: RMSNorm, RoPE, grouped-query attention (`jax.nn.dot_product_attention`, cuDNN flash
+attention on GPUs), SwiGLU MLP, tied or untied embeddings; fp32 master parameters, bf16 compute.
+
+The parameters, as the training step sees them (`state["params"]`), are FSDP shards over one mesh axis:
+    {"embed": {"tokens": (V, d)},                     layout `lays.embed`  (one gather, first)
+     "layers": {"attn_norm": (L, d), "wq": (L, d, H*hd), ...},   each layer: `lays.layer`
+     "head": {"norm": (d,), ["out": (d, V)]}}          layout `lays.head`   (one gather, last)
+Every leaf is sharded on its rows (FSDP2's dim-0 rule, per layer for the stacked ones, see
+`stack_shard`), fp32, with AdamW's moments sharded the same way.
+
+Three ways to run the same step (`Backend`), same data, same init, same optimizer:
+- "tide": `tide_jax.scan_layers` for the layers (prefetched all-gathers, overlapped reduce-scatters;
+  a plain per-layer fallback where tide_jax lacks it) and `tide_jax.gather_params` for the embedding
+  and the head: bf16 all-gather, bf16 gradients reduce-scattered with fp32 accumulation;
+- "jax" + reduce "bf16": `jax.lax.scan` over layers, `jax.lax.all_gather` of the bf16-cast shards;
+  autodiff makes the backward a bf16 `psum_scatter` (JAX's default FSDP, lossy);
+- "jax" + reduce "fp32": the same loop, gradients upcast to fp32 before `psum_scatter`
+  (`tide_jax.reference.gather_params`, pure JAX): exact sums at twice the bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import sysconfig
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import tide_jax
+from model_sizes import MODELS, Config  # noqa: F401  (re-exported)
+
+AXIS = "fsdp"
+COMPUTE = jnp.bfloat16
+
+
+# ----------------------------------------------------------------------------------------------
+# parameters
+# ----------------------------------------------------------------------------------------------
+def init_params(cfg: Config, seed: int) -> dict:
+    """Full fp32 parameters (layers stacked on a leading axis). Deterministic in (cfg, seed) and
+    independent of the device count."""
+    d, hd, L = cfg.d_model, cfg.head_dim, cfg.layers
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 16))
+
+    def normal(shape, std):
+        return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(jnp.float32)
+
+    out_std = 0.02 / math.sqrt(2 * L)  # GPT-2's scaled init of the residual projections
+    params = {
+        "embed": {"tokens": normal((cfg.vocab, d), 0.02)},
+        "layers": {
+            "attn_norm": jnp.ones((L, d), jnp.float32),
+            "wq": normal((L, d, cfg.heads * hd), 0.02),
+            "wk": normal((L, d, cfg.kv_heads * hd), 0.02),
+            "wv": normal((L, d, cfg.kv_heads * hd), 0.02),
+            "wo": normal((L, cfg.heads * hd, d), out_std),
+            "mlp_norm": jnp.ones((L, d), jnp.float32),
+            "w_gate": normal((L, d, cfg.d_ff), 0.02),
+            "w_up": normal((L, d, cfg.d_ff), 0.02),
+            "w_down": normal((L, cfg.d_ff, d), out_std),
+        },
+        "head": {"norm": jnp.ones((d,), jnp.float32)},
+    }
+    if not cfg.tied:
+        params["head"]["out"] = normal((d, cfg.vocab), 0.02)
+    return params
+
+
+def abstract_params(cfg: Config) -> dict:
+    return jax.eval_shape(lambda: init_params(cfg, 0))
+
+
+def one_layer(stacked) -> Any:
+    """The parameters of one layer (ShapeDtypeStructs) from the stacked ones."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype), stacked)
+
+
+# ----------------------------------------------------------------------------------------------
+# the layer loop and stacked layouts (tide_jax.scan_layers when present, else the fallback below)
+# ----------------------------------------------------------------------------------------------
+def _fallback_scan_layers(layer_fn, x, shards, lay, *, prefetch=1, remat=False, dtype=jnp.bfloat16):
+    """`tide_jax.scan_layers`'s semantics without its overlap: per layer, gather then compute.
+    `prefetch` is accepted and ignored."""
+    del prefetch
+
+    def body(x, layer_shards):
+        return layer_fn(tide_jax.gather_params(layer_shards, lay, dtype), x), None
+
+    if remat:
+        body = jax.checkpoint(body)
+    x, _ = jax.lax.scan(body, x, shards)
+    return x
+
+
+def scan_layers(layer_fn, x, shards, lay, *, prefetch=1, remat=False, dtype=jnp.bfloat16):
+    fn = getattr(tide_jax, "scan_layers", None) or _fallback_scan_layers
+    return fn(layer_fn, x, shards, lay, prefetch=prefetch, remat=remat, dtype=dtype)
+
+
+def stacked_spec(lay):
+    if hasattr(lay, "stacked_spec"):
+        return lay.stacked_spec
+    return jax.tree.map(lambda _: P(None, lay.axis), lay.spec, is_leaf=lambda s: isinstance(s, P))
+
+
+def stack_shard(lay, stacked):
+    """Full stacked parameters (L, rows, *rest) -> (L, P * shard_rows, *rest) sharded on dim 1."""
+    if hasattr(lay, "shard_stacked"):
+        return lay.shard_stacked(stacked)
+    sharding = NamedSharding(lay.mesh, P(None, lay.axis))
+    out = []
+    for info, x in zip(lay.params, jax.tree.leaves(stacked)):
+        def pad(x, info=info):
+            x = jnp.asarray(x, info.dtype)
+            return jnp.pad(x, [(0, 0), (0, info.padded_rows - info.rows)] + [(0, 0)] * len(info.rest))
+
+        out.append(jax.jit(pad, out_shardings=sharding)(x))
+    return jax.tree.unflatten(lay.treedef, out)
+
+
+def stack_unshard(lay, sharded):
+    """Inverse of `stack_shard`: (L, P * shard_rows, *rest) -> (L, rows, *rest), replicated."""
+    if hasattr(lay, "unshard_stacked"):
+        return lay.unshard_stacked(sharded)
+    out = []
+    for info, x in zip(lay.params, jax.tree.leaves(sharded)):
+        x = jax.device_put(x, lay.replicated)
+        out.append(jax.jit(lambda x, info=info: x[:, : info.rows], out_shardings=lay.replicated)(x))
+    return jax.tree.unflatten(lay.treedef, out)
+
+
+@dataclasses.dataclass
+class Layouts:
+    embed: Any
+    layer: Any
+    head: Any
+
+    @classmethod
+    def build(cls, cfg: Config, mesh: Mesh) -> "Layouts":
+        abstract = abstract_params(cfg)
+        return cls(
+            embed=tide_jax.layout(abstract["embed"], mesh, AXIS),
+            layer=tide_jax.layout(one_layer(abstract["layers"]), mesh, AXIS),
+            head=tide_jax.layout(abstract["head"], mesh, AXIS),
+        )
+
+    @property
+    def spec(self):
+        return {"embed": self.embed.spec, "layers": stacked_spec(self.layer), "head": self.head.spec}
+
+    def shard(self, params):
+        return {"embed": self.embed.shard(params["embed"]), "layers": stack_shard(self.layer, params["layers"]),
+                "head": self.head.shard(params["head"])}
+
+    def unshard(self, shards):
+        return {"embed": self.embed.unshard(shards["embed"]), "layers": stack_unshard(self.layer, shards["layers"]),
+                "head": self.head.unshard(shards["head"])}
+
+
+# ----------------------------------------------------------------------------------------------
+# the model (inside shard_map: full bf16 parameters of one group at a time)
+# ----------------------------------------------------------------------------------------------
+def rms_norm(x, scale, eps=1e-5):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x, theta):
+    """Rotary position embedding of x: (B, T, heads, hd), rotate-half convention."""
+    t, hd = x.shape[1], x.shape[-1]
+    inv_freq = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+    angles = np.arange(t, dtype=np.float32)[:, None] * inv_freq[None, :]  # (T, hd/2)
+    cos = jnp.asarray(np.cos(angles))[None, :, None, :]
+    sin = jnp.asarray(np.sin(angles))[None, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., : hd // 2], x32[..., hd // 2:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def layer_fn(cfg: Config, p, x):
+    """One decoder layer on x: (B, T, d) bf16, with one layer's full bf16 parameters."""
+    b, t, d = x.shape
+    hd = cfg.head_dim
+    h = rms_norm(x, p["attn_norm"])
+    q = (h @ p["wq"]).reshape(b, t, cfg.heads, hd)
+    k = (h @ p["wk"]).reshape(b, t, cfg.kv_heads, hd)
+    v = (h @ p["wv"]).reshape(b, t, cfg.kv_heads, hd)
+    q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
+    # GQA: each kv head serves heads / kv_heads query heads; cuDNN flash attention on GPUs (auto)
+    att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=cfg.attention)
+    x = x + att.reshape(b, t, cfg.heads * hd) @ p["wo"]
+    h = rms_norm(x, p["mlp_norm"])
+    return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """How parameters are gathered (and gradients reduced): see the module docstring."""
+
+    name: str = "tide"  # "tide" | "jax"
+    reduce: str = "fp32"  # "jax" only: "bf16" | "fp32"
+
+    @property
+    def label(self) -> str:
+        return "tide" if self.name == "tide" else f"jax-{self.reduce}"
+
+    def gather(self, shards, lay):
+        if self.name == "tide":
+            return tide_jax.gather_params(shards, lay, COMPUTE)
+        if self.reduce == "fp32":
+            return tide_jax.reference.gather_params(shards, lay, COMPUTE)
+        infos = jax.tree.unflatten(lay.treedef, lay.params)
+
+        def gather(shard, info):  # JAX's FSDP: bf16 all-gather; autodiff: bf16 psum_scatter
+            full = jax.lax.all_gather(shard.astype(COMPUTE), AXIS, tiled=True)
+            return full[: info.rows].reshape(info.shape)
+
+        return jax.tree.map(gather, shards, infos)
+
+    def scan_layers(self, fn, x, shards, lay, remat):
+        if self.name == "tide":
+            return scan_layers(fn, x, shards, lay, remat=remat, dtype=COMPUTE)
+
+        def body(x, layer_shards):
+            return fn(self.gather(layer_shards, lay), x), None
+
+        if remat:
+            body = jax.checkpoint(body)
+        x, _ = jax.lax.scan(body, x, shards)
+        return x
+
+
+def model_loss(cfg: Config, backend: Backend, lays: Layouts, shards, tokens):
+    """Mean next-token cross entropy of this device's batch. Inside shard_map."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    embed = backend.gather(shards["embed"], lays.embed)["tokens"]
+    x = embed[inputs]
+    x = backend.scan_layers(partial(layer_fn, cfg), x, shards["layers"], lays.layer, cfg.remat)
+    head = backend.gather(shards["head"], lays.head)
+    w_out = embed.T if cfg.tied else head["out"]
+    logits = (rms_norm(x, head["norm"]) @ w_out).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+# ----------------------------------------------------------------------------------------------
+# optimizer and the training step
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class OptConfig:
+    steps: int
+    lr: float
+    warmup: int
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.95
+
+
+def schedule(opt: OptConfig):
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=opt.lr, warmup_steps=max(opt.warmup, 1),
+        decay_steps=max(opt.steps, opt.warmup + 1), end_value=opt.lr * opt.min_lr_ratio)
+
+
+def optimizer(opt: OptConfig, cfg: Config):
+    """Clip by global norm, then AdamW; both run on the fp32 shards (global arrays sharded over the
+    mesh: the norm is a sum of per-shard sums; padding rows are zero and stay zero). Weight decay
+    on matrices only (by the shape of one layer's parameter)."""
+    abstract = abstract_params(cfg)
+    per_param = {"embed": abstract["embed"], "layers": one_layer(abstract["layers"]), "head": abstract["head"]}
+    mask = jax.tree.map(lambda x: len(x.shape) >= 2, per_param)
+    return optax.chain(
+        optax.clip_by_global_norm(opt.clip),
+        optax.adamw(schedule(opt), b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay, mask=mask),
+    )
+
+
+def make_train_step(cfg: Config, backend: Backend, lays: Layouts, mesh: Mesh, tx, state_shardings):
+    world = mesh.shape[AXIS]
+
+    def loss_and_grads(shards, tokens):  # per device, inside shard_map
+        def loss_fn(shards):
+            local = model_loss(cfg, backend, lays, shards, tokens)
+            return local / world, local  # gradient of the mean over devices
+
+        (_, local), grads = jax.value_and_grad(loss_fn, has_aux=True)(shards)
+        return jax.lax.pmean(local, AXIS), grads
+
+    sharded = tide_jax.shard_map(loss_and_grads, mesh=mesh, in_specs=(lays.spec, P(AXIS)),
+                                 out_specs=(P(), lays.spec))
+
+    def step(state, tokens):
+        loss, grads = sharded(state["params"], tokens)
+        updates, opt_state = tx.update(grads, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {"params": params, "opt": opt_state}, {"loss": loss, "grad_norm": _global_norm(grads)}
+
+    return jax.jit(step, donate_argnums=(0,), out_shardings=(state_shardings, None))
+
+
+def _global_norm(tree):
+    tree_ns = getattr(optax, "tree", None)
+    return tree_ns.norm(tree) if hasattr(tree_ns, "norm") else optax.global_norm(tree)
+
+
+def make_eval_step(cfg: Config, backend: Backend, lays: Layouts, mesh: Mesh):
+    def loss(shards, tokens):
+        return jax.lax.pmean(model_loss(cfg, backend, lays, shards, tokens), AXIS)
+
+    return jax.jit(tide_jax.shard_map(loss, mesh=mesh, in_specs=(lays.spec, P(AXIS)), out_specs=P()))
+
+
+def init_state(cfg: Config, lays: Layouts, tx, seed: int):
+    shards = lays.shard(init_params(cfg, seed))
+    return {"params": shards, "opt": _init_opt(tx, shards)}
+
+
+def _init_opt(tx, shards):
+    # Moments like the shards (same shape and sharding); counters on the first device, replicated.
+    state = tx.init(shards)
+    return _place_like_params(state, shards)
+
+
+def _param_sharding(shards):
+    return jax.tree.structure(shards), [x.sharding for x in jax.tree.leaves(shards)]
+
+
+def _place_like_params(opt_state, shards):
+    treedef, shardings = _param_sharding(shards)
+    replicated = NamedSharding(jax.tree.leaves(shards)[0].sharding.mesh, P())
+
+    def is_param_tree(node):
+        return _structure(node) == treedef
+
+    def place(node):
+        if is_param_tree(node):
+            return jax.tree.unflatten(treedef, [jax.device_put(x, s) for x, s in zip(jax.tree.leaves(node), shardings)])
+        return jax.device_put(node, replicated)
+
+    return jax.tree.map(place, opt_state, is_leaf=is_param_tree)
+
+
+def _structure(node):
+    try:
+        return jax.tree.structure(node)
+    except Exception:  # pragma: no cover
+        return None
+
+
+def state_shardings(state):
+    return jax.tree.map(lambda x: x.sharding, state)
+
+
+# ----------------------------------------------------------------------------------------------
+# data: bytes of the standard library's sources (default), a file, or synthetic tokens
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Data:
+    name: str
+    train: np.ndarray | None  # 1-D tokens; None for synthetic
+    val: np.ndarray | None
+    vocab: int
+
+    def describe(self) -> str:
+        if self.train is None:
+            return f"{self.name} (vocab {self.vocab})"
+        return f"{self.name}: {len(self.train):,} train / {len(self.val):,} val tokens, vocab {self.vocab}"
+
+    def batch(self, seed: int, step: int, batch: int, seq: int) -> np.ndarray:
+        """The global batch of `step`: (batch, seq + 1) int32. Depends only on (seed, step), so a
+        resumed run sees exactly what the uninterrupted one saw."""
+        rng = np.random.default_rng([seed, step])
+        if self.train is None:
+            return rng.integers(0, self.vocab, size=(batch, seq + 1), dtype=np.int32)
+        return _windows(self.train, rng, batch, seq)
+
+    def eval_batches(self, seed: int, n: int, batch: int, seq: int) -> list[np.ndarray]:
+        rng = np.random.default_rng([seed, 1 << 30])
+        if self.val is None:
+            return [rng.integers(0, self.vocab, size=(batch, seq + 1), dtype=np.int32) for _ in range(n)]
+        return [_windows(self.val, rng, batch, seq) for _ in range(n)]
+
+
+def _windows(tokens: np.ndarray, rng, batch: int, seq: int) -> np.ndarray:
+    if len(tokens) <= seq + 1:
+        raise ValueError(f"data has {len(tokens)} tokens, fewer than one sequence of {seq + 1}")
+    starts = rng.integers(0, len(tokens) - seq - 1, size=(batch, 1))
+    return tokens[starts + np.arange(seq + 1)[None, :]].astype(np.int32)
+
+
+def stdlib_corpus(max_bytes: int = 64 << 20) -> Data:
+    """Bytes of this Python's standard library `.py` files, sorted by path; every 20th file is the
+    validation split. Offline and deterministic for a given Python version."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py")
+                   if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts))
+    train, val, total = [], [], 0
+    for i, f in enumerate(files):
+        try:
+            data = f.read_bytes()
+        except OSError:
+            continue
+        (val if i % 20 == 0 else train).append(np.frombuffer(data + b"\n\n", np.uint8))
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if not train or not val:
+        raise RuntimeError(f"no Python sources found under {root}")
+    return Data(f"stdlib .py bytes ({root}, {len(files)} files)", np.concatenate(train), np.concatenate(val), 256)
+
+
+def file_corpus(path: str, vocab: int | None = None) -> Data:
+    """`.npy` (integer tokens), `.bin` (uint16 tokens, nanoGPT's format) or any other file as bytes.
+    The last 5% is the validation split."""
+    if path.endswith(".npy"):
+        tokens = np.load(path)
+    elif path.endswith(".bin"):
+        tokens = np.fromfile(path, dtype=np.uint16)
+    else:
+        tokens = np.fromfile(path, dtype=np.uint8)
+        vocab = vocab or 256
+    tokens = np.asarray(tokens).reshape(-1)
+    vocab = vocab or int(tokens.max()) + 1
+    cut = int(len(tokens) * 0.95)
+    return Data(os.path.basename(path), tokens[:cut], tokens[cut:], vocab)
+
+
+def load_data(spec: str, vocab: int | None = None) -> Data:
+    if spec == "stdlib":
+        return stdlib_corpus()
+    if spec == "synthetic":
+        return Data("synthetic uniform tokens", None, None, vocab or 32768)
+    return file_corpus(spec, vocab)
+
+
+def put_batch(tokens: np.ndarray, mesh: Mesh):
+    """A global host batch onto the mesh, split over the FSDP axis (every process holds the same
+    global batch, so this works with several processes too)."""
+    sharding = NamedSharding(mesh, P(AXIS))
+    return jax.make_array_from_callback(tokens.shape, sharding, lambda idx: tokens[idx])
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints: full (unsharded) fp32 arrays in one .npz + meta.json; restore re-shards onto any mesh
+# ----------------------------------------------------------------------------------------------
+def _to_host(x) -> np.ndarray:
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _full_state(state, lays: Layouts):
+    """The state with every param-shaped tree unsharded (padding dropped)."""
+    treedef = jax.tree.structure(state["params"])
+    is_param_tree = lambda node: _structure(node) == treedef  # noqa: E731
+    return jax.tree.map(lambda n: lays.unshard(n) if is_param_tree(n) else n, state, is_leaf=is_param_tree)
+
+
+def save_checkpoint(path: str, state, lays: Layouts, meta: dict) -> None:
+    full = _full_state(state, lays)
+    leaves, _ = jax.tree_util.tree_flatten_with_path(full)
+    arrays = {jax.tree_util.keystr(k): _to_host(x) for k, x in leaves}
+    if jax.process_index() != 0:
+        return
+    os.makedirs(path, exist_ok=True)
+    tmp = os.path.join(path, "state.tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, os.path.join(path, "state.npz"))
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+
+
+def load_checkpoint(path: str, template, lays: Layouts):
+    """Fills `template` (a freshly initialized state on this mesh) with the checkpoint's values,
+    re-sharded for this mesh (any device count). Returns (state, meta)."""
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    arrays = np.load(os.path.join(path, "state.npz"))
+    treedef = jax.tree.structure(template["params"])
+    is_param_tree = lambda node: _structure(node) == treedef  # noqa: E731
+    rel_paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(_abstract_full(lays))[0]]
+
+    def fill(prefix, node):
+        if is_param_tree(node):
+            return lays.shard(jax.tree.unflatten(treedef, [arrays[prefix + rel] for rel in rel_paths]))
+        return jax.device_put(arrays[prefix].astype(node.dtype), node.sharding)
+
+    state = jax.tree_util.tree_map_with_path(lambda k, n: fill(jax.tree_util.keystr(k), n), template,
+                                             is_leaf=is_param_tree)
+    return state, meta
+
+
+def _abstract_full(lays: Layouts):
+    layer = jax.tree.unflatten(lays.layer.treedef, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in lays.layer.params])
+    return {"embed": lays.embed.abstract, "layers": layer, "head": lays.head.abstract}
+
+
+# ----------------------------------------------------------------------------------------------
+# measurements
+# ----------------------------------------------------------------------------------------------
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0}
+
+
+def peak_tflops(device) -> float | None:
+    kind = getattr(device, "device_kind", "")
+    for name, tf in PEAK_BF16_TFLOPS.items():
+        if name.lower() in kind.lower():
+            return tf
+    return None
+
+
+def peak_memory_bytes(devices) -> int | None:
+    peaks = []
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:
+            stats = None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None

@@ -1,0 +1,510 @@
+"""Train a Llama-style decoder with FSDP: tide next to the strongest plain-JAX FSDP.
+
+    python examples/train.py                     # tide vs jax (fp32 and bf16 reduction): the tiny model
+                                                 # on 8 CPU devices, or 150m on the GPUs when present
+    python examples/train.py --backend tide      # one run
+    python examples/train.py --model 150m --steps 300 --compare --out runs/150m    # GPU
+
+Runs (same data, same init, same optimizer; see examples/llama.py):
+  tide      tide_jax.scan_layers + gather_params: bf16 all-gather, fp32-accumulated reduce-scatter
+  jax-fp32  jax.lax.scan + all_gather, gradients cast to fp32 before psum_scatter (exact, 2x bytes)
+  jax-bf16  jax.lax.scan + all_gather, bf16 psum_scatter (JAX's default FSDP)
+The jax runs use MaxText's XLA flags (--xla-flags maxtext; `default` for none), tide runs XLA's
+defaults. With --compare (the default without --backend) every run is its own process (XLA_FLAGS
+differ), streaming its lines; then a table, DIR/summary.md, DIR/<run>.json and DIR/train.png.
+
+Every step prints loss, step time, tokens/s, MFU (model FLOPs / (time x peak bf16 FLOP/s); peak known
+for H100/H200/A100/B200 or --peak-tflops) and peak device memory (GPUs); eval loss on the held-out
+split every --eval-every steps. Data: bytes of the standard library's .py files (default), --data FILE
+(text, .npy or .bin tokens) or --data synthetic. Checkpoints: --save DIR [--save-every N]; --resume DIR
+continues bitwise on the same device count, and on any other count (state is stored unsharded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+# MaxText's XLA:GPU flags (MaxText's gpu_multi_process_run.sh / its XLA flags guide). Flags the
+# installed XLA does not know abort the process, so `maxtext_flags()` keeps only the known ones.
+MAXTEXT_FLAGS = [
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "--xla_gpu_enable_pipelined_all_gather=true",
+    "--xla_gpu_enable_pipelined_reduce_scatter=true",
+    "--xla_gpu_enable_pipelined_all_reduce=true",
+    "--xla_gpu_enable_while_loop_double_buffering=true",
+    "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
+    "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
+    "--xla_gpu_enable_all_gather_combine_by_dim=false",
+    "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
+    "--xla_gpu_enable_command_buffer=",
+]
+DEFAULT_RUNS = "tide,jax-fp32,jax-bf16"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="tiny | 150m | 1b | 8b-layers (default: tiny on CPU, 150m on GPU)")
+    ap.add_argument("--layers", type=int, help="override the model's depth (8b-layers: how many Llama-3-8B layers)")
+    ap.add_argument("--seq", type=int, help="sequence length (default: the model's)")
+    ap.add_argument("--batch-per-device", type=int, help="sequences per device per step (default: the model's)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps (default 150 on CPU, 300 on GPU)")
+    ap.add_argument("--lr", type=float, help="peak learning rate (default: the model's)")
+    ap.add_argument("--warmup", type=int, help="warm-up steps (default: steps / 10)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--remat", action="store_true", help="recompute each layer (and its gather) in the backward")
+    ap.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
+                    help="jax.nn.dot_product_attention implementation (auto: cuDNN where it applies)")
+    ap.add_argument("--data", default="stdlib", help="stdlib (default) | synthetic | FILE (text, .npy, .bin)")
+    ap.add_argument("--vocab", type=int, help="vocabulary of synthetic / token-file data")
+    ap.add_argument("--backend", choices=("tide", "jax"), help="one run with this backend (default: --compare)")
+    ap.add_argument("--reduce", choices=("fp32", "bf16"), default="fp32", help="gradient reduction dtype of --backend jax")
+    ap.add_argument("--xla-flags", choices=("default", "maxtext"), help="default: maxtext for jax, default for tide")
+    ap.add_argument("--compare", action="store_true", help="run --runs back to back (one process each), then the table")
+    ap.add_argument("--runs", default=DEFAULT_RUNS,
+                    help=f"runs of --compare, comma-separated NAME[:FLAGS] (default {DEFAULT_RUNS}; e.g. jax-bf16:default)")
+    ap.add_argument("--check", action="store_true", help="--compare: exit 1 unless every run's loss agrees with the first to --rtol")
+    ap.add_argument("--rtol", type=float, default=2e-2, help="allowed relative loss difference (bf16 level)")
+    ap.add_argument("--check-steps", type=int, default=50,
+                    help="--check compares the first N steps (later, bf16 reduction's trajectory drifts off)")
+    ap.add_argument("--eval-every", type=int, default=None, help="eval loss every N steps (default steps / 6; 0: never)")
+    ap.add_argument("--eval-batches", type=int, default=4)
+    ap.add_argument("--log-every", type=int, default=None, help="print every N steps (default: about 30 lines)")
+    ap.add_argument("--cpu", action="store_true", help="CPU devices even where GPUs exist")
+    ap.add_argument("--devices", type=int, help="number of devices (default: all GPUs, 8 CPU devices)")
+    ap.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s per device for MFU (default: from the device kind)")
+    ap.add_argument("--out", help="folder for <run>.json, summary.md and train.png (default with --compare: runs/<model>)")
+    ap.add_argument("--save", help="checkpoint folder, written every --save-every steps and at the end "
+                    "('{step}' in it is replaced by the step)")
+    ap.add_argument("--save-every", type=int, default=0)
+    ap.add_argument("--resume", help="checkpoint folder to continue from (any device count)")
+    ap.add_argument("--stop-after", type=int, help="stop after this step (the schedule still spans --steps)")
+    ap.add_argument("--replot", metavar="DIR", help="only redo DIR's table, summary.md and train.png from its <run>.json "
+                    "(e.g. on a machine with matplotlib)")
+    ap.add_argument("--name", help=argparse.SUPPRESS)  # run name (set by --compare)
+    args = ap.parse_args(argv)
+    if args.backend is None:
+        args.compare = True
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# the environment (before jax is imported)
+# ----------------------------------------------------------------------------------------------
+def gpu_present(args) -> bool:
+    """Decided before jax is imported: an NVIDIA driver and no request for CPU devices. (If JAX then
+    has no GPU backend, `train` says so and runs on its CPU device.)"""
+    if args.cpu or os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return False
+    return os.path.exists("/dev/nvidiactl")
+
+
+def _probe(flags: list[str]) -> bool:
+    """Whether XLA accepts these flags (checked on CPU in a subprocess: the flag table is shared)."""
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"],
+                       env=env, capture_output=True, timeout=300)
+    return r.returncode == 0
+
+
+def maxtext_flags() -> list[str]:
+    cached = os.environ.get("TIDE_TRAIN_MAXTEXT_FLAGS")
+    if cached is not None:
+        return cached.split()
+    if _probe(MAXTEXT_FLAGS):
+        flags = list(MAXTEXT_FLAGS)
+    else:
+        flags = [f for f in MAXTEXT_FLAGS if _probe([f])]
+        dropped = sorted(set(MAXTEXT_FLAGS) - set(flags))
+        print(f"train: this XLA does not know {', '.join(dropped)}: left out", flush=True)
+    os.environ["TIDE_TRAIN_MAXTEXT_FLAGS"] = " ".join(flags)
+    return flags
+
+
+def setup_env(args, use_gpu: bool, multiprocess: bool) -> None:
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    if not use_gpu and not multiprocess:  # (the launcher's --cpu-devices sets the count per process)
+        flags = [f for f in flags if "xla_force_host_platform_device_count" not in f]
+        flags.append(f"--xla_force_host_platform_device_count={args.devices or 8}")
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        # XLA:CPU's pool has max(NPROC or cores, devices) threads: spare ones so a busy thread cannot
+        # starve the last device of a collective (README, "Tunables").
+        os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 2 * (args.devices or 8))))
+    if args.xla_flags == "maxtext":
+        flags += [f for f in maxtext_flags() if f not in flags]
+    os.environ["XLA_FLAGS"] = " ".join(flags)
+    if importlib.util.find_spec("tide_jax") is None:  # a source checkout without `pip install .`
+        sys.path.insert(0, os.path.join(REPO, "python"))
+    sys.path.insert(0, HERE)
+
+
+def run_name(args) -> str:
+    if args.name:
+        return args.name
+    label = "tide" if args.backend == "tide" else f"jax-{args.reduce}"
+    default_flags = "default" if args.backend == "tide" else "maxtext"
+    return label if args.xla_flags == default_flags else f"{label}:{args.xla_flags}"
+
+
+# ----------------------------------------------------------------------------------------------
+# one training run (this process)
+# ----------------------------------------------------------------------------------------------
+def train(args) -> dict:
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import llama
+    import tide_jax
+
+    tide_jax.initialize()  # jax.distributed under a launcher; nothing for one process
+    lead = jax.process_index() == 0
+    say = (lambda *a: print(*a, flush=True)) if lead else (lambda *a: None)
+    use_gpu = any(d.platform == "gpu" for d in jax.devices())
+    if not use_gpu and gpu_present(args):
+        say(f"[train] WARNING: a GPU driver is present but JAX {jax.__version__} has no GPU backend "
+            "(jax[cuda] not installed?): running on the CPU")
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    if args.devices:
+        devices = devices[: args.devices]
+    mesh = Mesh(np.array(devices), (llama.AXIS,))
+    ndev = len(devices)
+    name = run_name(args)
+
+    resume_meta = None
+    if args.resume:
+        with open(os.path.join(args.resume, "meta.json")) as f:
+            resume_meta = json.load(f)
+    data = llama.load_data(args.data, args.vocab)
+    cfg = llama.MODELS[args.model]
+    over = {k: v for k, v in dict(layers=args.layers, seq=args.seq, batch_per_device=args.batch_per_device,
+                                  lr=args.lr).items() if v is not None}
+    cfg = dataclasses.replace(cfg, vocab=data.vocab, remat=args.remat,
+                              attention=None if args.attention == "auto" else args.attention, **over)
+    batch = cfg.batch_per_device * ndev
+    if resume_meta:  # same model, same global batch as the run being continued
+        saved = llama.Config(**resume_meta["config"])
+        how = dict(batch_per_device=0, remat=False, attention=None)  # may differ between the runs
+        if dataclasses.replace(saved, **how) != dataclasses.replace(cfg, **how):
+            raise SystemExit(f"train: --resume {args.resume}: the checkpoint is of {saved}, not {cfg}")
+        batch = resume_meta["batch"]
+        if batch % ndev:
+            raise SystemExit(f"train: the checkpoint's global batch {batch} does not split over {ndev} devices")
+    steps = args.steps
+    opt_cfg = llama.OptConfig(steps=steps, lr=cfg.lr, warmup=args.warmup if args.warmup is not None else steps // 10)
+    backend = llama.Backend("tide" if args.backend == "tide" else "jax", args.reduce)
+    peak = args.peak_tflops or llama.peak_tflops(devices[0])
+    tokens_per_step = batch * cfg.seq
+    flops_per_step = cfg.flops_per_token() * tokens_per_step
+
+    say(f"[{name}] {ndev} x {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}, "
+        f"XLA flags: {args.xla_flags}; model {args.model}: {cfg.n_params() / 1e6:.2f}M params, d {cfg.d_model}, "
+        f"{cfg.layers} layers, {cfg.heads}/{cfg.kv_heads} heads, mlp {cfg.d_ff}, vocab {cfg.vocab}, "
+        f"{'tied' if cfg.tied else 'untied'}{', remat' if cfg.remat else ''}; batch {batch} x {cfg.seq} tokens; "
+        f"{steps} steps, lr {cfg.lr:g}, warm-up {opt_cfg.warmup}; data {data.describe()}"
+        + ("" if backend.name == "jax" or hasattr(tide_jax, "scan_layers")
+           else "; layer loop: examples/llama.py's fallback (this tide_jax has no scan_layers: no prefetch)"))
+
+    lays = llama.Layouts.build(cfg, mesh)
+    tx = llama.optimizer(opt_cfg, cfg)
+    state = llama.init_state(cfg, lays, tx, args.seed)
+    start = 0
+    if args.resume:
+        state, meta = llama.load_checkpoint(args.resume, state, lays)
+        start = meta["step"]
+        say(f"[{name}] resumed from {args.resume} at step {start} (saved on {meta['devices']} devices, now {ndev})")
+    shardings = llama.state_shardings(state)
+    train_step = llama.make_train_step(cfg, backend, lays, mesh, tx, shardings)
+    eval_step = llama.make_eval_step(cfg, backend, lays, mesh)
+    eval_set = [llama.put_batch(b, mesh) for b in data.eval_batches(args.seed, args.eval_batches, batch, cfg.seq)]
+    eval_every = max(1, steps // 6) if args.eval_every is None else args.eval_every
+    log_every = args.log_every or max(1, steps // 30)
+    stop = min(steps, args.stop_after or steps)
+
+    def evaluate(step):
+        loss = float(np.mean([float(eval_step(state["params"], b)) for b in eval_set]))
+        say(f"[{name}] eval  step {step:5d}  val loss {loss:.4f}")
+        return {"step": step, "loss": loss}
+
+    def save(step):
+        path = args.save.format(step=step)  # "{step}" in --save: one folder per checkpoint
+        meta = dict(step=step, model=args.model, config=dataclasses.asdict(cfg), batch=batch, seed=args.seed,
+                    data=args.data, steps=steps, devices=ndev, backend=name)
+        llama.save_checkpoint(path, state, lays, meta)
+        say(f"[{name}] saved step {step} to {path}")
+
+    records, evals = [], []
+    if start == 0 and eval_every:
+        evals.append(evaluate(0))
+    t_run = time.perf_counter()
+    for step in range(start, stop):
+        tokens = llama.put_batch(data.batch(args.seed, step, batch, cfg.seq), mesh)
+        t0 = time.perf_counter()
+        state, metrics = train_step(state, tokens)
+        loss = float(metrics["loss"])  # waits for the step
+        dt = time.perf_counter() - t0
+        rec = {"step": step, "loss": loss, "time_s": dt, "grad_norm": float(metrics["grad_norm"])}
+        records.append(rec)
+        if not math.isfinite(loss):
+            say(f"[{name}] step {step}: loss is {loss}: stopping")
+            break
+        if step == start or (step + 1) % log_every == 0 or step + 1 == stop:
+            mem = llama.peak_memory_bytes(devices)
+            mfu = f"{100 * flops_per_step / (dt * peak * 1e12 * ndev):5.1f}%" if peak else "  n/a"
+            what = "compile + step" if step == start else "step"
+            say(f"[{name}] step {step + 1:5d}/{steps}  loss {loss:.4f}  gnorm {rec['grad_norm']:.3f}  "
+                f"{what} {1e3 * dt:8.1f} ms  {tokens_per_step / dt:10,.0f} tok/s  MFU {mfu}  "
+                f"mem {_gib(mem)}")
+        if eval_every and ((step + 1) % eval_every == 0 or step + 1 == stop):
+            evals.append(evaluate(step + 1))
+        if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 != stop:
+            save(step + 1)
+    wall = time.perf_counter() - t_run
+    if args.save:
+        save(stop)
+
+    times = [r["time_s"] for r in records]
+    skip = min(len(times) - 1, max(2, len(times) // 10))  # compile and warm-up steps
+    median = statistics.median(times[skip:]) if times else float("nan")
+    mem = llama.peak_memory_bytes(devices)
+    summary = dict(
+        name=name, backend=backend.name, reduce=backend.reduce if backend.name == "jax" else "fp32",
+        xla_flags=args.xla_flags, model=args.model, config=dataclasses.asdict(cfg), devices=ndev,
+        device_kind=devices[0].device_kind, platform=devices[0].platform, jax=jax.__version__,
+        batch=batch, tokens_per_step=tokens_per_step, steps=steps, start=start, data=data.describe(),
+        median_step_s=median, timed_steps=len(times[skip:]), tokens_per_s=tokens_per_step / median if times else None,
+        mfu=flops_per_step / (median * peak * 1e12 * ndev) if peak and times else None,
+        peak_memory_bytes=mem, first_step_s=times[0] if times else None, wall_s=wall,
+        final_loss=records[-1]["loss"] if records else None, final_val_loss=evals[-1]["loss"] if evals else None,
+        records=records, evals=evals, gpu=use_gpu, lead=lead,
+    )
+    val = f"val loss {evals[0]['loss']:.4f} -> {evals[-1]['loss']:.4f}" if evals else "no eval"
+    say(f"[{name}] done: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}, {val}; median step {1e3 * median:.1f} ms "
+        f"({summary['timed_steps']} steps), {summary['tokens_per_s']:,.0f} tok/s, "
+        f"MFU {_pct(summary['mfu'])}, peak memory {_gib(mem)}; {wall:.1f} s")
+    if args.out and lead:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"{name.replace(':', '-')}.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary
+
+
+def _gib(b) -> str:
+    return "n/a" if b is None else f"{b / 2**30:.2f} GiB"
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+# ----------------------------------------------------------------------------------------------
+# --compare: one process per run, then the table and the plot
+# ----------------------------------------------------------------------------------------------
+def parse_runs(spec: str) -> list[tuple[str, str, str, str]]:
+    """'tide,jax-bf16:default' -> [(name, backend, reduce, flags)]."""
+    runs = []
+    for item in spec.split(","):
+        item = item.strip()
+        label, _, flags = item.partition(":")
+        if label == "tide":
+            backend, reduce = "tide", "fp32"
+        elif label in ("jax-fp32", "jax-bf16"):
+            backend, reduce = "jax", label.split("-")[1]
+        else:
+            raise SystemExit(f"train: unknown run {label!r}: expected tide, jax-fp32 or jax-bf16")
+        flags = flags or ("default" if backend == "tide" else "maxtext")
+        if flags not in ("default", "maxtext"):
+            raise SystemExit(f"train: unknown XLA flag set {flags!r} in {item!r}: expected default or maxtext")
+        runs.append((item if ":" in item else label, backend, reduce, flags))
+    return runs
+
+
+def compare(args, argv) -> int:
+    out = args.out or os.path.join("runs", args.model)
+    runs = parse_runs(args.runs)
+    if any(flags == "maxtext" for *_, flags in runs):
+        flags = maxtext_flags()
+        print(f"train: MaxText XLA flags: {' '.join(flags)}", flush=True)
+    passthrough = _strip(argv, {"--compare", "--check"}, {"--runs", "--backend", "--reduce", "--xla-flags", "--out",
+                                                         "--name", "--rtol"})
+    results, failed = [], []
+    for name, backend, reduce, flags in runs:
+        cmd = [sys.executable, os.path.abspath(__file__), *passthrough, "--backend", backend, "--reduce", reduce,
+               "--xla-flags", flags, "--name", name, "--out", out]
+        path = os.path.join(out, f"{name.replace(':', '-')}.json")
+        if os.path.exists(path):
+            os.remove(path)  # a stale result must not stand in for a failed run
+        r = subprocess.run(cmd)
+        if r.returncode != 0 or not os.path.exists(path):
+            print(f"train: run {name} failed (exit {r.returncode}); going on with the others", file=sys.stderr,
+                  flush=True)
+            failed.append(name)
+            continue
+        with open(path) as f:
+            results.append(json.load(f))
+    ok = report(results, out, argv, args.rtol, args.check_steps) if results else False
+    if failed:
+        print(f"FAIL: run(s) {', '.join(failed)} failed", file=sys.stderr)
+        return 1
+    if args.check and not ok:
+        print(f"FAIL: losses disagree beyond --rtol {args.rtol:g}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def report(results: list[dict], out: str, argv, rtol: float, check_steps: int) -> bool:
+    ok, text = summarize(results, rtol, check_steps)
+    print(text, flush=True)
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(f"`{' '.join(['python3', 'examples/train.py', *argv])}`\n\n{text}\n")
+    plot(results, os.path.join(out, "train.png"))
+    return ok
+
+
+def replot(args) -> int:
+    results = []
+    for fname in sorted(os.listdir(args.replot)):
+        if fname.endswith(".json"):
+            with open(os.path.join(args.replot, fname)) as f:
+                res = json.load(f)
+            if "records" in res:
+                results.append(res)
+    if not results:
+        print(f"train: no run results (<run>.json) in {args.replot}", file=sys.stderr)
+        return 1
+    results.sort(key=lambda r: (r["backend"] != "tide", r["name"]))  # tide first: the reference
+    return 0 if report(results, args.replot, ["--replot", args.replot], args.rtol, args.check_steps) else 1
+
+
+def _strip(argv, flags, options):
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        key = a.split("=", 1)[0]
+        if key in flags:
+            continue
+        if key in options:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+def summarize(results: list[dict], rtol: float, check_steps: int) -> tuple[bool, str]:
+    """The table; ok = every run's loss within rtol of the first run's over the first check_steps steps."""
+    ref = results[0]
+    ref_loss = {r["step"]: r["loss"] for r in ref["records"]}
+    ref_val = {e["step"]: e["loss"] for e in ref["evals"]}
+    lines = [
+        f"{ref['model']} model ({ref['config']['layers']} layers, d {ref['config']['d_model']}), {ref['devices']} x "
+        f"{ref['device_kind']}, jax {ref['jax']}, batch {ref['batch']} x {ref['config']['seq']} tokens, "
+        f"{ref['steps']} steps; data {ref['data']}",
+        "",
+        f"| run | XLA flags | loss first -> last | val loss | median step | tokens/s | MFU | peak memory | "
+        f"max rel. loss diff vs {ref['name']}: steps 1-{check_steps} / all | last val loss diff |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    ok = True
+    for res in results:
+        diffs = {r["step"]: abs(r["loss"] - ref_loss[r["step"]]) / max(abs(ref_loss[r["step"]]), 1e-6)
+                 for r in res["records"] if r["step"] in ref_loss}
+        early = max((d for s, d in diffs.items() if s < check_steps), default=float("nan"))
+        worst = max(diffs.values(), default=float("nan"))
+        if res is not ref and not (early <= rtol):
+            ok = False
+        recs = res["records"]
+        last_val = res["evals"][-1] if res["evals"] else None
+        val_diff = "-" if res is ref or not last_val or last_val["step"] not in ref_val else (
+            f"{last_val['loss'] - ref_val[last_val['step']]:+.4f}")
+        lines.append(
+            f"| {res['name']} | {res['xla_flags']} | {recs[0]['loss']:.4f} -> {recs[-1]['loss']:.4f} | "
+            f"{_val(res)} | {1e3 * res['median_step_s']:.1f} ms | "
+            f"{res['tokens_per_s']:,.0f} | {_pct(res['mfu'])} | {_gib(res['peak_memory_bytes'])} | "
+            f"{'-' if res is ref else f'{early:.1e} / {worst:.1e}'} | {val_diff} |")
+    lines.append("")
+    lines.append(f"losses {'agree' if ok else 'DISAGREE'} over the first {check_steps} steps to rtol {rtol:g} "
+                 f"(bf16 level); median step time over the {ref['timed_steps']} steps after compile and warm-up")
+    return ok, "\n".join(lines)
+
+
+def _val(res) -> str:
+    ev = res["evals"]
+    return f"{ev[0]['loss']:.4f} -> {ev[-1]['loss']:.4f}" if ev else "-"
+
+
+def plot(results: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"train: no plot ({path}): matplotlib is not installed (pip install matplotlib); the curves are in "
+              f"{os.path.dirname(path)}/*.json", flush=True)
+        return
+    fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for res in results:
+        recs = res["records"]
+        line, = ax_loss.plot([r["step"] + 1 for r in recs], [r["loss"] for r in recs], lw=0.8, alpha=0.8,
+                             label=f"{res['name']} train")
+        ev = res["evals"]
+        ax_loss.plot([e["step"] for e in ev], [e["loss"] for e in ev], "o--", color=line.get_color(), ms=4,
+                     label=f"{res['name']} val")
+        ax_time.plot([r["step"] + 1 for r in recs[1:]], [1e3 * r["time_s"] for r in recs[1:]], lw=0.8,
+                     color=line.get_color(), label=f"{res['name']} (median {1e3 * res['median_step_s']:.1f} ms)")
+    r0 = results[0]
+    ax_loss.set(xlabel="step", ylabel="loss (nats/token)", title=f"{r0['model']}: loss")
+    ax_time.set(xlabel="step", ylabel="step time (ms)", ylim=(0, None),
+                title=f"step time, {r0['devices']} x {r0['device_kind']}")
+    ax_loss.legend(fontsize=8)
+    ax_time.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"train: wrote {path}", flush=True)
+
+
+def main(argv=None):
+    """Returns the exit code (--compare) or the run's summary (one run)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.replot:
+        return replot(args)
+    use_gpu = gpu_present(args)
+    multiprocess = int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1
+    if args.model is None:
+        args.model = "150m" if use_gpu else "tiny"
+        argv += ["--model", args.model]
+    if args.steps is None:
+        args.steps = 300 if use_gpu else 150
+        argv += ["--steps", str(args.steps)]
+    if args.compare:
+        if multiprocess:
+            raise SystemExit("train: under a launcher, run one backend per job (--backend tide or jax); "
+                             "--compare starts its runs as processes of its own")
+        return compare(args, argv)
+    if args.xla_flags is None:
+        args.xla_flags = "default" if args.backend == "tide" else "maxtext"
+    setup_env(args, use_gpu, multiprocess)
+    summary = train(args)
+    if args.out and not args.name and summary["lead"]:  # a run of its own (not one of --compare's)
+        plot([summary], os.path.join(args.out, "train.png"))
+    return summary
+
+
+if __name__ == "__main__":
+    result = main()
+    sys.exit(result if isinstance(result, int) else 0)

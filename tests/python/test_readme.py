@@ -1,0 +1,24 @@
+"""The README's API snippet runs as written (a fresh process: it sets up 8 CPU devices itself)."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_api_snippet_runs(tmp_path):
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    api = readme[readme.index("## API"):]
+    snippet = api[api.index("```python\n") + len("```python\n"):api.index("```\n", api.index("```python\n") + 10)]
+    script = tmp_path / "snippet.py"
+    script.write_text(snippet)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "NPROC")}
+    env["PYTHONPATH"] = os.path.join(REPO, "python") + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = re.search(r"loss after 20 steps: (\S+)", r.stdout)
+    assert m and math.isfinite(float(m.group(1))), r.stdout
