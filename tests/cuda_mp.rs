@@ -605,6 +605,40 @@ fn report(out: &std::process::Output) -> String {
     )
 }
 
+/// Two processes on ONE GPU (both children see GPU 0): the flat 1x2 plans through the VMM export
+/// between processes, synchronous and as start + done (issue #9: what one GPU can show of the
+/// multi-process driver). Bitwise vs the CPU engine, as `processes_match_cpu_engine`.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+fn processes_share_one_gpu() {
+    if std::env::var(CHILD_ENV).is_ok() {
+        return;
+    }
+    if let Err(e) = tide::cuda::driver::init() {
+        panic!("needs a CUDA GPU: {e}");
+    }
+    let topo = Topology::new(1, 2).unwrap();
+    for (k, split) in ["0", "1"].into_iter().enumerate() {
+        let t0 = Instant::now();
+        let outs = spawn_with(
+            "match",
+            topo,
+            fresh_job(300 + k as u64),
+            &[("CUDA_VISIBLE_DEVICES", "0"), ("TIDE_CUDA_MP_SPLIT", split)],
+        );
+        for (rank, out) in outs.iter().enumerate() {
+            let text = report(out);
+            assert!(out.status.success(), "{topo} on one GPU (split {split}): rank {rank} failed:\n{text}");
+            assert!(text.contains(&format!("cuda_mp child rank {rank} done")), "{topo} on one GPU (split {split}): rank {rank} did not finish:\n{text}");
+        }
+        say(&format!(
+            "cuda_mp: {topo} as 2 processes sharing GPU 0{}: bitwise equal to the CPU engine ({:.1?})",
+            if split == "1" { ", every call as start + done" } else { "" },
+            t0.elapsed()
+        ));
+    }
+}
+
 #[test]
 #[ignore = "needs 2 CUDA GPUs: run with --ignored on the GPU machine"]
 fn processes_match_cpu_engine() {
