@@ -39,14 +39,7 @@ use common::{fill, say};
 const NEEDS_GPU: &str = "needs a CUDA GPU: run with --ignored on the GPU machine";
 
 fn specs() -> Vec<ParamSpec> {
-    vec![
-        ParamSpec::new("attn.wq", &[37, 24], DType::BF16),
-        ParamSpec::new("scalar", &[], DType::F32),
-        ParamSpec::new("mlp.w_up", &[301, 3], DType::F16),
-        ParamSpec::new("mlp.big", &[1024, 96], DType::BF16),
-        ParamSpec::new("norm", &[5], DType::BF16),
-        ParamSpec::new("f32.mat", &[33, 40], DType::F32),
-    ]
+    common::odd_group()
 }
 
 struct Dev {

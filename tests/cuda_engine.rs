@@ -24,14 +24,7 @@ mod common;
 use common::{fill, say};
 
 fn specs() -> Vec<ParamSpec> {
-    vec![
-        ParamSpec::new("attn.wq", &[37, 24], DType::BF16),
-        ParamSpec::new("scalar", &[], DType::F32),
-        ParamSpec::new("mlp.w_up", &[301, 3], DType::F16),
-        ParamSpec::new("mlp.big", &[1024, 96], DType::BF16),
-        ParamSpec::new("norm", &[5], DType::BF16),
-        ParamSpec::new("f32.mat", &[33, 40], DType::F32),
-    ]
+    common::odd_group()
 }
 
 struct Dev {

@@ -1,9 +1,22 @@
-//! Helpers shared by the GPU test binaries (`cuda_engine`, `cuda_mp`): each test file includes this
+//! Helpers shared by the GPU test binaries (`cuda_engine`, `cuda_mp`, `cuda_async`): each test file includes this
 //! module with `mod common;`, so not every binary uses every item.
 #![allow(dead_code)]
 
 use std::io::Write;
-use tide::layout::DType;
+use tide::layout::{DType, ParamSpec};
+
+/// The odd-shaped parameter group the GPU tests run: rows that do not divide over 2 or 3 ranks, a
+/// 0-d and a 1-d parameter, three dtypes, one parameter above the small-work batching threshold.
+pub fn odd_group() -> Vec<ParamSpec> {
+    vec![
+        ParamSpec::new("attn.wq", &[37, 24], DType::BF16),
+        ParamSpec::new("scalar", &[], DType::F32),
+        ParamSpec::new("mlp.w_up", &[301, 3], DType::F16),
+        ParamSpec::new("mlp.big", &[1024, 96], DType::BF16),
+        ParamSpec::new("norm", &[5], DType::BF16),
+        ParamSpec::new("f32.mat", &[33, 40], DType::F32),
+    ]
+}
 
 /// One line to stderr (shown without `--nocapture` when a test fails).
 pub fn say(msg: &str) {
