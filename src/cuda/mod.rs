@@ -108,6 +108,7 @@ pub mod driver;
 pub mod fuse;
 pub mod ipc;
 pub mod kernels;
+pub mod meeting;
 pub mod multicast;
 pub mod multiproc;
 pub mod nccl;
@@ -121,6 +122,7 @@ use crate::plan::{BufKind, Op, Region};
 use crate::rendezvous::{self, Key, Session};
 use cudarc::driver::sys;
 use device::{DeviceState, Prepared};
+use meeting::Meeting;
 use driver::{check, CUevent, CUstream};
 use schedule::{Cmd, CopyVia, RankEvent, SchedOptions, MAIN};
 use std::sync::Arc;
@@ -423,23 +425,19 @@ fn abandon(call: &CallInfo, seq: u64, err: &TideError) {
 
 /// The start of an in-process call, with the panic guard: returns what its done needs.
 fn start(call: &CallInfo, seq: u64) -> Result<Started> {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| start_inner(call, seq))) {
-        Ok(r) => r,
-        Err(p) => {
-            let msg = p
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
-            Err(TideError::Internal(format!(
-                "panic in the CUDA engine (tide {} site {} rank {} device {}): {msg}",
+    meeting::catch_panic(
+        &|| {
+            format!(
+                "the CUDA engine (tide {} site {} rank {} device {})",
                 op_name(call.op),
                 call.site,
                 call.rank,
                 call.device_ordinal
-            )))
-        }
-    }
+            )
+        },
+        || start_inner(call, seq),
+        |_| {},
+    )
 }
 
 fn timeout(cfg: &Config) -> Duration {
@@ -528,27 +526,19 @@ fn start_inner(call: &CallInfo, seq: u64) -> Result<Started> {
         seq,
     };
     let session = Session::join(&what, key, call.rank, call.world, local.info.clone(), timeout(cfg))?;
-    let result = {
-        let _unwind = FailOnUnwind {
-            session: &session,
-            rank: call.rank,
-        };
-        run_slot(call, &lock_dev, &h, &local, &session, cfg)
+    let meeting = meeting::InProcess {
+        session,
+        rank: call.rank,
     };
-    if let Err(e) = &result {
-        session.fail(call.rank, e);
-    }
-    // Every rank leaves only after every rank issued its waits on this call's events, so no
-    // event is recorded again (by a later call on its slot) before all its waits are issued.
-    let left = session.leave(call.rank);
+    let result = end_call(&meeting, || run_slot(call, &lock_dev, &h, &local, &meeting, cfg));
     let started = Started {
         ctx: h.ctx,
         released: h.released,
         _lease: lease,
     };
-    match (result, left) {
-        (Ok(()), Ok(())) => Ok(started),
-        (Err(e), _) | (Ok(()), Err(e)) => {
+    match result {
+        Ok(()) => Ok(started),
+        Err(e) => {
             // Keep XLA's stream ordered after whatever was enqueued (run_slot recorded `released`
             // after joining the side streams, also on its error path).
             if call.stream != 0 {
@@ -561,21 +551,18 @@ fn start_inner(call: &CallInfo, seq: u64) -> Result<Started> {
     }
 }
 
-/// Fails the session (and leaves it) if the call unwinds (a panic caught by `start`), so peers
-/// do not wait for this rank until the timeout.
-struct FailOnUnwind<'a> {
-    session: &'a Session<RankInfo>,
-    rank: usize,
-}
-
-impl Drop for FailOnUnwind<'_> {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            let err = TideError::Internal("panic in the CUDA engine".into());
-            self.session.fail(self.rank, &err);
-            let _ = self.session.leave(self.rank);
-        }
+/// The end of a call after its exchange, on both paths: runs `body` (the phases) under the unwind
+/// guard, publishes its error to the peers, then leaves the meeting; the first error wins.
+pub(crate) fn end_call(meeting: &dyn Meeting, body: impl FnOnce() -> Result<()>) -> Result<()> {
+    let result = {
+        let _unwind = meeting::FailOnUnwind(meeting);
+        body()
+    };
+    if let Err(e) = &result {
+        meeting.fail(e);
     }
+    let left = meeting.leave();
+    result.and(left)
 }
 
 /// Checks XLA's stream and the call's topology, and returns the site's prepared plan and schedule
@@ -917,20 +904,19 @@ fn check_peers(call: &CallInfo, prepared: &Prepared, infos: &[RankInfo]) -> Resu
     Ok(())
 }
 
-/// Issues a started call on its in-flight slot `slot` (the module header, rules A2-A3): the
-/// schedule with MAIN = the slot's tide stream, phase events and barriers; then `done` on tide's
-/// stream, the exit barrier, tide's stream waits on every peer's `done` and records `released`.
-/// On an error after work was enqueued, tide's stream still joins the side streams and records
-/// `released`, so XLA's stream can be ordered after everything enqueued.
+/// Issues a started call on its in-flight slot (the module header, rules A2-A3): checks the
+/// peers, then `run_phases` with MAIN = the slot's tide stream, then `released` on tide's stream,
+/// also on the error path (after `run_phases` joined the side streams into it), so XLA's stream
+/// can be ordered after everything enqueued.
 fn run_slot<'d>(
     call: &CallInfo,
     lock_dev: &dyn Fn() -> Result<std::sync::MutexGuard<'d, DeviceState>>,
     sl: &SlotHandles,
     local: &Local,
-    session: &Session<RankInfo>,
+    meeting: &dyn Meeting,
     cfg: &Config,
 ) -> Result<()> {
-    let infos = session.values();
+    let infos = meeting.infos();
     let prepared = &local.prepared;
     check_peers(call, prepared, infos)?;
     if infos.iter().any(|i| i.device != call.device_ordinal) {
@@ -939,27 +925,72 @@ fn run_slot<'d>(
             st.ensure_peer(info.device)?;
         }
     }
-    let res = Res::slot(sl);
+    // The multicast all-gather only if every rank granted it (all see the same published values).
+    let multicast = local
+        .mc
+        .filter(|_| infos.iter().all(|i| i.multicast))
+        .map(|g| (sl.dev, sl.cc, g));
+    let io = Issue {
+        res: Res::slot(sl),
+        phase: &sl.phase,
+        done: sl.done,
+        fuse: true,
+        multicast,
+    };
+    let res_ok = run_phases(call, &io, meeting, prepared, cfg);
+    // SAFETY: valid event and stream.
+    let recorded = check(unsafe { sys::cuEventRecord(sl.released, io.res.main) }, "cuEventRecord", || {
+        format!("rank {} device {}: released event", call.rank, call.device_ordinal)
+    });
+    res_ok.and(recorded)
+}
+
+/// What `run_phases` issues with besides the schedule: the streams and local events (`res`), the
+/// events it records on MAIN at each phase boundary (`phase`) and at the end (`done`), whether
+/// small copies and sums may go as batched launches (`fuse`, with TIDE_FUSE_BYTES), and the
+/// NVLink multicast grant of every rank (device, compute capability, grant).
+pub(crate) struct Issue<'a> {
+    pub res: Res<'a>,
+    pub phase: &'a [CUevent],
+    pub done: CUevent,
+    pub fuse: bool,
+    pub multicast: Option<(driver::CUdevice, (i32, i32), multicast::Granted)>,
+}
+
+/// The one phase loop and end of call of both paths (rules 3-5 / A2-A3), over `meeting`
+/// (`meeting` module header, hooks 1-5): each phase's commands on their streams (`meeting`'s rail
+/// copies replaced by waits on its rail event, waits on ranks it does not reach skipped), phase
+/// event and barrier between phases; then `done` on MAIN, the exit barrier, and MAIN waits on
+/// every reached peer's `done`. Work is collected per stream and issued together: consecutive
+/// copy-engine copies as one cuMemcpyBatchAsync (TIDE_COPY_BATCH; CUDA 13 drivers); small copies
+/// and sums as batched kernel launches (TIDE_FUSE_BYTES, `fuse`, when `io.fuse`). A stream's
+/// pending work is issued before any other command on it. On an error after work was enqueued,
+/// MAIN still joins every side stream, so an event recorded on MAIN afterwards (`released`, or
+/// XLA's stream itself on the synchronous multi-process path) marks the end of all of it.
+pub(crate) fn run_phases(
+    call: &CallInfo,
+    io: &Issue,
+    meeting: &dyn Meeting,
+    prepared: &Prepared,
+    cfg: &Config,
+) -> Result<()> {
+    let infos = meeting.infos();
+    let res = &io.res;
     let main = res.main;
     let sched = &prepared.schedule;
     let nphases = sched.phases.len();
     let (rank, ord) = (call.rank, call.device_ordinal);
-    // Work collected per stream and issued together: consecutive copy-engine copies as one
-    // cuMemcpyBatchAsync (TIDE_COPY_BATCH); small copies and sums as batched kernel launches
-    // (TIDE_FUSE_BYTES, `fuse`). A stream's pending work is issued before any other command on it.
-    let fusing = cfg.fuse_bytes > 0 && sl.module.is_some();
+    let fusing = io.fuse && cfg.fuse_bytes > 0 && res.module.is_some();
     let batching = fusing || (cfg.copy_batch && driver::init().map(|v| v >= 13000).unwrap_or(false));
-    let mut pending: Vec<Vec<fuse::PendingCopy>> = vec![Vec::new(); sl.side.len() + 1];
+    let mut pending: Vec<Vec<fuse::PendingCopy>> = vec![Vec::new(); res.side.len() + 1];
     let mut sums: Vec<fuse::SumSeg> = Vec::new();
-    // The multicast all-gather only if every rank granted it (all see the same published values).
-    let mc = local.mc.filter(|_| infos.iter().all(|i| i.multicast));
-    let res_ok = (|| -> Result<()> {
-        if let Some(g) = mc {
-            let pushed = *sl
+    let phases_ok = (|| -> Result<()> {
+        if let Some((dev, cc, g)) = io.multicast {
+            let pushed = *io
                 .phase
                 .first()
                 .ok_or_else(|| TideError::Internal("no pushed event".into()))?;
-            return issue_multicast(call, sl.dev, sl.cc, &res, pushed, prepared, infos, session, g, cfg);
+            return issue_multicast(call, dev, cc, res, pushed, prepared, infos, meeting, g, cfg);
         }
         let flush_sums = |sums: &mut Vec<fuse::SumSeg>| -> Result<()> {
             if sums.is_empty() {
@@ -973,12 +1004,19 @@ fn run_slot<'d>(
             r
         };
         for (p, phase) in sched.phases.iter().enumerate() {
+            meeting.phase_start(p, main)?;
             for cmd in &phase.cmds {
                 let s = cmd.stream();
-                if fusing && s == MAIN {
+                if let Cmd::WaitRank { rank: q, .. } = cmd {
+                    if !meeting.reaches(*q) {
+                        continue;
+                    }
+                }
+                let rail = meeting.rail_event(p, cmd);
+                if fusing && s == MAIN && rail.is_none() {
                     if let Cmd::Reduce { dst, srcs, elems, .. } = cmd {
                         if let Some(seg) = sum_segment(infos, dst, srcs, *elems, cfg)? {
-                            flush_batch(call, &res, MAIN, &mut pending, cfg)?;
+                            flush_batch(call, res, MAIN, &mut pending, cfg, fusing)?;
                             if !fuse::sum_joins(&sums, &seg, fuse::sum_batch_limit(cfg.rs_max_ctas)) {
                                 flush_sums(&mut sums)?;
                             }
@@ -991,7 +1029,7 @@ fn run_slot<'d>(
                     flush_sums(&mut sums)?;
                 }
                 if batching {
-                    if let Cmd::Copy { src, dst, bytes, via, .. } = cmd {
+                    if let (Cmd::Copy { src, dst, bytes, via, .. }, None) = (cmd, rail) {
                         // Copy-engine copies join any batch; SM copies only batched launches.
                         if *via == CopyVia::CopyEngine || (fusing && *bytes < cfg.fuse_bytes) {
                             let c = fuse::PendingCopy {
@@ -1005,43 +1043,58 @@ fn run_slot<'d>(
                                 .get(s)
                                 .ok_or_else(|| TideError::Internal(format!("stream {s} out of range")))?;
                             if !fuse::copy_joins(list, &c) {
-                                flush_batch(call, &res, s, &mut pending, cfg)?;
+                                flush_batch(call, res, s, &mut pending, cfg, fusing)?;
                             }
                             pending[s].push(c);
                             continue;
                         }
                     }
-                    flush_batch(call, &res, s, &mut pending, cfg)?;
+                    flush_batch(call, res, s, &mut pending, cfg, fusing)?;
                 }
-                issue(call, &res, infos, prepared, p, cmd, cfg)?;
+                match rail {
+                    Some(ev) => {
+                        let sx = stream_of(res, s)?;
+                        // SAFETY: the meeting's rail event, recorded at this phase's start.
+                        check(unsafe { sys::cuStreamWaitEvent(sx, ev, 0) }, "cuStreamWaitEvent", || {
+                            format!("rank {rank} device {ord}: stream {s} on the rail transfers of phase {p}")
+                        })?;
+                    }
+                    None => issue(call, res, infos, prepared, p, cmd, cfg)?,
+                }
             }
             flush_sums(&mut sums)?;
             for s in 0..pending.len() {
-                flush_batch(call, &res, s, &mut pending, cfg)?;
+                flush_batch(call, res, s, &mut pending, cfg, fusing)?;
             }
             if p + 1 < nphases {
-                let ev = sl.phase[p];
+                let ev = *io
+                    .phase
+                    .get(p)
+                    .ok_or_else(|| TideError::Internal(format!("phase event {p} not created")))?;
                 // SAFETY: valid event and stream; context current.
                 check(unsafe { sys::cuEventRecord(ev, main) }, "cuEventRecord", || {
                     format!("rank {rank} device {ord}: phase {p} event")
                 })?;
-                session.barrier(rank, &format!("phase {p} ({})", phase.name))?;
+                meeting.phase_recorded(p, main)?;
+                meeting.barrier(&format!("phase {p} ({})", phase.name))?;
             }
         }
         Ok(())
-    })()
-    .and_then(|()| {
-        // Rule A3: done (this rank's reads of peers' memory are before it: the schedule joined
-        // the side streams into tide's stream), exit barrier, every peer's done.
+    })();
+    let ended = meeting.phases_ended(main);
+    let res_ok = phases_ok.and(ended).and_then(|()| {
+        // Rule 5 / A3: done (this rank's reads of peers' memory are before it: the schedule joined
+        // the side streams into MAIN), exit barrier, every peer's done.
         // SAFETY: valid event and stream.
-        check(unsafe { sys::cuEventRecord(sl.done, main) }, "cuEventRecord", || {
+        check(unsafe { sys::cuEventRecord(io.done, main) }, "cuEventRecord", || {
             format!("rank {rank} device {ord}: done event")
         })?;
-        session.barrier(rank, "exit")?;
+        meeting.done_recorded(main)?;
+        meeting.barrier("exit")?;
         for (q, info) in infos.iter().enumerate() {
-            if q != rank {
+            if q != rank && meeting.reaches(q) {
                 // SAFETY: the peer's done event, recorded before the exit barrier; it is not
-                // recorded again before every rank left the session (`start_inner`).
+                // recorded again before this rank left the meeting (the module header).
                 check(
                     unsafe { sys::cuStreamWaitEvent(main, info.done as CUevent, 0) },
                     "cuStreamWaitEvent",
@@ -1052,19 +1105,15 @@ fn run_slot<'d>(
         Ok(())
     });
     if res_ok.is_err() {
-        // Tide's stream joins every side stream, so `released` marks the end of all of it.
-        for (k, &s) in sl.side.iter().enumerate() {
-            let ev = sl.pool.get(sched.events + k).copied();
+        // MAIN joins every side stream (one join event per side stream where there are enough).
+        for (k, &s) in res.side.iter().enumerate() {
+            let ev = res.pool.get(sched.events + k).or(res.pool.get(sched.events)).copied();
             if let Err(j) = record_wait(ev, s, main) {
                 log::warn!("tide: rank {rank}: joining side streams after an error failed: {j}");
             }
         }
     }
-    // SAFETY: valid event and stream.
-    let recorded = check(unsafe { sys::cuEventRecord(sl.released, main) }, "cuEventRecord", || {
-        format!("rank {rank} device {ord}: released event")
-    });
-    res_ok.and(recorded)
+    res_ok
 }
 
 /// The NVLink multicast all-gather (see the `multicast` module header): set up the (site, group)
@@ -1080,7 +1129,7 @@ fn issue_multicast(
     pushed: CUevent,
     prepared: &Prepared,
     infos: &[RankInfo],
-    session: &Session<RankInfo>,
+    meeting: &dyn Meeting,
     g: multicast::Granted,
     cfg: &Config,
 ) -> Result<()> {
@@ -1090,17 +1139,17 @@ fn issue_multicast(
     let mp = multicast::plan(&prepared.layout, rank);
     let shared = multicast::shared(call.site, call.group, mp.bytes);
     // Every rank reads `complete` after the same barrier, so all agree on whether to set up.
-    session.barrier(rank, "multicast check")?;
+    meeting.barrier("multicast check")?;
     if !shared.complete() {
         if rank == 0 {
             shared.set_handle(multicast::create(g, call.world, mp.bytes, ord)?);
         }
-        session.barrier(rank, "multicast created")?;
+        meeting.barrier("multicast created")?;
         let (handle, size) = shared.handle()?;
         multicast::add_device(g, handle, dev, ord)?;
-        session.barrier(rank, "multicast devices added")?;
+        meeting.barrier("multicast devices added")?;
         shared.set_rank(rank, multicast::bind_and_map(g, handle, size, ord)?);
-        session.barrier(rank, "multicast bound")?;
+        meeting.barrier("multicast bound")?;
         if rank == 0 {
             shared.mark_complete();
         }
@@ -1132,7 +1181,7 @@ fn issue_multicast(
         "cuEventRecord",
         || format!("rank {rank} device {ord}: multicast pushed event"),
     )?;
-    session.barrier(rank, "multicast pushed")?;
+    meeting.barrier("multicast pushed")?;
     let side = stream_of(res, 1)?;
     for (q, info) in infos.iter().enumerate() {
         let ev = *info.phases.first().ok_or_else(|| {
@@ -1207,6 +1256,7 @@ fn flush_batch(
     s: usize,
     pending: &mut [Vec<fuse::PendingCopy>],
     cfg: &Config,
+    fusing: bool,
 ) -> Result<()> {
     let Some(list) = pending.get_mut(s) else {
         return Ok(());
@@ -1219,7 +1269,7 @@ fn flush_batch(
     // Small copies as batched launches (TIDE_FUSE_BYTES): all of them on MAIN (SM copies), two or
     // more on a copy stream (one small copy stays on the copy engine). Pairwise independent
     // (`fuse::copy_joins`), so they may run in any order.
-    if let Some(m) = res.module.filter(|_| cfg.fuse_bytes > 0) {
+    if let Some(m) = res.module.filter(|_| fusing) {
         let small = copies.iter().filter(|c| c.bytes < cfg.fuse_bytes).count();
         if small > 0 && (s == MAIN || small >= 2) {
             let (fused, rest): (Vec<_>, Vec<_>) = copies.into_iter().partition(|c| c.bytes < cfg.fuse_bytes);

@@ -49,12 +49,13 @@
 //! host-local), so "several nodes" means a forced topology (`TIDE_TOPOLOGY=2x1`) today; a real
 //! multi-host run needs a node-local control group plus the rail, which this layout keeps apart.
 
-use super::device::{self, DeviceState};
+use super::device;
 use super::driver::{self, check, CUevent, CUstream};
 use super::ipc::{self, AllocDesc, FdChannel};
 use super::nccl;
-use super::schedule::{Cmd, MAIN};
-use super::{issue, op_name, prepare, record_wait, stream_of, RankInfo, Res};
+use super::schedule::Cmd;
+use super::meeting::Meeting;
+use super::{op_name, prepare, RankInfo, Res};
 use crate::call::CallInfo;
 use crate::error::{Result, TideError};
 use crate::plan::{Action, BufKind, Op, Plan, Region};
@@ -63,6 +64,7 @@ use crate::transport::shm::{segment_name, unlink_name, Created, Segment};
 use crate::transport::{ProcessGroup, Timing};
 use cudarc::driver::sys;
 use once_cell::sync::Lazy;
+use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -232,23 +234,11 @@ pub fn execute(call: &CallInfo, job: u64) -> Result<()> {
         call.rank,
         call.group
     );
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        execute_inner(call, job, &what)
-    })) {
-        Ok(r) => r,
-        Err(p) => {
-            let msg = p
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
-            let err = TideError::Internal(format!(
-                "panic in the multi-process CUDA engine ({what}): {msg}"
-            ));
-            fail(call, job, &err);
-            Err(err)
-        }
-    }
+    super::meeting::catch_panic(
+        &|| format!("the multi-process CUDA engine ({what})"),
+        || execute_inner(call, job, &what),
+        |err| fail(call, job, err),
+    )
 }
 
 /// Records `err` as this rank's failure in `job` so its peers fail fast with it (for an error the
@@ -795,7 +785,7 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
     }
 
     // Peers: read their mailboxes, map what this node reads, open their events.
-    let wait_fd = Duration::from_secs_f64(crate::config::CONFIG.timeout_s.clamp(0.001, 30.0));
+    let wait_fd = Duration::from_secs_f64(cfg.timeout_s.clamp(0.001, 30.0));
     let mut infos: Vec<RankInfo> = Vec::with_capacity(call.world);
     let mut peer_ids: Vec<Option<nccl::UniqueId>> = vec![None; call.world];
     #[allow(clippy::needless_range_loop)] // q indexes infos, peer_ids and the mailboxes
@@ -947,7 +937,7 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
             nodes,
             my_node,
             format!("tide rail {rail} of group {} (job {job:016x})", call.group),
-            Duration::from_secs_f64(crate::config::CONFIG.timeout_s.clamp(0.001, 1e9)),
+            Duration::from_secs_f64(cfg.timeout_s.clamp(0.001, 1e9)),
             &mut alive,
         );
         drop(alive);
@@ -955,7 +945,34 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
     }
 
     let d = rs.dev.as_ref().expect("device part");
-    run_phases(call, &st, rs, d, &infos, &prepared, what, g)
+    let main = call.stream as CUstream;
+    let meeting = Mailbox {
+        rs,
+        d,
+        infos,
+        rails: if nodes > 1 {
+            rail_ops(plan, me, g)
+        } else {
+            vec![Vec::new(); nphases]
+        },
+        ready: st.ready,
+        done: st.done,
+        phase: &st.phase,
+        what,
+        g,
+        ord,
+        last_rail: Cell::new(None),
+    };
+    // The device-wide resources with `main` as MAIN (rule 1: it waited on the previous `done`);
+    // no batched launches (the module is loaded only for plans that need kernels).
+    let io = super::Issue {
+        res: Res::device(&st, main),
+        phase: &st.phase,
+        done: st.done,
+        fuse: false,
+        multicast: None,
+    };
+    super::end_call(&meeting, || super::run_phases(call, &io, &meeting, &prepared, &cfg))
 }
 
 /// Between NCCL polls: fails when a member of this rank's rail (same local index, other nodes)
@@ -1047,156 +1064,144 @@ fn ensure_dev(rs: &mut RankState, ord: i64) -> Result<()> {
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run_phases(
-    call: &CallInfo,
-    st: &DeviceState,
-    rs: &RankState,
-    d: &DevPart,
-    infos: &[RankInfo],
-    prepared: &super::device::Prepared,
-    what: &str,
+/// The multi-process meeting of one call (`meeting` module header): the group's barriers, the
+/// values read from the mailboxes, and the rail's hooks. Built by `run_call` after the entry
+/// barrier and the mailbox exchange; the group's exit barrier ends the call (nothing to leave:
+/// peers' mailboxes are read before it, and a mailbox is rewritten only after the next entry).
+struct Mailbox<'a> {
+    rs: &'a RankState,
+    d: &'a DevPart,
+    infos: Vec<RankInfo>,
+    /// The rail operations of each phase (empty on one node).
+    rails: Vec<Vec<RailOp>>,
+    /// The device's own `ready`, `done` and phase events (the rail stream waits on them).
+    ready: CUevent,
+    done: CUevent,
+    phase: &'a [CUevent],
+    what: &'a str,
     g: usize,
-) -> Result<()> {
-    let me = call.rank;
-    let ord = call.device_ordinal;
-    let cfg = crate::config::current();
-    let my_node = me / g;
-    let main = call.stream as CUstream;
-    let sched = &prepared.schedule;
-    let nphases = sched.phases.len();
-    let rails = if call.topology.nodes > 1 {
-        rail_ops(&prepared.plan, me, g)
-    } else {
-        vec![Vec::new(); nphases]
-    };
-    let local_peers: Vec<usize> = (0..call.world)
-        .filter(|&q| q != me && q / g == my_node)
-        .collect();
-    let wait = |s: CUstream, ev: usize, label: &dyn Fn() -> String| -> Result<()> {
+    ord: i64,
+    /// The last phase whose rail transfers were issued.
+    last_rail: Cell<Option<usize>>,
+}
+
+impl Mailbox<'_> {
+    fn wait(&self, s: CUstream, ev: usize, label: &dyn Fn() -> String) -> Result<()> {
+        let (me, ord) = (self.rs.rank, self.ord);
         // SAFETY: an event of this process or opened from a peer, valid for the process.
         check(
             unsafe { sys::cuStreamWaitEvent(s, ev as CUevent, 0) },
             "cuStreamWaitEvent",
             || format!("rank {me} device {ord}: {}", label()),
         )
-    };
-    let mut issued_side = false;
-    let mut last_rail: Option<usize> = None;
-    let res = (|| -> Result<()> {
-        for (p, phase) in sched.phases.iter().enumerate() {
-            let ops = rails.get(p).map(|v| v.as_slice()).unwrap_or(&[]);
-            if !ops.is_empty() {
-                let comm = d
-                    .rail
-                    .as_ref()
-                    .ok_or_else(|| TideError::Internal("rail communicator missing".into()))?;
-                let rsx = d.rail_stream;
-                if p == 0 {
-                    wait(rsx, st.ready as usize, &|| "rail stream on ready".into())?;
-                    wait(rsx, st.done as usize, &|| {
-                        "rail stream on the previous done".into()
-                    })?;
-                } else {
-                    wait(rsx, st.phase[p - 1] as usize, &|| {
-                        format!("rail stream on phase {}", p - 1)
-                    })?;
-                    for &q in &local_peers {
-                        wait(rsx, infos[q].phases[p - 1], &|| {
-                            format!("rail stream on rank {q}'s phase {}", p - 1)
-                        })?;
-                    }
-                }
-                dbg_mp(|| format!("rank {me} phase {p}: rail group of {} ops", ops.len()));
-                comm.group_start()?;
-                for op in ops {
-                    let addr = super::address(infos, &op.mine, op.bytes)?;
-                    let label = || format!("{what}: phase {p} step {}", op.step);
-                    if op.send {
-                        comm.send(addr, op.bytes, op.peer_node, rsx as usize, label)?;
-                    } else {
-                        comm.recv(addr, op.bytes, op.peer_node, rsx as usize, label)?;
-                    }
-                }
-                let mut alive = rail_alive(rs, me, g);
-                comm.group_end(
-                    || format!("{what}: phase {p}, {} transfers", ops.len()),
-                    &mut alive,
-                )?;
-                dbg_mp(|| format!("rank {me} phase {p}: rail group issued"));
-                // SAFETY: valid event and stream.
-                check(
-                    unsafe { sys::cuEventRecord(d.rail_events[p], rsx) },
-                    "cuEventRecord",
-                    || format!("rank {me} device {ord}: rail event of phase {p}"),
-                )?;
-                last_rail = Some(p);
-            }
-            for cmd in &phase.cmds {
-                let s = cmd.stream();
-                if s != MAIN {
-                    issued_side = true;
-                }
-                match cmd {
-                    Cmd::WaitRank { rank: q, .. } if *q / g != my_node => continue,
-                    Cmd::Copy { src, dst, .. } if src.rank / g != dst.rank / g => {
-                        let sx = stream_of(&Res::device(st, main), s)?;
-                        wait(sx, d.rail_events[p] as usize, &|| {
-                            format!("stream {s} on the rail transfers of phase {p}")
-                        })?;
-                    }
-                    _ => issue(call, &Res::device(st, main), infos, prepared, p, cmd, &cfg)?,
-                }
-            }
-            if p + 1 < nphases {
-                for ev in [st.phase[p], d.phases[p]] {
-                    // SAFETY: valid event and stream.
-                    check(
-                        unsafe { sys::cuEventRecord(ev, main) },
-                        "cuEventRecord",
-                        || format!("rank {me} device {ord}: phase {p} event"),
-                    )?;
-                }
-                rs.group
-                    .barrier(&format!("phase {p} ({}) of {what}", phase.name))?;
-            }
-        }
-        Ok(())
-    })();
-    if let Some(p) = last_rail {
-        // MAIN after every rail transfer (sends read our inputs; XLA may reuse them after the call).
-        let r = wait(main, d.rail_events[p] as usize, &|| {
-            "XLA's stream on the rail".into()
-        });
-        if res.is_ok() {
-            r?;
-        }
     }
-    if let Err(e) = res {
-        if issued_side {
-            let ev = st.pool.get(sched.events).copied();
-            for &s in &st.side {
-                if let Err(j) = record_wait(ev, s, main) {
-                    log::warn!("tide: rank {me}: joining side streams after an error failed: {j}");
-                }
-            }
-        }
-        return Err(e);
-    }
-    // Rule 5.
-    for ev in [st.done, d.done] {
+    fn record(&self, ev: CUevent, main: CUstream, label: &dyn Fn() -> String) -> Result<()> {
+        let (me, ord) = (self.rs.rank, self.ord);
         // SAFETY: valid event and stream.
         check(
             unsafe { sys::cuEventRecord(ev, main) },
             "cuEventRecord",
-            || format!("rank {me} device {ord}: done event"),
+            || format!("rank {me} device {ord}: {}", label()),
+        )
+    }
+}
+
+impl Meeting for Mailbox<'_> {
+    fn infos(&self) -> &[RankInfo] {
+        &self.infos
+    }
+    fn barrier(&self, label: &str) -> Result<()> {
+        self.rs.group.barrier(&format!("{label} of {}", self.what))
+    }
+    /// Publishes as `execute_inner` does (the first failure sticks): barrier errors are already
+    /// published and carry the root cause; a panic is published by `execute`'s guard, with its
+    /// message.
+    fn fail(&self, err: &TideError) {
+        if !std::thread::panicking() && !matches!(err, TideError::Rendezvous(_)) {
+            self.rs.group.fail_with(format!("{}: {err}", self.what));
+        }
+    }
+    fn leave(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Ranks of this node (events of other nodes are never waited on: the module header's rail).
+    fn reaches(&self, q: usize) -> bool {
+        q / self.g == self.rs.rank / self.g
+    }
+    /// The rail (module header): the phase's NCCL group on the rail stream, after what precedes
+    /// the phase, then the phase's rail event.
+    fn phase_start(&self, p: usize, _main: CUstream) -> Result<()> {
+        let ops = self.rails.get(p).map(|v| v.as_slice()).unwrap_or(&[]);
+        if ops.is_empty() {
+            return Ok(());
+        }
+        let (me, g, d, what) = (self.rs.rank, self.g, self.d, self.what);
+        let comm = d
+            .rail
+            .as_ref()
+            .ok_or_else(|| TideError::Internal("rail communicator missing".into()))?;
+        let rsx = d.rail_stream;
+        if p == 0 {
+            self.wait(rsx, self.ready as usize, &|| "rail stream on ready".into())?;
+            self.wait(rsx, self.done as usize, &|| {
+                "rail stream on the previous done".into()
+            })?;
+        } else {
+            self.wait(rsx, self.phase[p - 1] as usize, &|| {
+                format!("rail stream on phase {}", p - 1)
+            })?;
+            for q in (0..self.infos.len()).filter(|&q| q != me && q / g == me / g) {
+                self.wait(rsx, self.infos[q].phases[p - 1], &|| {
+                    format!("rail stream on rank {q}'s phase {}", p - 1)
+                })?;
+            }
+        }
+        dbg_mp(|| format!("rank {me} phase {p}: rail group of {} ops", ops.len()));
+        comm.group_start()?;
+        for op in ops {
+            let addr = super::address(&self.infos, &op.mine, op.bytes)?;
+            let label = || format!("{what}: phase {p} step {}", op.step);
+            if op.send {
+                comm.send(addr, op.bytes, op.peer_node, rsx as usize, label)?;
+            } else {
+                comm.recv(addr, op.bytes, op.peer_node, rsx as usize, label)?;
+            }
+        }
+        let mut alive = rail_alive(self.rs, me, g);
+        comm.group_end(
+            || format!("{what}: phase {p}, {} transfers", ops.len()),
+            &mut alive,
         )?;
+        dbg_mp(|| format!("rank {me} phase {p}: rail group issued"));
+        self.record(d.rail_events[p], rsx, &|| format!("rail event of phase {p}"))?;
+        self.last_rail.set(Some(p));
+        Ok(())
     }
-    rs.group.barrier(&format!("exit of {what}"))?;
-    for &q in &local_peers {
-        wait(main, infos[q].done, &|| format!("on rank {q}'s done event"))?;
+    /// A copy between nodes: the stream waits on the phase's rail event in its place.
+    fn rail_event(&self, p: usize, cmd: &Cmd) -> Option<CUevent> {
+        match cmd {
+            Cmd::Copy { src, dst, .. } if src.rank / self.g != dst.rank / self.g => {
+                Some(self.d.rail_events[p])
+            }
+            _ => None,
+        }
     }
-    Ok(())
+    fn phase_recorded(&self, p: usize, main: CUstream) -> Result<()> {
+        self.record(self.d.phases[p], main, &|| format!("phase {p} event"))
+    }
+    /// MAIN after every rail transfer (sends read our inputs; XLA may reuse them after the call).
+    fn phases_ended(&self, main: CUstream) -> Result<()> {
+        match self.last_rail.get() {
+            Some(p) => self.wait(main, self.d.rail_events[p] as usize, &|| {
+                "XLA's stream on the rail".into()
+            }),
+            None => Ok(()),
+        }
+    }
+    /// Rule 1's interprocess twin of `done`, right after it.
+    fn done_recorded(&self, main: CUstream) -> Result<()> {
+        self.record(self.d.done, main, &|| "done event".into())
+    }
 }
 
 #[cfg(test)]

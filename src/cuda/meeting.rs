@@ -1,0 +1,123 @@
+//! How the ranks of one CUDA call meet: the one seam between the CUDA driver (`cuda::run_phases`,
+//! the phase loop and end of call of both paths) and the two ways ranks find each other, as the
+//! CPU engine's `execute_rank_with(plan, rank, bufs, barrier, rail)` is over its `Barrier`/`Rail`.
+//!
+//! A `Meeting` is built *after* the exchange (each impl's constructor publishes this rank's
+//! `RankInfo` and gathers every rank's), and then serves the call until its end:
+//! - `InProcess` (this file): ranks are threads of one process meeting in a `rendezvous::Session`
+//!   (values exchanged by `Session::join`, barriers, `leave` when every rank issued its waits).
+//! - `multiproc::Mailbox`: ranks in several processes meeting in a `transport::ProcessGroup`
+//!   (values through shared-memory mailboxes and IPC, barriers of the group, nothing to leave:
+//!   the group's exit barrier is the end), plus the hooks its NCCL rail needs.
+//!
+//! Contract of the hooks (`cuda::run_phases` calls them at these points, on MAIN = `main`):
+//! 1. `phase_start(p, main)`: before phase `p`'s first command (the rail's NCCL group).
+//! 2. `rail_event(p, cmd)`: `Some(ev)` for a command whose place is taken by a wait on `ev`
+//!    (a cross-node copy done by the rail); `reaches(q)`: false for a rank whose events this rank
+//!    never waits on (another node: its `WaitRank`s are skipped, no wait on its `done`).
+//! 3. `phase_recorded(p, main)`: right after the driver recorded phase `p`'s event on MAIN, before
+//!    the phase barrier (interprocess twins of the event).
+//! 4. `phases_ended(main)`: after the last phase, on success and on error (MAIN after the rail).
+//! 5. `done_recorded(main)`: right after the driver recorded `done` on MAIN, before the exit barrier.
+//! 6. `fail(err)`: publish the failure so peers fail fast (every path that errs after the
+//!    exchange); `leave()`: the end of the call on every path (`cuda::end_call`).
+//!
+//! The ordering rules these hooks implement are the `cuda` module header's (rules 1-5, A1-A4) and
+//! `schedule`'s model; the meeting adds none of its own.
+
+use super::driver::CUevent;
+use super::schedule::Cmd;
+use super::RankInfo;
+use crate::error::{Result, TideError};
+use crate::rendezvous::Session;
+use std::sync::Arc;
+
+/// One call's meeting of its ranks, after the exchange (module header).
+pub(crate) trait Meeting {
+    /// What every rank published, indexed by rank.
+    fn infos(&self) -> &[RankInfo];
+    /// Host barrier of every rank of the meeting.
+    fn barrier(&self, label: &str) -> Result<()>;
+    /// Publishes this rank's failure to its peers.
+    fn fail(&self, err: &TideError);
+    /// The end of this rank's call (every path).
+    fn leave(&self) -> Result<()>;
+    /// Whether this rank orders itself by rank `q`'s events.
+    fn reaches(&self, _q: usize) -> bool {
+        true
+    }
+    fn phase_start(&self, _p: usize, _main: super::driver::CUstream) -> Result<()> {
+        Ok(())
+    }
+    fn rail_event(&self, _p: usize, _cmd: &Cmd) -> Option<CUevent> {
+        None
+    }
+    fn phase_recorded(&self, _p: usize, _main: super::driver::CUstream) -> Result<()> {
+        Ok(())
+    }
+    fn phases_ended(&self, _main: super::driver::CUstream) -> Result<()> {
+        Ok(())
+    }
+    fn done_recorded(&self, _main: super::driver::CUstream) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Ranks as threads of this process, meeting in a `rendezvous::Session`.
+pub(crate) struct InProcess {
+    pub(crate) session: Arc<Session<RankInfo>>,
+    pub(crate) rank: usize,
+}
+
+impl Meeting for InProcess {
+    fn infos(&self) -> &[RankInfo] {
+        self.session.values()
+    }
+    fn barrier(&self, label: &str) -> Result<()> {
+        self.session.barrier(self.rank, label)
+    }
+    fn fail(&self, err: &TideError) {
+        self.session.fail(self.rank, err)
+    }
+    // Every rank leaves only after every rank issued its waits on this call's events, so no
+    // event is recorded again (by a later call on its slot) before all its waits are issued.
+    fn leave(&self) -> Result<()> {
+        self.session.leave(self.rank)
+    }
+}
+
+/// Fails the meeting (and leaves it) if the call unwinds (a panic caught by `catch_panic`), so
+/// peers do not wait for this rank until the timeout.
+pub(crate) struct FailOnUnwind<'a>(pub(crate) &'a dyn Meeting);
+
+impl Drop for FailOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let err = TideError::Internal("panic in the CUDA engine".into());
+            self.0.fail(&err);
+            let _ = self.0.leave();
+        }
+    }
+}
+
+/// The panic guard of both paths: runs `f`, turning a panic into an error naming `what`, handed
+/// to `on_panic` first (the multi-process path publishes it to its group).
+pub(crate) fn catch_panic<T>(
+    what: &dyn Fn() -> String,
+    f: impl FnOnce() -> Result<T>,
+    on_panic: impl FnOnce(&TideError),
+) -> Result<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            let err = TideError::Internal(format!("panic in {}: {msg}", what()));
+            on_panic(&err);
+            Err(err)
+        }
+    }
+}
