@@ -79,6 +79,12 @@ pub struct Config {
     /// before). Small copies then use SMs briefly. A sum's size is its fp32 output (a 128 KiB bf16
     /// gradient shard on one GPU: 256 KiB).
     pub fuse_bytes: usize,
+    /// TIDE_NCCL_LIB (default unset: `libnccl.so.2` from the loader's path; any path, checked when
+    /// NCCL is loaded): the NCCL library the multi-process CUDA path's rail loads (once per process).
+    pub nccl_lib: Option<String>,
+    /// TIDE_DEBUG_MP (default off; a flag as TIDE_MULTICAST): trace the multi-process CUDA path's
+    /// rail (NCCL groups, aborts) to stderr.
+    pub debug_mp: bool,
 }
 
 /// Which fp32 reduction kernel the CUDA reduce-scatter launches.
@@ -276,6 +282,8 @@ impl Config {
             max_in_flight: r.int("TIDE_MAX_IN_FLIGHT", 4, 1, 16) as usize,
             fuse_bytes: r.int("TIDE_FUSE_BYTES", 512 << 10, 0, 1 << 30) as usize,
             nvrtc_lib_dir: r.raw("TIDE_NVRTC_LIB_DIR"),
+            nccl_lib: r.raw("TIDE_NCCL_LIB"),
+            debug_mp: r.flag("TIDE_DEBUG_MP", false),
         };
         (config, r.errors)
     }

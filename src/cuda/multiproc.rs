@@ -537,14 +537,9 @@ fn rail_ops(plan: &Plan, rank: usize, g: usize) -> Vec<Vec<RailOp>> {
         .collect()
 }
 
-/// Debug trace to stderr under TIDE_DEBUG_MP=1.
+/// Debug trace to stderr under TIDE_DEBUG_MP=1 (`config`; the setting of the call now running).
 fn dbg_mp(f: impl FnOnce() -> String) {
-    static ON: once_cell::sync::Lazy<bool> = once_cell::sync::Lazy::new(|| {
-        std::env::var("TIDE_DEBUG_MP")
-            .map(|v| v == "1")
-            .unwrap_or(false)
-    });
-    if *ON {
+    if crate::config::current().debug_mp {
         eprintln!("tide-mp: {}", f());
     }
 }

@@ -90,9 +90,10 @@ struct Lib {
 static LIB: OnceLock<std::result::Result<Lib, String>> = OnceLock::new();
 
 fn load() -> std::result::Result<Lib, String> {
-    let path = std::env::var("TIDE_NCCL_LIB")
-        .ok()
-        .filter(|s| !s.trim().is_empty())
+    // Loaded once per process, so the process's setting (`CONFIG`), not a test's override.
+    let path = crate::config::CONFIG
+        .nccl_lib
+        .clone()
         .unwrap_or_else(|| "libnccl.so.2".into());
     // SAFETY: loading NCCL runs its (benign) initializers.
     let lib = unsafe { libloading::Library::new(&path) }
