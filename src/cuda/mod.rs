@@ -6,7 +6,22 @@
 //! `kernels/rs_sum.cu`, launch shapes), `nvrtc` (compiling it), `driver` (checked driver calls),
 //! `device` (per-device state), `multicast` (the opt-in, gated NVLink multicast all-gather; off
 //! unless TIDE_MULTICAST=1 and the device supports it), `fuse` (small copies and sums as batched
-//! launches, TIDE_FUSE_BYTES), this file (the call: start/done, rendezvous, ordering, issuing).
+//! launches, TIDE_FUSE_BYTES), `meeting` (how a call's ranks meet: the `Meeting` trait, its
+//! in-process impl, the unwind and panic guards), `multiproc` (the multi-process meeting and its
+//! rail), this file (the call: start/done, the one phase loop, ordering, issuing).
+//!
+//! # One driver
+//! Every call, in-process or multi-process, synchronous or split, enters at `execute_phase`
+//! (start/done, per-call in-flight slots: rules A1-A4 below) and is issued by one phase loop and
+//! end of call, `run_phases` (rules 3-5 / A2-A3) under `end_call` (unwind guard, failure
+//! published to the peers, leave), over a `meeting::Meeting` built after the exchange:
+//! `meeting::InProcess` (`rendezvous::Session`) or `multiproc::Mailbox` (`transport::ProcessGroup`,
+//! mailboxes, interprocess events, and the NCCL rail as hooks at phase start, per cross-node copy,
+//! at phase and `done` records). What the two paths hand `run_phases` differs only as data
+//! (`Issue`): MAIN and its side streams, local, phase and `done` events (the slot's in-process; the
+//! device's, with XLA's stream or a slot's tide stream as MAIN, multi-process), whether small work
+//! is fused (TIDE_FUSE_BYTES: in-process only) and the multicast grant (in-process only).
+//! TIDE_COPY_BATCH applies to both.
 //!
 //! # Start/done: the in-process driver (`execute_phase`; rules A1-A4, modelled and each shown
 //! necessary in `schedule`'s tests `start_done_*`)
@@ -97,9 +112,12 @@
 //! hang. On errors the rank calls `Session::fail` so peers fail fast; work already enqueued is
 //! still ordered before XLA's later work (A3's error path, `released`).
 //!
-//! Multi-process jobs (`call.job != 0`) go to `multiproc` (the same protocol over a shared-memory
-//! mailbox, peers mapped by VMM/IPC, the rail over NCCL: docs/multiprocess.md; its start runs it on
-//! a slot's tide stream, `start_multiprocess`; it is still a second driver). In one process,
+//! Multi-process jobs (`call.job != 0`) prepare and exchange in `multiproc` (a shared-memory
+//! mailbox, peers mapped by VMM/IPC, the rail over NCCL: docs/multiprocess.md) and are issued by
+//! `run_phases`; their start runs the call with a slot's tide stream as MAIN but the device's side
+//! streams, events and staging (`start_multiprocess`: rules 1-5, calls serialized by the previous
+//! `done`), because their staging and events are exported to other processes once per device and
+//! rank, not per slot. In one process,
 //! multi-node (hierarchical) plans are refused with a clear error; CUDA graph capture
 //! of the call is refused (the handler must not be declared command-buffer compatible).
 
@@ -178,6 +196,26 @@ struct Started {
 unsafe impl Send for Started {}
 
 impl Started {
+    /// The end of a start on both paths: on an error, XLA's stream is still ordered after whatever
+    /// was enqueued on tide's stream (which recorded `released` after joining its side streams).
+    fn finish(self, call: &CallInfo, result: Result<()>) -> Result<Started> {
+        match result {
+            Ok(()) => Ok(self),
+            Err(e) => {
+                if call.stream != 0 {
+                    if let Err(j) = self.join_into(call.stream as CUstream, call.device_ordinal) {
+                        log::warn!(
+                            "tide: rank {} device {}: joining tide's stream after an error failed: {j}",
+                            call.rank,
+                            call.device_ordinal
+                        );
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+
     /// Rule A4: XLA's `stream` waits on `released`.
     fn join_into(&self, stream: CUstream, device: i64) -> Result<()> {
         let _ctx = driver::CtxGuard::set(self.ctx, device)?;
@@ -314,16 +352,7 @@ fn start_multiprocess(call: &CallInfo, job: u64) -> Result<Option<Started>> {
             format!("device {ord}: released event")
         })
     });
-    match result.and(recorded) {
-        Ok(()) => Ok(Some(started)),
-        Err(e) => {
-            // Keep XLA's stream after whatever was enqueued on tide's stream.
-            if let Err(j) = started.join_into(call.stream as CUstream, ord) {
-                log::warn!("tide: device {ord}: joining tide's stream after an error failed: {j}");
-            }
-            Err(e)
-        }
-    }
+    started.finish(call, result.and(recorded)).map(Some)
 }
 
 /// Done (rule A4): finds the call by its buffers, returns its start's error if it failed, else
@@ -536,19 +565,7 @@ fn start_inner(call: &CallInfo, seq: u64) -> Result<Started> {
         released: h.released,
         _lease: lease,
     };
-    match result {
-        Ok(()) => Ok(started),
-        Err(e) => {
-            // Keep XLA's stream ordered after whatever was enqueued (run_slot recorded `released`
-            // after joining the side streams, also on its error path).
-            if call.stream != 0 {
-                if let Err(j) = started.join_into(call.stream as CUstream, call.device_ordinal) {
-                    log::warn!("tide: rank {}: joining tide's streams after an error failed: {j}", call.rank);
-                }
-            }
-            Err(e)
-        }
-    }
+    started.finish(call, result)
 }
 
 /// The end of a call after its exchange, on both paths: runs `body` (the phases) under the unwind

@@ -2,8 +2,10 @@
 //! host today (the control plane is `transport::group`'s shared memory); cross-node plans run their
 //! rail over NCCL. Selected by the FFI attribute `job` != 0 (`cuda::execute_job`).
 //!
-//! Same ordering protocol as the in-process engine (`cuda` module header, rules 1-5), with three
-//! substitutions:
+//! One driver with the in-process engine: this module prepares a call, exchanges it through the
+//! mailboxes and builds a `Mailbox` (the `meeting::Meeting` of this path); `cuda::run_phases` issues
+//! it and `cuda::end_call` ends it, as for in-process calls. Same ordering protocol as the
+//! in-process engine (`cuda` module header, rules 1-5), with three substitutions:
 //! - **Meeting**: instead of `rendezvous::Session`, the ranks of a group meet in a
 //!   `transport::ProcessGroup` keyed by (job, group): an entry barrier, one barrier per phase
 //!   boundary, an exit barrier; each bounded by `TIDE_TIMEOUT_S`, with failure propagation and
@@ -29,7 +31,15 @@
 //!   stream before `done`. Events of ranks on other nodes are never waited on: NCCL's send/recv
 //!   matching orders the transfer on both ends; inside a node the phase barriers and events do.
 //!   Refused (clear error): a plan where a rail transfer's regions are touched by another step of
-//!   the same phase before it (the rail is issued at phase start).
+//!   the same phase before it (the rail is issued at phase start). These are `Mailbox`'s hooks
+//!   (`phase_start`, `rail_event`, `reaches`, `phases_ended`), in this order.
+//!
+//! Settings: TIDE_COPY_BATCH applies here as in-process (copy-engine copies of one stream as one
+//! cuMemcpyBatchAsync; the location hints are ignored for non-managed memory, so a peer process's
+//! device ordinal in them is harmless; cross-node copies never join a batch: the rail takes their
+//! place). TIDE_FUSE_BYTES does not (no batched launches: the kernel module is loaded only for
+//! plans that need kernels, and the fused kernels have not been run on imported peer memory), nor
+//! does TIDE_MULTICAST (single-process only).
 //!
 //! Peers in this same process (a job with several GPUs per process): CUDA refuses to open a
 //! process's own IPC handles, and waiting on another context's interprocess event by its raw
