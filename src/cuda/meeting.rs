@@ -20,7 +20,8 @@
 //! 4. `phases_ended(main)`: after the last phase, on success and on error (MAIN after the rail).
 //! 5. `done_recorded(main)`: right after the driver recorded `done` on MAIN, before the exit barrier.
 //! 6. `fail(err)`: publish the failure so peers fail fast (every path that errs after the
-//!    exchange); `leave()`: the end of the call on every path (`cuda::end_call`).
+//!    exchange; `Mailbox` leaves it to `multiproc::execute_inner`, which publishes after aborting
+//!    the rail); `leave()`: the end of the call on every path (`cuda::end_call`).
 //!
 //! The ordering rules these hooks implement are the `cuda` module header's (rules 1-5, A1-A4) and
 //! `schedule`'s model; the meeting adds none of its own.
