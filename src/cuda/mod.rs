@@ -165,6 +165,36 @@ pub struct RankInfo {
     pub error: Option<String>,
 }
 
+impl RankInfo {
+    /// What a rank publishes for a call of `plan` on device `device`: its buffers, its `ready` and
+    /// `done` events and the phase events the plan needs (at least one with multicast: "pushed").
+    #[allow(clippy::type_complexity)]
+    fn published(
+        device: i64,
+        (inputs, outputs): (Vec<(u64, usize)>, Vec<(u64, usize)>),
+        stages: Vec<(u64, usize)>,
+        (ready, done, phase): (CUevent, CUevent, &[CUevent]),
+        plan: &crate::plan::Plan,
+        multicast: bool,
+    ) -> RankInfo {
+        RankInfo {
+            device,
+            inputs,
+            outputs,
+            stages,
+            ready: ready as usize,
+            done: done as usize,
+            phases: phase
+                .iter()
+                .take(plan.phases.len().saturating_sub(1).max(usize::from(multicast)))
+                .map(|e| *e as usize)
+                .collect(),
+            multicast,
+            error: None,
+        }
+    }
+}
+
 fn op_name(op: Op) -> &'static str {
     match op {
         Op::AllGather => "all_gather",
@@ -763,22 +793,7 @@ pub(crate) fn prepare(call: &CallInfo, st: &mut DeviceState, cfg: &Config, multi
         "cuEventRecord",
         || format!("device {ord}: ready event"),
     )?;
-    let info = RankInfo {
-        device: ord,
-        inputs,
-        outputs,
-        stages,
-        ready: st.ready as usize,
-        done: st.done as usize,
-        phases: st
-            .phase
-            .iter()
-            .take(plan.phases.len().saturating_sub(1).max(usize::from(mc.is_some())))
-            .map(|e| *e as usize)
-            .collect(),
-        multicast: mc.is_some(),
-        error: None,
-    };
+    let info = RankInfo::published(ord, (inputs, outputs), stages, (st.ready, st.done, &st.phase), plan, mc.is_some());
     Ok(Local { prepared, info, mc })
 }
 
@@ -820,22 +835,7 @@ fn prepare_slot(call: &CallInfo, st: &mut DeviceState, cfg: &Config, slot: usize
             format!("device {ord}: ready event")
         })?;
     }
-    let info = RankInfo {
-        device: ord,
-        inputs,
-        outputs,
-        stages,
-        ready: s.ready as usize,
-        done: s.done as usize,
-        phases: s
-            .phase
-            .iter()
-            .take(plan.phases.len().saturating_sub(1).max(usize::from(mc.is_some())))
-            .map(|e| *e as usize)
-            .collect(),
-        multicast: mc.is_some(),
-        error: None,
-    };
+    let info = RankInfo::published(ord, (inputs, outputs), stages, (s.ready, s.done, &s.phase), plan, mc.is_some());
     Ok(Local { prepared, info, mc })
 }
 
