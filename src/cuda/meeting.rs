@@ -21,7 +21,7 @@
 //! 5. `done_recorded(main)`: right after the driver recorded `done` on MAIN, before the exit barrier.
 //! 6. `fail(err)`: publish the failure so peers fail fast (every path that errs after the
 //!    exchange; `Mailbox` leaves it to `multiproc::execute_inner`, which publishes after aborting
-//!    the rail); `leave()`: the end of the call on every path (`cuda::end_call`).
+//!    the rail); `leave()`: the end of the call on every path (`end_call`).
 //!
 //! The ordering rules these hooks implement are the `cuda` module header's (rules 1-5, A1-A4) and
 //! `schedule`'s model; the meeting adds none of its own.
@@ -101,6 +101,20 @@ impl Drop for FailOnUnwind<'_> {
     }
 }
 
+/// The end of a call after its exchange, on both paths: runs `body` (the phases) under the unwind
+/// guard, publishes its error to the peers, then leaves the meeting; the first error wins.
+pub(crate) fn end_call(meeting: &dyn Meeting, body: impl FnOnce() -> Result<()>) -> Result<()> {
+    let result = {
+        let _unwind = FailOnUnwind(meeting);
+        body()
+    };
+    if let Err(e) = &result {
+        meeting.fail(e);
+    }
+    let left = meeting.leave();
+    result.and(left)
+}
+
 /// The panic guard of both paths: runs `f`, turning a panic into an error naming `what`, handed
 /// to `on_panic` first (the multi-process path publishes it to its group).
 pub(crate) fn catch_panic<T>(
@@ -120,5 +134,85 @@ pub(crate) fn catch_panic<T>(
             on_panic(&err);
             Err(err)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+
+    /// A meeting that records what the driver's end of call did with it.
+    #[derive(Default)]
+    struct Log {
+        events: RefCell<Vec<String>>,
+        leave_fails: bool,
+    }
+
+    impl Meeting for Log {
+        fn infos(&self) -> &[RankInfo] {
+            &[]
+        }
+        fn barrier(&self, label: &str) -> Result<()> {
+            self.events.borrow_mut().push(format!("barrier {label}"));
+            Ok(())
+        }
+        fn fail(&self, err: &TideError) {
+            self.events.borrow_mut().push(format!("fail {err}"));
+        }
+        fn leave(&self) -> Result<()> {
+            self.events.borrow_mut().push("leave".into());
+            if self.leave_fails {
+                return Err(TideError::Rendezvous("leave failed".into()));
+            }
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn end_call_leaves_on_every_path_and_publishes_errors() {
+        let m = Log::default();
+        assert!(end_call(&m, || m.barrier("exit")).is_ok());
+        assert_eq!(*m.events.borrow(), ["barrier exit", "leave"]);
+
+        let m = Log::default();
+        let e = end_call(&m, || Err(TideError::Internal("boom".into()))).unwrap_err();
+        assert!(e.to_string().contains("boom"), "{e}");
+        let ev = m.events.borrow();
+        assert_eq!(ev.len(), 2, "{ev:?}");
+        assert!(ev[0].starts_with("fail") && ev[0].contains("boom"), "{ev:?}");
+        assert_eq!(ev[1], "leave");
+
+        // The body's error wins over the leave's; a failed leave alone is the call's error.
+        let m = Log {
+            leave_fails: true,
+            ..Default::default()
+        };
+        let e = end_call(&m, || Err(TideError::Internal("first".into()))).unwrap_err();
+        assert!(e.to_string().contains("first"), "{e}");
+        let m = Log {
+            leave_fails: true,
+            ..Default::default()
+        };
+        let e = end_call(&m, || Ok(())).unwrap_err();
+        assert!(e.to_string().contains("leave failed"), "{e}");
+    }
+
+    #[test]
+    fn a_panic_fails_and_leaves_the_meeting_and_becomes_an_error() {
+        let m = Log::default();
+        let published = RefCell::new(None);
+        let r: Result<()> = catch_panic(
+            &|| "the test engine".into(),
+            || end_call(&m, || panic!("kaboom")),
+            |e| *published.borrow_mut() = Some(e.to_string()),
+        );
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("panic in the test engine: kaboom"), "{e}");
+        assert_eq!(published.borrow().as_deref(), Some(e.as_str()));
+        let ev = m.events.borrow();
+        assert_eq!(ev.len(), 2, "{ev:?}");
+        assert!(ev[0].starts_with("fail") && ev[0].contains("panic"), "{ev:?}");
+        assert_eq!(ev[1], "leave");
     }
 }

@@ -13,7 +13,7 @@
 //! # One driver
 //! Every call, in-process or multi-process, synchronous or split, enters at `execute_phase`
 //! (start/done, per-call in-flight slots: rules A1-A4 below) and is issued by one phase loop and
-//! end of call, `run_phases` (rules 3-5 / A2-A3) under `end_call` (unwind guard, failure
+//! end of call, `run_phases` (rules 3-5 / A2-A3) under `meeting::end_call` (unwind guard, failure
 //! published to the peers, leave), over a `meeting::Meeting` built after the exchange:
 //! `meeting::InProcess` (`rendezvous::Session`) or `multiproc::Mailbox` (`transport::ProcessGroup`,
 //! mailboxes, interprocess events, and the NCCL rail as hooks at phase start, per cross-node copy,
@@ -589,27 +589,13 @@ fn start_inner(call: &CallInfo, seq: u64) -> Result<Started> {
         session,
         rank: call.rank,
     };
-    let result = end_call(&meeting, || run_slot(call, &lock_dev, &h, &local, &meeting, cfg));
+    let result = meeting::end_call(&meeting, || run_slot(call, &lock_dev, &h, &local, &meeting, cfg));
     let started = Started {
         ctx: h.ctx,
         released: h.released,
         _lease: lease,
     };
     started.finish(call, result)
-}
-
-/// The end of a call after its exchange, on both paths: runs `body` (the phases) under the unwind
-/// guard, publishes its error to the peers, then leaves the meeting; the first error wins.
-pub(crate) fn end_call(meeting: &dyn Meeting, body: impl FnOnce() -> Result<()>) -> Result<()> {
-    let result = {
-        let _unwind = meeting::FailOnUnwind(meeting);
-        body()
-    };
-    if let Err(e) = &result {
-        meeting.fail(e);
-    }
-    let left = meeting.leave();
-    result.and(left)
 }
 
 /// Checks XLA's stream and the call's topology, and returns the site's prepared plan and schedule

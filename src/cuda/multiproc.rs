@@ -4,7 +4,7 @@
 //!
 //! One driver with the in-process engine: this module prepares a call, exchanges it through the
 //! mailboxes and builds a `Mailbox` (the `meeting::Meeting` of this path); `cuda::run_phases` issues
-//! it and `cuda::end_call` ends it, as for in-process calls. Same ordering protocol as the
+//! it and `meeting::end_call` ends it, as for in-process calls. Same ordering protocol as the
 //! in-process engine (`cuda` module header, rules 1-5), with three substitutions:
 //! - **Meeting**: instead of `rendezvous::Session`, the ranks of a group meet in a
 //!   `transport::ProcessGroup` keyed by (job, group): an entry barrier, one barrier per phase
@@ -977,7 +977,7 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
         fuse: false,
         multicast: None,
     };
-    super::end_call(&meeting, || super::run_phases(call, &io, &meeting, &prepared, &cfg))
+    super::meeting::end_call(&meeting, || super::run_phases(call, &io, &meeting, &prepared, &cfg))
 }
 
 /// Between NCCL polls: fails when a member of this rank's rail (same local index, other nodes)
