@@ -169,7 +169,7 @@ impl RankInfo {
     /// What a rank publishes for a call of `plan` on device `device`: its buffers, its `ready` and
     /// `done` events and the phase events the plan needs (at least one with multicast: "pushed").
     #[allow(clippy::type_complexity)]
-    fn published(
+    pub(crate) fn published(
         device: i64,
         (inputs, outputs): (Vec<(u64, usize)>, Vec<(u64, usize)>),
         stages: Vec<(u64, usize)>,
@@ -601,7 +601,7 @@ fn start_inner(call: &CallInfo, seq: u64) -> Result<Started> {
 /// Checks XLA's stream and the call's topology, and returns the site's prepared plan and schedule
 /// (cached per site; rebuilt when the call's shapes, rank, topology or settings change).
 /// `multi_node`: hierarchical plans allowed (the cross-process path runs their rail over NCCL).
-fn prepared_plan(call: &CallInfo, st: &mut DeviceState, cfg: &Config, multi_node: bool) -> Result<Arc<Prepared>> {
+pub(crate) fn prepared_plan(call: &CallInfo, st: &mut DeviceState, cfg: &Config, multi_node: bool) -> Result<Arc<Prepared>> {
     let ord = call.device_ordinal;
     if call.stream == 0 {
         return Err(TideError::InvalidArgument(format!(
@@ -696,7 +696,7 @@ fn prepared_plan(call: &CallInfo, st: &mut DeviceState, cfg: &Config, multi_node
 
 /// NVLink multicast: off unless asked for; then the whole gate (multicast module header), the
 /// device attribute query last. No multicast call is made here.
-fn multicast_grant(call: &CallInfo, st: &DeviceState, plan: &crate::plan::Plan, cfg: &Config) -> Option<multicast::Granted> {
+pub(crate) fn multicast_grant(call: &CallInfo, st: &DeviceState, plan: &crate::plan::Plan, cfg: &Config) -> Option<multicast::Granted> {
     if call.op != Op::AllGather || !cfg.multicast {
         return None;
     }
@@ -719,7 +719,7 @@ fn multicast_grant(call: &CallInfo, st: &DeviceState, plan: &crate::plan::Plan, 
 
 /// (address, bytes) of each operand and result, null buffers refused.
 #[allow(clippy::type_complexity)]
-fn buffer_lists(call: &CallInfo, plan: &crate::plan::Plan) -> Result<(Vec<(u64, usize)>, Vec<(u64, usize)>)> {
+pub(crate) fn buffer_lists(call: &CallInfo, plan: &crate::plan::Plan) -> Result<(Vec<(u64, usize)>, Vec<(u64, usize)>)> {
     let n = plan.layout.len();
     let mut inputs = Vec::with_capacity(n);
     let mut outputs = Vec::with_capacity(n);
@@ -740,47 +740,6 @@ fn buffer_lists(call: &CallInfo, plan: &crate::plan::Plan) -> Result<(Vec<(u64, 
         }
     }
     Ok((inputs, outputs))
-}
-
-/// The device-wide preparation of the multi-process path: XLA's stream is MAIN; it waits on this
-/// rank's previous `done` and records `ready` (that path's rule 1).
-pub(crate) fn prepare(call: &CallInfo, st: &mut DeviceState, cfg: &Config, multi_node: bool) -> Result<Local> {
-    let ord = call.device_ordinal;
-    let stream = call.stream as CUstream;
-    let prepared = prepared_plan(call, st, cfg, multi_node)?;
-    let plan = &prepared.plan;
-    let sched = &prepared.schedule;
-    st.ensure_side_streams(sched.side_streams)?;
-    // One more than the schedule needs: the last is the error path's join event.
-    st.ensure_events(sched.events + 1)?;
-    st.ensure_phase_events(plan.phases.len().saturating_sub(1))?;
-    let stages = st.ensure_stage(
-        &plan.stage_slot_bytes,
-        cfg.rs_stage_slots.saturating_mul(cfg.rs_slot_bytes),
-    )?;
-    if sched.needs_kernels {
-        st.ensure_module()?;
-    }
-    let mc = multicast_grant(call, st, plan, cfg);
-    if mc.is_some() {
-        st.ensure_side_streams(1)?;
-        st.ensure_phase_events(1)?;
-    }
-    let (inputs, outputs) = buffer_lists(call, plan)?;
-    // SAFETY: XLA's stream and our events are valid; the context is current.
-    check(
-        unsafe { sys::cuStreamWaitEvent(stream, st.done, 0) },
-        "cuStreamWaitEvent",
-        || format!("device {ord}: XLA's stream on the previous call's done event"),
-    )?;
-    // SAFETY: as above.
-    check(
-        unsafe { sys::cuEventRecord(st.ready, stream) },
-        "cuEventRecord",
-        || format!("device {ord}: ready event"),
-    )?;
-    let info = RankInfo::published(ord, (inputs, outputs), stages, (st.ready, st.done, &st.phase), plan, mc.is_some());
-    Ok(Local { prepared, info, mc })
 }
 
 /// The in-process preparation of a call in in-flight slot `slot`: the slot's resources, then rule

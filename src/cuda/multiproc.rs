@@ -59,14 +59,15 @@
 //! host-local), so "several nodes" means a forced topology (`TIDE_TOPOLOGY=2x1`) today; a real
 //! multi-host run needs a node-local control group plus the rail, which this layout keeps apart.
 
-use super::device;
+use super::device::{self, DeviceState};
 use super::driver::{self, check, CUevent, CUstream};
 use super::ipc::{self, AllocDesc, FdChannel};
 use super::nccl;
 use super::schedule::Cmd;
 use super::meeting::Meeting;
-use super::{op_name, prepare, RankInfo, Res};
+use super::{buffer_lists, multicast_grant, op_name, prepared_plan, Local, RankInfo, Res};
 use crate::call::CallInfo;
+use crate::config::Config;
 use crate::error::{Result, TideError};
 use crate::plan::{Action, BufKind, Op, Plan, Region};
 use crate::transport::group::Announcement;
@@ -494,6 +495,48 @@ impl Mail {
         }
         Ok(m)
     }
+}
+
+/// The device-wide preparation of this path: `call.stream` is MAIN (XLA's stream, or a slot's
+/// tide stream on a start: `cuda::start_multiprocess`); it waits on this rank's previous `done`
+/// and records `ready` (the `cuda` header's rule 1).
+fn prepare(call: &CallInfo, st: &mut DeviceState, cfg: &Config, multi_node: bool) -> Result<Local> {
+    let ord = call.device_ordinal;
+    let stream = call.stream as CUstream;
+    let prepared = prepared_plan(call, st, cfg, multi_node)?;
+    let plan = &prepared.plan;
+    let sched = &prepared.schedule;
+    st.ensure_side_streams(sched.side_streams)?;
+    // One more than the schedule needs: the last is the error path's join event.
+    st.ensure_events(sched.events + 1)?;
+    st.ensure_phase_events(plan.phases.len().saturating_sub(1))?;
+    let stages = st.ensure_stage(
+        &plan.stage_slot_bytes,
+        cfg.rs_stage_slots.saturating_mul(cfg.rs_slot_bytes),
+    )?;
+    if sched.needs_kernels {
+        st.ensure_module()?;
+    }
+    let mc = multicast_grant(call, st, plan, cfg);
+    if mc.is_some() {
+        st.ensure_side_streams(1)?;
+        st.ensure_phase_events(1)?;
+    }
+    let (inputs, outputs) = buffer_lists(call, plan)?;
+    // SAFETY: XLA's stream and our events are valid; the context is current.
+    check(
+        unsafe { sys::cuStreamWaitEvent(stream, st.done, 0) },
+        "cuStreamWaitEvent",
+        || format!("device {ord}: XLA's stream on the previous call's done event"),
+    )?;
+    // SAFETY: as above.
+    check(
+        unsafe { sys::cuEventRecord(st.ready, stream) },
+        "cuEventRecord",
+        || format!("device {ord}: ready event"),
+    )?;
+    let info = RankInfo::published(ord, (inputs, outputs), stages, (st.ready, st.done, &st.phase), plan, mc.is_some());
+    Ok(Local { prepared, info, mc })
 }
 
 /// A cross-node copy of one phase that involves this rank.
