@@ -898,6 +898,7 @@ fn run_slot<'d>(
         done: sl.done,
         fuse: true,
         multicast,
+        peer_hints: true,
     };
     let res_ok = run_phases(call, &io, meeting, prepared, cfg);
     // SAFETY: valid event and stream.
@@ -909,14 +910,18 @@ fn run_slot<'d>(
 
 /// What `run_phases` issues with besides the schedule: the streams and local events (`res`), the
 /// events it records on MAIN at each phase boundary (`phase`) and at the end (`done`), whether
-/// small copies and sums may go as batched launches (`fuse`, with TIDE_FUSE_BYTES), and the
-/// NVLink multicast grant of every rank (device, compute capability, grant).
+/// small copies and sums may go as batched launches (`fuse`, with TIDE_FUSE_BYTES), the NVLink
+/// multicast grant of every rank (device, compute capability, grant), and the batched copies' hints.
 pub(crate) struct Issue<'a> {
     pub res: Res<'a>,
     pub phase: &'a [CUevent],
     pub done: CUevent,
     pub fuse: bool,
     pub multicast: Option<(driver::CUdevice, (i32, i32), multicast::Granted)>,
+    /// Whether batched copies name the devices of their ranks as location hints (in-process), or
+    /// this rank's device (multi-process: a peer's ordinal is its own process's numbering; the
+    /// hints are ignored for non-managed memory, but must still name a device of this process).
+    pub peer_hints: bool,
 }
 
 /// The one phase loop and end of call of both paths (rules 3-5 / A2-A3), over `meeting`
@@ -998,8 +1003,8 @@ pub(crate) fn run_phases(
                                 dst: address(infos, dst, *bytes)?,
                                 src: address(infos, src, *bytes)?,
                                 bytes: *bytes,
-                                dst_dev: infos[dst.rank].device,
-                                src_dev: infos[src.rank].device,
+                                dst_dev: if io.peer_hints { infos[dst.rank].device } else { ord },
+                                src_dev: if io.peer_hints { infos[src.rank].device } else { ord },
                             };
                             let list = pending
                                 .get(s)

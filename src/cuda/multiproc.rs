@@ -35,8 +35,8 @@
 //!   (`phase_start`, `rail_event`, `reaches`, `phases_ended`), in this order.
 //!
 //! Settings: TIDE_COPY_BATCH applies here as in-process (copy-engine copies of one stream as one
-//! cuMemcpyBatchAsync; the location hints are ignored for non-managed memory, so a peer process's
-//! device ordinal in them is harmless; cross-node copies never join a batch: the rail takes their
+//! cuMemcpyBatchAsync; its location hints, ignored for non-managed memory, name this rank's device,
+//! never a peer process's ordinal, which means nothing here; cross-node copies never join a batch: the rail takes their
 //! place). TIDE_FUSE_BYTES does not (no batched launches: the kernel module is loaded only for
 //! plans that need kernels, and the fused kernels have not been run on imported peer memory), nor
 //! does TIDE_MULTICAST (single-process only).
@@ -1019,6 +1019,7 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
         done: st.done,
         fuse: false,
         multicast: None,
+        peer_hints: false,
     };
     super::meeting::end_call(&meeting, || super::run_phases(call, &io, &meeting, &prepared, &cfg))
 }
