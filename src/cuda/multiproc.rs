@@ -36,8 +36,8 @@
 //!
 //! Settings: TIDE_COPY_BATCH applies here as in-process (copy-engine copies of one stream as one
 //! cuMemcpyBatchAsync; its location hints, ignored for non-managed memory, name this rank's device,
-//! never a peer process's ordinal, which means nothing here; cross-node copies never join a batch: the rail takes their
-//! place). TIDE_FUSE_BYTES does not (no batched launches: the kernel module is loaded only for
+//! never a peer process's ordinal, which means nothing here; cross-node copies never join a batch:
+//! the rail takes their place). TIDE_FUSE_BYTES does not (no batched launches: the kernel module is loaded only for
 //! plans that need kernels, and the fused kernels have not been run on imported peer memory), nor
 //! does TIDE_MULTICAST (single-process only).
 //!
