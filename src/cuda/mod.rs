@@ -804,8 +804,17 @@ fn same_shapes(layout: &crate::layout::GroupLayout, call: &CallInfo) -> bool {
     })
 }
 
-/// Checks what the peers published against this rank's plan.
-fn check_peers(call: &CallInfo, prepared: &Prepared, infos: &[RankInfo]) -> Result<()> {
+/// Checks what the peers published against this rank's plan, on both paths: every rank of
+/// `meeting` that it `reaches` (the multi-process path reads ranks of other nodes only through the
+/// rail); their outputs only where `outputs_published` (multi-process peers publish none: plans
+/// pull). The multi-process path checks the mailboxes' contents before mapping them as well.
+pub(crate) fn check_peers(
+    call: &CallInfo,
+    prepared: &Prepared,
+    meeting: &dyn Meeting,
+    outputs_published: bool,
+) -> Result<()> {
+    let infos = meeting.infos();
     let plan = &prepared.plan;
     if infos.len() != call.world {
         return Err(TideError::Internal(format!(
@@ -822,7 +831,7 @@ fn check_peers(call: &CallInfo, prepared: &Prepared, infos: &[RankInfo]) -> Resu
             )));
         }
     }
-    for (q, info) in infos.iter().enumerate() {
+    for (q, info) in infos.iter().enumerate().filter(|(q, _)| meeting.reaches(*q)) {
         let n = plan.layout.len();
         let mismatch = |what: String| {
             Err(TideError::InvalidArgument(format!(
@@ -834,7 +843,7 @@ fn check_peers(call: &CallInfo, prepared: &Prepared, infos: &[RankInfo]) -> Resu
                 call.rank
             )))
         };
-        if info.inputs.len() != n || info.outputs.len() != n {
+        if info.inputs.len() != n || (outputs_published && info.outputs.len() != n) {
             return mismatch(format!(
                 "{} operands / {} results, expected {n}",
                 info.inputs.len(),
@@ -842,7 +851,8 @@ fn check_peers(call: &CallInfo, prepared: &Prepared, infos: &[RankInfo]) -> Resu
             ));
         }
         for i in 0..n {
-            if info.inputs[i].1 != plan.input_bytes(i) || info.outputs[i].1 != plan.output_bytes(i)
+            if info.inputs[i].1 != plan.input_bytes(i)
+                || (outputs_published && info.outputs[i].1 != plan.output_bytes(i))
             {
                 return mismatch(format!(
                     "{}: buffer sizes differ",
@@ -880,7 +890,7 @@ fn run_slot<'d>(
 ) -> Result<()> {
     let infos = meeting.infos();
     let prepared = &local.prepared;
-    check_peers(call, prepared, infos)?;
+    check_peers(call, prepared, meeting, true)?;
     if infos.iter().any(|i| i.device != call.device_ordinal) {
         let mut st = lock_dev()?;
         for info in infos {

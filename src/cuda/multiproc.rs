@@ -1021,7 +1021,10 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
         multicast: None,
         peer_hints: false,
     };
-    super::meeting::end_call(&meeting, || super::run_phases(call, &io, &meeting, &prepared, &cfg))
+    super::meeting::end_call(&meeting, || {
+        super::check_peers(call, &prepared, &meeting, false)?;
+        super::run_phases(call, &io, &meeting, &prepared, &cfg)
+    })
 }
 
 /// Between NCCL polls: fails when a member of this rank's rail (same local index, other nodes)
