@@ -363,11 +363,11 @@ fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize
 fn tide_call_cuda(op: u8, phase: u8, instance: u64, call: &FfiCall) -> FfiStatus {
     let result = catch_unwind(AssertUnwindSafe(|| {
         let (op, phase) = (op_of(op)?, phase_of(phase)?);
-        let call = with_site_key(op, instance, call.clone())?;
+        let site = site_key(op, call.site, instance)?;
         let info = match phase {
-            Phase::Done => decode_done(op, &call)?,
-            Phase::Start => decode_start(op, &call)?,
-            Phase::Sync => decode(op, &call)?,
+            Phase::Done => decode_done_as(op, call, site)?,
+            Phase::Start => decode_start_as(op, call, site)?,
+            Phase::Sync => decode_as(op, call, site, &call.outputs)?,
         };
         // The CUDA engine validates the layout itself, after taking its rendezvous sequence
         // number, so a rank that fails validation still tells its peers.
@@ -431,6 +431,10 @@ fn phase_name(op: Op, phase: Phase, site: i64) -> String {
 /// which done takes: XLA can then neither free them nor hand done a recomputed copy while tide
 /// still reads them. The `CallInfo` has the N results proper.
 pub fn decode_start(op: Op, call: &FfiCall) -> Result<CallInfo> {
+    decode_start_as(op, call, call.site)
+}
+
+fn decode_start_as(op: Op, call: &FfiCall, site: i64) -> Result<CallInfo> {
     let n = call.inputs.len();
     if n == 0 || call.outputs.len() != 2 * n {
         return crate::invalid!(
@@ -453,14 +457,16 @@ pub fn decode_start(op: Op, call: &FfiCall) -> Result<CallInfo> {
             );
         }
     }
-    let mut call = call.clone();
-    call.outputs.truncate(n);
-    decode(op, &call)
+    decode_as(op, call, site, &call.outputs[..n])
 }
 
 /// Decodes a done call: operands are start's N results then start's N operands (as start passed
 /// them through), results the N buffers aliased to the first N operands.
 pub fn decode_done(op: Op, call: &FfiCall) -> Result<CallInfo> {
+    decode_done_as(op, call, call.site)
+}
+
+fn decode_done_as(op: Op, call: &FfiCall, site: i64) -> Result<CallInfo> {
     let n = call.outputs.len();
     if n == 0 || call.inputs.len() != 2 * n {
         return crate::invalid!(
@@ -483,7 +489,7 @@ pub fn decode_done(op: Op, call: &FfiCall) -> Result<CallInfo> {
             );
         }
     }
-    decode(op, call)
+    decode_as(op, call, site, &call.outputs)
 }
 
 pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
@@ -548,10 +554,15 @@ fn buffers(list: &[FfiBuffer], role: &str, call_name: &str) -> Result<Vec<Buffer
 /// maps the device ordinal to this device's rank and group. Buffer shapes are checked later, by
 /// `CallInfo::layout`.
 pub fn decode(op: Op, call: &FfiCall) -> Result<CallInfo> {
+    decode_as(op, call, call.site, &call.outputs)
+}
+
+/// `decode` with the site key and the results to use (a start's first N), without copying the call.
+fn decode_as(op: Op, call: &FfiCall, site: i64, outputs: &[FfiBuffer]) -> Result<CallInfo> {
     let attrs = crate::call::check_attributes(
         op,
         &crate::call::Attributes {
-            site: call.site,
+            site,
             world: call.world,
             nodes: call.nodes,
             gpus_per_node: call.gpus_per_node,
@@ -561,10 +572,10 @@ pub fn decode(op: Op, call: &FfiCall) -> Result<CallInfo> {
             device_groups: &call.device_groups,
             job: call.job,
             operands: call.inputs.len(),
-            results: call.outputs.len(),
+            results: outputs.len(),
         },
     )?;
-    let name = format!("{} site {}", op_name(op), call.site);
+    let name = format!("{} site {}", op_name(op), site);
     let device = call.device_ordinal;
     let (world, topology, rank, group) = (attrs.world, attrs.topology, attrs.rank, attrs.group);
     let names = if call.names.is_empty() {
@@ -577,7 +588,7 @@ pub fn decode(op: Op, call: &FfiCall) -> Result<CallInfo> {
     };
     Ok(CallInfo {
         op,
-        site: call.site,
+        site,
         run_id: call.run_id,
         job: attrs.job,
         device_ordinal: device,
@@ -587,7 +598,7 @@ pub fn decode(op: Op, call: &FfiCall) -> Result<CallInfo> {
         topology,
         names,
         inputs: buffers(&call.inputs, "operand", &name)?,
-        outputs: buffers(&call.outputs, "result", &name)?,
+        outputs: buffers(outputs, "result", &name)?,
         stream: call.stream,
     })
 }
