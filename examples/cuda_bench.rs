@@ -23,11 +23,10 @@
 //! (default 25), TIDE_BENCH_QUICK=1 (small sweep), TIDE_BENCH_TIMEOUT_S (default 220: exits 3).
 //! Prints SKIPPED without a CUDA driver or GPU.
 //!
-//! TIDE_BENCH_RSKERNEL=1: only the fp32 reduction comparison, ld (LSU), st (ld with 8-byte loads and
-//! coalesced 16-byte fp32 stores) and bulk (cp.async.bulk, sm_90) kernels: bulk-vs-ld and st-vs-ld
-//! bitwise checks (1-4 sources, bf16/f32, accumulate, tails), kernel-alone rows (ld 16/64/132 CTAs,
-//! st 16/64, bulk 8/16/32/64), full reduce-scatter rows at 16 and 64 CTAs per kernel, and the
-//! CPU-engine bitwise check of the st and bulk reduce-scatters (< 60 s).
+//! TIDE_BENCH_RSKERNEL=1: only the fp32 reduction: a bitwise check of the rs_sum kernels against a
+//! sequential host sum (1-8 sources, bf16/f32, accumulate, tails, unaligned sources), kernel-alone
+//! rows (16/64/132 CTAs), full reduce-scatter rows at 16 and 64 CTAs, and the CPU-engine bitwise
+//! check of those reduce-scatters (< 60 s).
 //!
 //! Build here: cargo build --release --example cuda_bench  -> target/release/examples/cuda_bench
 //! Run on the GPU machine: TIDE_BENCH_OUT=$OUT/cuda_bench.json <binary>
@@ -40,7 +39,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Barrier, Mutex};
 use std::time::{Duration, Instant};
 use tide::call::{BufferView, CallInfo};
-use tide::config::{Config, LocalCopy, RsKernel};
+use tide::config::{Config, LocalCopy};
 use tide::cuda::driver::check;
 use tide::cuda::kernels;
 use tide::engine::cpu::run_threads;
@@ -84,9 +83,8 @@ struct Dev {
     flag_d: u64,
     sum_bf16: sys::CUfunction,
     copy_fn: sys::CUfunction,
-    /// rs_sum_{bf16,f16,f32}_f32 (ld) and their bulk variants (None below sm_90).
-    sum_ld: [sys::CUfunction; 3],
-    sum_bulk: Option<[sys::CUfunction; 3]>,
+    /// rs_sum_{bf16,f16,f32}_f32.
+    sum_fns: [sys::CUfunction; 3],
 }
 // SAFETY: raw CUDA handles and a pinned host word, usable from any thread.
 unsafe impl Send for Dev {}
@@ -200,19 +198,11 @@ fn gpus() -> Option<Vec<Dev>> {
             "cuMemHostGetDevicePointer"
         );
         // The engine's kernels (NVRTC), through its own device state.
-        let (sum_bf16, copy_fn, sum_ld, sum_bulk) = {
+        let (sum_bf16, copy_fn, sum_fns) = {
             let st = tide::cuda::device::get(ord as i64).unwrap_or_else(|e| panic!("{e}"));
             let mut st = st.lock().unwrap();
             let m = st.ensure_module().unwrap_or_else(|e| panic!("{e}"));
-            if m.sum_bulk.is_none() {
-                println!("bulk kernel unavailable on device {ord}: {}", m.bulk_why);
-            }
-            (
-                m.sum_bf16,
-                m.copy,
-                [m.sum_bf16, m.sum_f16, m.sum_f32],
-                m.sum_bulk,
-            )
+            (m.sum_bf16, m.copy, [m.sum_bf16, m.sum_f16, m.sum_f32])
         };
         ck!(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
         devs.push(Dev {
@@ -227,8 +217,7 @@ fn gpus() -> Option<Vec<Dev>> {
             flag_d,
             sum_bf16,
             copy_fn,
-            sum_ld,
-            sum_bulk,
+            sum_fns,
         });
     }
     // Peer access both ways (the engine enables it too; "already enabled" is fine).
@@ -609,16 +598,6 @@ fn launch(
     stream: sys::CUstream,
     params: &mut [*mut std::ffi::c_void],
 ) {
-    launch_smem(f, grid, 0, stream, params)
-}
-
-fn launch_smem(
-    f: sys::CUfunction,
-    grid: u32,
-    smem: u32,
-    stream: sys::CUstream,
-    params: &mut [*mut std::ffi::c_void],
-) {
     ck!(
         sys::cuLaunchKernel(
             f,
@@ -628,7 +607,7 @@ fn launch_smem(
             kernels::THREADS,
             1,
             1,
-            smem,
+            0,
             stream,
             params.as_mut_ptr(),
             std::ptr::null_mut()
@@ -637,14 +616,10 @@ fn launch_smem(
     );
 }
 
-/// One rs_sum launch (ld or bulk kernel `f`; `st`: the ld kernel's coalesced-store mode):
-/// dst = sum of srcs (or += when acc), n elements.
-#[allow(clippy::too_many_arguments)]
+/// One rs_sum launch (`f`, the kernel for the sources' dtype): dst = sum of srcs (or += when acc),
+/// n elements, in the vectorized mode the engine would pick for these addresses.
 fn sum_launch(
     f: sys::CUfunction,
-    bulk: bool,
-    st: bool,
-    dtype: DType,
     grid: u32,
     stream: sys::CUstream,
     dst: u64,
@@ -660,7 +635,7 @@ fn sum_launch(
     let mut nsrc = srcs.len() as i32;
     let mut n = n;
     let mut a = acc as i32;
-    let mut vec = kernels::sum_mode(kernels::sum_vectorized(dst, srcs), dtype, st);
+    let mut vec = kernels::sum_mode(kernels::sum_vectorized(dst, srcs));
     let mut params: [*mut std::ffi::c_void; 6] = [
         &mut d as *mut u64 as *mut _,
         &mut ptrs as *mut kernels::SrcPtrs as *mut _,
@@ -669,96 +644,88 @@ fn sum_launch(
         &mut a as *mut i32 as *mut _,
         &mut vec as *mut i32 as *mut _,
     ];
-    let smem = if bulk {
-        kernels::bulk_smem(srcs.len())
-    } else {
-        0
-    };
-    launch_smem(f, grid, smem, stream, &mut params);
+    launch(f, grid, stream, &mut params);
 }
 
-/// Bulk vs ld kernel, bitwise, on device 0: bf16 and f32 sources, 1 to 4 sources, write and
-/// accumulate, sizes with and without a partial tile, a vector tail and a scalar tail, several grids.
-/// Returns (cases, mismatches); prints one line per mismatch.
-fn bulk_vs_ld_check(d: &Dev) -> (usize, usize) {
-    let Some(bulk) = d.sum_bulk else {
-        return (0, 0);
-    };
+/// The rs_sum kernels against a sequential host sum, bitwise, on device 0: bf16 and f32 sources, 1
+/// to 8 sources, write and accumulate, sizes with quad or vector and scalar tails, 16-byte aligned
+/// and unaligned sources (the scalar body), several grids. The host adds in the kernels' order,
+/// `((dst or s0) + s1) + ...`, in fp32 (finite normal values only). Returns (cases, mismatches);
+/// prints one line per mismatch.
+fn sum_vs_host_check(d: &Dev) -> (usize, usize) {
     set_ctx(d);
     let max_n: usize = 8192 * 7 + 8 * 5 + 3;
-    let srcs: Vec<u64> = (0..4).map(|_| alloc(d, max_n * 4)).collect();
-    let mut host = vec![0u8; max_n * 4];
-    for (i, &p) in srcs.iter().enumerate() {
-        fill_bf16(&mut host, 900 + i as u64);
-        upload(d, p, &host);
-    }
-    let (da, db) = (alloc(d, max_n * 4), alloc(d, max_n * 4));
+    let bytes = max_n * 4 + 16;
+    let mut host = vec![0u8; bytes];
+    let mut srcs_host = Vec::new();
+    let srcs: Vec<u64> = (0..kernels::MAX_SRCS)
+        .map(|i| {
+            let p = alloc(d, bytes);
+            fill_bf16(&mut host, 900 + i as u64);
+            upload(d, p, &host);
+            srcs_host.push(host.clone());
+            p
+        })
+        .collect();
+    let dst = alloc(d, max_n * 4);
     fill_bf16(&mut host, 4242);
-    let init = host.clone();
+    let init = host[..max_n * 4].to_vec();
+    let value = |dtype: DType, b: &[u8], i: usize| -> f32 {
+        match dtype {
+            DType::BF16 => {
+                f32::from_bits((u16::from_le_bytes([b[2 * i], b[2 * i + 1]]) as u32) << 16)
+            }
+            _ => f32::from_le_bytes(b[4 * i..4 * i + 4].try_into().unwrap()),
+        }
+    };
     let (mut cases, mut bad) = (0, 0);
     for (ti, dtype) in [(0usize, DType::BF16), (2, DType::F32)] {
-        for nsrc in 1..=kernels::BULK_MAX_SRCS {
-            for n in [8192usize, 4096 * 3, 8192 * 7 + 8 * 5 + 3, 8192 * 2 + 5, 100] {
-                for acc in [false, true] {
-                    for grid in [1u32, 3, 16] {
-                        upload(d, da, &init);
-                        upload(d, db, &init);
-                        sum_launch(
-                            d.sum_ld[ti],
-                            false,
-                            false,
-                            dtype,
-                            16,
-                            d.stream,
-                            da,
-                            &srcs[..nsrc],
-                            n as u64,
-                            acc,
-                        );
-                        sum_launch(
-                            bulk[ti],
-                            true,
-                            false,
-                            dtype,
-                            grid,
-                            d.stream,
-                            db,
-                            &srcs[..nsrc],
-                            n as u64,
-                            acc,
-                        );
-                        sync(d);
-                        cases += 1;
-                        let want = download(d, da, n * 4);
-                        if want != download(d, db, n * 4) {
-                            bad += 1;
-                            println!(
-                                "MISMATCH bulk vs ld: {} nsrc={nsrc} n={n} acc={acc} grid={grid}",
-                                dtype.name()
+        let esize = dtype.size_bytes();
+        for nsrc in 1..=kernels::MAX_SRCS {
+            for n in [8192usize, 4096 * 3 + 2, 8192 * 7 + 8 * 5 + 3, 100, 3] {
+                for offset in [0usize, 1] {
+                    let src_ptrs: Vec<u64> = srcs[..nsrc]
+                        .iter()
+                        .map(|&p| p + (offset * esize) as u64)
+                        .collect();
+                    let src_bytes: Vec<&[u8]> = srcs_host[..nsrc]
+                        .iter()
+                        .map(|h| &h[offset * esize..])
+                        .collect();
+                    for acc in [false, true] {
+                        let want: Vec<u8> = (0..n)
+                            .flat_map(|i| {
+                                let (mut sum, first) = if acc {
+                                    (value(DType::F32, &init, i), 0)
+                                } else {
+                                    (value(dtype, src_bytes[0], i), 1)
+                                };
+                                for b in &src_bytes[first..] {
+                                    sum += value(dtype, b, i);
+                                }
+                                sum.to_le_bytes()
+                            })
+                            .collect();
+                        for grid in [1u32, 3, 16] {
+                            upload(d, dst, &init);
+                            sum_launch(
+                                d.sum_fns[ti],
+                                grid,
+                                d.stream,
+                                dst,
+                                &src_ptrs,
+                                n as u64,
+                                acc,
                             );
-                        }
-                        // The coalesced-store mode of the ld kernel (TIDE_RS_KERNEL=st).
-                        upload(d, db, &init);
-                        sum_launch(
-                            d.sum_ld[ti],
-                            false,
-                            true,
-                            dtype,
-                            grid,
-                            d.stream,
-                            db,
-                            &srcs[..nsrc],
-                            n as u64,
-                            acc,
-                        );
-                        sync(d);
-                        cases += 1;
-                        if want != download(d, db, n * 4) {
-                            bad += 1;
-                            println!(
-                                "MISMATCH st vs ld: {} nsrc={nsrc} n={n} acc={acc} grid={grid}",
-                                dtype.name()
-                            );
+                            sync(d);
+                            cases += 1;
+                            if download(d, dst, n * 4) != want {
+                                bad += 1;
+                                println!(
+                                    "MISMATCH rs_sum vs host: {} nsrc={nsrc} n={n} offset={offset} acc={acc} grid={grid}",
+                                    dtype.name()
+                                );
+                            }
                         }
                     }
                 }
@@ -792,8 +759,8 @@ fn main() {
         .map(|v| v == "1")
         .unwrap_or(false);
     let warm = 3;
-    // TIDE_BENCH_RSKERNEL=1: only the reduction-kernel comparison (ld vs bulk): kernel-alone rows,
-    // reduce-scatter rows at 16 and 64 CTAs, bulk-vs-ld and CPU-engine bitwise checks (< 60 s).
+    // TIDE_BENCH_RSKERNEL=1: only the reduction kernel: kernel-alone rows, reduce-scatter rows at 16
+    // and 64 CTAs, kernel-vs-host and CPU-engine bitwise checks (< 60 s).
     let rsk = std::env::var("TIDE_BENCH_RSKERNEL")
         .map(|v| v == "1")
         .unwrap_or(false);
@@ -811,15 +778,13 @@ fn main() {
     // Fastest variants per group, for the checks: (group h, config, median).
     let mut best_ag: Vec<(usize, Config, f64)> = vec![];
     let mut best_rs: Vec<(usize, Config, f64)> = vec![];
-    let (bcases, bbad) = bulk_vs_ld_check(&devs[0]);
-    let bulk_check = if devs[0].sum_bulk.is_none() {
-        "- bulk vs ld kernel: SKIPPED (bulk unavailable)".to_string()
-    } else if bbad == 0 {
-        format!("- bulk vs ld kernel: bitwise equal in all {bcases} cases")
+    let (kcases, kbad) = sum_vs_host_check(&devs[0]);
+    let kernel_check = if kbad == 0 {
+        format!("- rs_sum kernels vs host sum: bitwise equal in all {kcases} cases")
     } else {
-        format!("- bulk vs ld kernel: MISMATCH in {bbad} of {bcases} cases")
+        format!("- rs_sum kernels vs host sum: MISMATCH in {kbad} of {kcases} cases")
     };
-    println!("check {bulk_check}");
+    println!("check {kernel_check}");
 
     let groups: &[usize] = &[1664, 3328];
     for &h in groups {
@@ -1064,14 +1029,7 @@ fn main() {
         } else {
             &[8, 16, 32, 64, 132, 264]
         };
-        // (bulk, st, ctas)
-        let mut kvariants: Vec<(bool, bool, u32)> =
-            kctas.iter().map(|&c| (false, false, c)).collect();
-        kvariants.extend([16u32, 64].iter().map(|&c| (false, true, c)));
-        if devs[0].sum_bulk.is_some() {
-            kvariants.extend([8u32, 16, 32, 64].iter().map(|&c| (true, false, c)));
-        }
-        for &(bulk, st, ctas) in &kvariants {
+        for &ctas in kctas {
             let s = measure(&devs, world, warm, reps, &|| 9, &|r| {
                 let d = &devs[r];
                 set_ctx(d);
@@ -1083,96 +1041,49 @@ fn main() {
                     let dst = b.rs_out[r][i];
                     let srcs = [own, other];
                     let vecd = kernels::sum_vectorized(dst, &srcs);
-                    let use_bulk =
-                        bulk && kernels::bulk_eligible(vecd, 2, elems as u64, DType::BF16);
-                    let (f, grid) = if use_bulk {
-                        (
-                            d.sum_bulk.unwrap()[0],
-                            kernels::bulk_tiles(elems as u64, DType::BF16).clamp(1, ctas as u64)
-                                as u32,
-                        )
-                    } else {
-                        (
-                            d.sum_bf16,
-                            kernels::grid(
-                                kernels::sum_units_mode(
-                                    elems as u64,
-                                    DType::BF16,
-                                    kernels::sum_mode(vecd, DType::BF16, st),
-                                ),
-                                ctas,
-                            ),
-                        )
-                    };
-                    sum_launch(
-                        f,
-                        use_bulk,
-                        st && !use_bulk,
-                        DType::BF16,
-                        grid,
-                        d.stream,
-                        dst,
-                        &srcs,
-                        elems as u64,
-                        false,
-                    );
+                    let grid = kernels::grid(kernels::sum_units(elems as u64, vecd), ctas);
+                    sum_launch(d.sum_bf16, grid, d.stream, dst, &srcs, elems as u64, false);
                 }
             });
-            let name = if bulk {
-                "rs_sum_bf16_f32_bulk"
-            } else if st {
-                "rs_sum_bf16_f32 (st: coalesced stores)"
-            } else {
-                "rs_sum_bf16_f32"
-            };
             rep.row(
                 "reduce_kernel",
                 &g,
-                &format!("{name} {ctas} CTAs"),
+                &format!("rs_sum_bf16_f32 {ctas} CTAs"),
                 &s,
                 moved,
             );
         }
-        // Full reduce-scatter, ld vs bulk reduction, at the default slots/streams.
+        // Full reduce-scatter at 16 and 64 reduction CTAs, at the default slots/streams.
         rep.header(&format!(
-            "(c'') tide reduce-scatter, ld vs bulk reduction kernel, {g} (GB/s: peer bf16 bytes received per GPU)"
+            "(c'') tide reduce-scatter, 16 and 64 reduction CTAs, {g} (GB/s: peer bf16 bytes received per GPU)"
         ));
-        let mut kinds = vec![RsKernel::Ld, RsKernel::St];
-        if devs[0].sum_bulk.is_some() {
-            kinds.push(RsKernel::Bulk);
-        }
-        for &kind in &kinds {
-            for ctas in [16u32, 64] {
-                let mut c = base_config();
-                c.rs_max_ctas = ctas;
-                c.rs_kernel = kind;
-                tide::config::set_override(Some(c.clone()));
-                site += 1;
-                let calls: Vec<CallInfo> = (0..world)
-                    .map(|r| call_of(&devs, &b, Op::ReduceScatter, site, r, world))
-                    .collect();
-                let s = measure(
-                    &devs,
-                    world,
-                    warm,
-                    reps,
-                    &|| sched_cmds(dev0, site, Op::ReduceScatter),
-                    &|r| {
-                        tide::cuda::execute(&calls[r])
-                            .unwrap_or_else(|e| panic!("reduce-scatter: {e}"));
-                    },
-                );
-                let v = format!(
-                    "kernel={kind:?} ctas={ctas} slot={}MiB slots={} streams={}",
-                    c.rs_slot_bytes / MIB,
-                    c.rs_stage_slots,
-                    c.rs_copy_streams
-                );
-                rep.row("reduce_scatter_kernel", &g, &v, &s, recv);
-                if kind != RsKernel::Ld {
-                    best_rs.push((h, c, s.median));
-                }
-            }
+        for ctas in [16u32, 64] {
+            let mut c = base_config();
+            c.rs_max_ctas = ctas;
+            tide::config::set_override(Some(c.clone()));
+            site += 1;
+            let calls: Vec<CallInfo> = (0..world)
+                .map(|r| call_of(&devs, &b, Op::ReduceScatter, site, r, world))
+                .collect();
+            let s = measure(
+                &devs,
+                world,
+                warm,
+                reps,
+                &|| sched_cmds(dev0, site, Op::ReduceScatter),
+                &|r| {
+                    tide::cuda::execute(&calls[r])
+                        .unwrap_or_else(|e| panic!("reduce-scatter: {e}"));
+                },
+            );
+            let v = format!(
+                "ctas={ctas} slot={}MiB slots={} streams={}",
+                c.rs_slot_bytes / MIB,
+                c.rs_stage_slots,
+                c.rs_copy_streams
+            );
+            rep.row("reduce_scatter_kernel", &g, &v, &s, recv);
+            best_rs.push((h, c, s.median));
         }
         tide::config::set_override(Some(base_config()));
         println!("group {g} done at {:.1} s", t_start.elapsed().as_secs_f64());
@@ -1258,8 +1169,7 @@ fn main() {
                     c.ag_streams, c.local_copy, c.copy_batch as u8
                 ),
                 Op::ReduceScatter => format!(
-                    "kernel={:?} ctas={} slot={}MiB slots={} streams={}",
-                    c.rs_kernel,
+                    "ctas={} slot={}MiB slots={} streams={}",
                     c.rs_max_ctas,
                     c.rs_slot_bytes / MIB,
                     c.rs_stage_slots,
@@ -1282,7 +1192,7 @@ fn main() {
     }
     tide::config::set_override(None);
 
-    let _ = writeln!(checks, "{bulk_check}");
+    let _ = writeln!(checks, "{kernel_check}");
     let summary = summarize(&rep, groups);
     let full = format!(
         "{}\n\n### Fastest variants, checked\n{checks}\n{summary}",

@@ -6,16 +6,16 @@
 // f32 is a bit shift, f16 -> f32 is the PTX instruction cvt.f32.f16.
 //
 // rs_sum_<src>_f32(dst, srcs, nsrc, n, accumulate, vectorized):
-//   vectorized: 0 scalar; 1 16-byte source vectors (a 2-byte source's 8 elements become two 16-byte
-//   stores 32 bytes apart per thread: each warp store instruction half-fills its sectors); 2 (2-byte
-//   sources only, else as 1) 8-byte source quads, so each thread stores one 16-byte float4 and a warp
-//   store instruction writes 512 contiguous bytes (TIDE_RS_KERNEL=st). All three give the same bits.
+//   vectorized: 0 scalar; 1 (dst and every source 16-byte aligned) one 16-byte fp32 store per
+//   thread: 2-byte sources by 8-byte source quads, so a warp store instruction writes 512 contiguous
+//   bytes (2.2x the 16-byte-source-vector body at 16 CTAs on one H200, 2026-12-01); fp32 sources by
+//   16-byte vectors. Both give the same bits.
 //   dst[e] = ((f32(srcs[0][e]) + f32(srcs[1][e])) + ...) + f32(srcs[nsrc-1][e])   (accumulate == 0)
 //   dst[e] = ((dst[e] + f32(srcs[0][e])) + ...) + f32(srcs[nsrc-1][e])          (accumulate != 0)
 //   for e in [0, n), in exactly this order, fp32 adds (no fast math), so results are bitwise equal to
 //   tide's CPU engine. A sum over more than TIDE_MAX_SRCS sources is several launches, the later ones
 //   with accumulate = 1 (the same sequence of fp32 additions). vectorized != 0 promises that dst and
-//   every source are 16-byte aligned (the host checks); elements past the last whole 16-byte vector
+//   every source are 16-byte aligned (the host checks); elements past the last whole quad or vector
 //   are done by a scalar tail. Grid-stride loops: any grid size is correct.
 //
 // tide_copy(dst, src, bytes, width): copies bytes; width (16, 8, 4, 2 or 1) divides both addresses.
@@ -72,9 +72,10 @@ TIDE_DEV float tide_f16_f32(unsigned short h) {
 #endif
 }
 
-// Element traits: how one source element and one 16-byte vector of them become fp32.
+// Element traits: how one source element (and a 32-bit word of 2-byte ones, a 16-byte vector of fp32
+// ones) becomes fp32. BYTES picks the body: 2-byte sources run the quad body, fp32 the vector body.
 struct TideBf16 {
-    enum { PER_VEC = 8 };
+    enum { BYTES = 2 };
     static TIDE_DEV float one(const void* p, unsigned long long i) {
         return tide_bits_f32(((unsigned int)((const unsigned short*)p)[i]) << 16);
     }
@@ -82,24 +83,10 @@ struct TideBf16 {
         out[0] = tide_bits_f32(w << 16);
         out[1] = tide_bits_f32(w & 0xffff0000u);
     }
-    static TIDE_DEV void unpack(const uint4& v, float* out) {
-        word(v.x, out + 0);
-        word(v.y, out + 2);
-        word(v.z, out + 4);
-        word(v.w, out + 6);
-    }
-#ifndef TIDE_HOST_EMULATION
-    // 4 elements (8 bytes, 8-byte aligned) -> fp32 (the bulk kernel's shared-memory reads).
-    static TIDE_DEV void quad(const unsigned char* p, float* out) {
-        const uint2 w = *(const uint2*)p;
-        word(w.x, out + 0);
-        word(w.y, out + 2);
-    }
-#endif
 };
 
 struct TideF16 {
-    enum { PER_VEC = 8 };
+    enum { BYTES = 2 };
     static TIDE_DEV float one(const void* p, unsigned long long i) {
         return tide_f16_f32(((const unsigned short*)p)[i]);
     }
@@ -107,24 +94,10 @@ struct TideF16 {
         out[0] = tide_f16_f32((unsigned short)(w & 0xffffu));
         out[1] = tide_f16_f32((unsigned short)(w >> 16));
     }
-    static TIDE_DEV void unpack(const uint4& v, float* out) {
-        word(v.x, out + 0);
-        word(v.y, out + 2);
-        word(v.z, out + 4);
-        word(v.w, out + 6);
-    }
-#ifndef TIDE_HOST_EMULATION
-    // 4 elements (8 bytes, 8-byte aligned) -> fp32 (the bulk kernel's shared-memory reads).
-    static TIDE_DEV void quad(const unsigned char* p, float* out) {
-        const uint2 w = *(const uint2*)p;
-        word(w.x, out + 0);
-        word(w.y, out + 2);
-    }
-#endif
 };
 
 struct TideF32 {
-    enum { PER_VEC = 4 };
+    enum { BYTES = 4, PER_VEC = 4 };
     static TIDE_DEV float one(const void* p, unsigned long long i) { return ((const float*)p)[i]; }
     static TIDE_DEV void unpack(const uint4& v, float* out) {
         out[0] = tide_bits_f32(v.x);
@@ -132,13 +105,11 @@ struct TideF32 {
         out[2] = tide_bits_f32(v.z);
         out[3] = tide_bits_f32(v.w);
     }
-#ifndef TIDE_HOST_EMULATION
-    static TIDE_DEV void quad(const unsigned char* p, float* out) { unpack(*(const uint4*)p, out); }
-#endif
 };
 
-// Vector body: each thread handles U vectors per iteration (U * NSRC independent 16-byte loads in
-// flight before the first add), vectors v0, v0 + stride, ... so each warp's loads are coalesced.
+// Vector body (fp32 sources, vectorized): each thread handles U vectors per iteration (U * NSRC
+// independent 16-byte loads in flight before the first add), vectors v0, v0 + stride, ... so each
+// warp's loads are coalesced.
 template <class E, int NSRC, int U>
 TIDE_DEV void tide_sum_vec(float* dst, const TideSrcs& srcs, unsigned long long nvec, int accumulate,
                            TideGrid g = tide_grid()) {
@@ -197,7 +168,7 @@ TIDE_DEV void tide_sum_vec(float* dst, const TideSrcs& srcs, unsigned long long 
     }
 }
 
-// Quad body (2-byte sources, vectorized == 2): thread i of the grid sums elements [4q, 4q + 4) for
+// Quad body (2-byte sources, vectorized): thread i of the grid sums elements [4q, 4q + 4) for
 // quads q = i, i + stride, ... (U quads per iteration, U * NSRC independent 8-byte loads in flight):
 // lane l of a warp loads 8 bytes at quad q0 + l and stores the float4 at q0 + l, so both the loads
 // (256 bytes per warp instruction) and the fp32 stores (512 bytes) are contiguous.
@@ -301,32 +272,30 @@ template <class E>
 TIDE_DEV void tide_sum(float* dst, const TideSrcs& srcs, int nsrc, unsigned long long n, int accumulate,
                        int vectorized, TideGrid g = tide_grid()) {
     if (nsrc < 1 || nsrc > TIDE_MAX_SRCS) return;  // the host never launches this
-    if constexpr (E::PER_VEC == 8) {  // 2-byte sources
-        if (vectorized == 2) {
-            const unsigned long long nquad = n / 4;
-            tide_sum_quads<E>(dst, srcs, nsrc, nquad, accumulate, g);
-            tide_sum_scalar<E>(dst, srcs, nsrc, nquad * 4, n, accumulate, g);
-            return;
+    if constexpr (E::BYTES == 2) {
+        const unsigned long long nquad = vectorized ? n / 4 : 0;
+        if (nquad > 0) tide_sum_quads<E>(dst, srcs, nsrc, nquad, accumulate, g);
+        tide_sum_scalar<E>(dst, srcs, nsrc, nquad * 4, n, accumulate, g);
+    } else {
+        const unsigned long long nvec = vectorized ? n / E::PER_VEC : 0;
+        if (nvec > 0) {
+            switch (nsrc) {
+                // U * NSRC 16-byte loads in flight per thread (8 to 16 for 1 to 4 sources): with
+                // few CTAs (TIDE_RS_MAX_CTAS) the bytes in flight per SM set the bandwidth. 2
+                // sources: 16 loads = 256 bytes per thread, 128 KiB per 512-thread CTA; no spills on
+                // sm_90 (tests/kernels_nvrtc.rs).
+                case 1: tide_sum_vec<E, 1, 8>(dst, srcs, nvec, accumulate, g); break;
+                case 2: tide_sum_vec<E, 2, 8>(dst, srcs, nvec, accumulate, g); break;
+                case 3: tide_sum_vec<E, 3, 4>(dst, srcs, nvec, accumulate, g); break;
+                case 4: tide_sum_vec<E, 4, 4>(dst, srcs, nvec, accumulate, g); break;
+                case 5: tide_sum_vec<E, 5, 1>(dst, srcs, nvec, accumulate, g); break;
+                case 6: tide_sum_vec<E, 6, 1>(dst, srcs, nvec, accumulate, g); break;
+                case 7: tide_sum_vec<E, 7, 1>(dst, srcs, nvec, accumulate, g); break;
+                default: tide_sum_vec<E, 8, 1>(dst, srcs, nvec, accumulate, g); break;
+            }
         }
+        tide_sum_scalar<E>(dst, srcs, nsrc, nvec * E::PER_VEC, n, accumulate, g);
     }
-    const unsigned long long nvec = vectorized ? n / E::PER_VEC : 0;
-    if (nvec > 0) {
-        switch (nsrc) {
-            // U * NSRC 16-byte loads in flight per thread (8 to 16 for 1 to 4 sources): with few CTAs
-            // (TIDE_RS_MAX_CTAS) the bytes in flight per SM set the bandwidth. 2 sources (two
-            // GPUs, the common case): 16 loads = 256 bytes per thread, 128 KiB per 512-thread CTA;
-            // 102 registers on sm_90, no spills (tests/kernels_nvrtc.rs).
-            case 1: tide_sum_vec<E, 1, 8>(dst, srcs, nvec, accumulate, g); break;
-            case 2: tide_sum_vec<E, 2, 8>(dst, srcs, nvec, accumulate, g); break;
-            case 3: tide_sum_vec<E, 3, 4>(dst, srcs, nvec, accumulate, g); break;
-            case 4: tide_sum_vec<E, 4, 4>(dst, srcs, nvec, accumulate, g); break;
-            case 5: tide_sum_vec<E, 5, 1>(dst, srcs, nvec, accumulate, g); break;
-            case 6: tide_sum_vec<E, 6, 1>(dst, srcs, nvec, accumulate, g); break;
-            case 7: tide_sum_vec<E, 7, 1>(dst, srcs, nvec, accumulate, g); break;
-            default: tide_sum_vec<E, 8, 1>(dst, srcs, nvec, accumulate, g); break;
-        }
-    }
-    tide_sum_scalar<E>(dst, srcs, nsrc, nvec * E::PER_VEC, n, accumulate, g);
 }
 
 extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
@@ -452,189 +421,3 @@ extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
 rs_sum_batch_f32_f32(const __grid_constant__ TideSumBatch b, int count) {
     tide_sum_batch<TideF32>(b, count);
 }
-
-// ---------------------------------------------------------------------------------------------------
-// rs_sum_<src>_f32_bulk(dst, srcs, nsrc, n, accumulate, vectorized): the same sums (same fp32 adds in
-// the same order, bitwise equal results) with Hopper bulk async copies (cp.async.bulk, the TMA unit)
-// moving the sources into a ring of TIDE_BULK_STAGES shared-memory stages per CTA, so one SM keeps
-// up to TIDE_BULK_STAGES * nsrc * TIDE_BULK_TILE bytes in flight instead of the LSU kernel's ~128 KiB.
-// Host contract (src/cuda/kernels.rs): sm_90+, vectorized (dst and every source 16-byte aligned),
-// 1 <= nsrc <= TIDE_BULK_MAX_SRCS, dynamic shared memory = tide_bulk_smem(nsrc) bytes. Whole tiles
-// of TIDE_BULK_TILE source bytes go through the ring (tile t of CTA b: t = b + k * gridDim.x); the
-// elements past the last whole tile are done by the LSU vector + scalar code above.
-// Below sm_90 (and in the host emulation) the kernels exist but do nothing: the host never launches
-// them there.
-// Barrier logic: stage s has one mbarrier (arrival count 1). Its j-th use (tile k = s + j * STAGES
-// of this CTA) is one arrive.expect_tx(nsrc * TILE) by the producer thread followed by nsrc copies of
-// TILE bytes each; the phase completes when all bytes landed; consumers wait for parity j & 1. A
-// stage is refilled only after __syncthreads (every thread done reading it), and copies are issued
-// only for tiles this CTA consumes, so none is in flight when the CTA exits.
-#define TIDE_BULK_TILE 16384
-#define TIDE_BULK_MAX_SRCS 4
-#define TIDE_BULK_STAGES_2 6
-#define TIDE_BULK_STAGES_4 3
-
-#if !defined(TIDE_HOST_EMULATION)
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-TIDE_DEV unsigned int tide_smem_addr(const void* p) {
-    unsigned long long a;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
-    return (unsigned int)a;
-}
-
-TIDE_DEV void tide_mbar_init(unsigned int bar, unsigned int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-TIDE_DEV void tide_mbar_expect_tx(unsigned int bar, unsigned int bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-TIDE_DEV void tide_mbar_wait(unsigned int bar, unsigned int parity) {
-    unsigned int done;
-    do {
-        asm volatile(
-            "{\n\t.reg .pred p;\n\t"
-            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-            "selp.u32 %0, 1, 0, p;\n\t}"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    } while (!done);
-}
-
-TIDE_DEV void tide_bulk_g2s(unsigned int dst_smem, const void* src, unsigned int bytes, unsigned int bar) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-        ::"r"(dst_smem), "l"(src), "r"(bytes), "r"(bar)
-        : "memory");
-}
-
-extern __shared__ __align__(128) unsigned char tide_bulk_smem[];
-
-template <class E, int NSRC, int STAGES>
-TIDE_DEV void tide_sum_bulk_tiles(float* dst, const TideSrcs& srcs, unsigned long long ntiles, int accumulate) {
-    __shared__ __align__(8) unsigned long long bars[STAGES];
-    const unsigned int esz = 16 / E::PER_VEC;                   // source element bytes
-    const unsigned int tile_elems = TIDE_BULK_TILE / esz;       // elements of one tile
-    const unsigned long long b = blockIdx.x;
-    const unsigned long long g = gridDim.x;
-    const unsigned long long mine = b < ntiles ? (ntiles - b + g - 1) / g : 0;  // tiles of this CTA
-    const unsigned int smem0 = tide_smem_addr(tide_bulk_smem);
-    const unsigned int bar0 = tide_smem_addr(bars);
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) tide_mbar_init(bar0 + 8 * s, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    }
-    __syncthreads();
-    // Producer: fill tile k (of this CTA) into stage k % STAGES.
-    auto issue = [&](unsigned long long k) {
-        const unsigned int s = (unsigned int)(k % STAGES);
-        const unsigned long long t = b + k * g;
-        const unsigned int bar = bar0 + 8 * s;
-        tide_mbar_expect_tx(bar, NSRC * TIDE_BULK_TILE);
-#pragma unroll
-        for (int q = 0; q < NSRC; ++q) {
-            const unsigned char* src = (const unsigned char*)srcs.p[q] + t * TIDE_BULK_TILE;
-            tide_bulk_g2s(smem0 + (s * NSRC + q) * TIDE_BULK_TILE, src, TIDE_BULK_TILE, bar);
-        }
-    };
-    if (threadIdx.x == 0) {
-        for (unsigned long long k = 0; k < mine && k < STAGES; ++k) issue(k);
-    }
-    for (unsigned long long k = 0; k < mine; ++k) {
-        const unsigned int s = (unsigned int)(k % STAGES);
-        const unsigned int parity = (unsigned int)((k / STAGES) & 1);
-        tide_mbar_wait(bar0 + 8 * s, parity);
-        const unsigned long long t = b + k * g;
-        const unsigned char* stage = tide_bulk_smem + (unsigned long long)s * NSRC * TIDE_BULK_TILE;
-        float4* out = (float4*)(dst + t * tile_elems);
-        // Thread j of the CTA: elements 4j..4j+3 (+ 4 * blockDim.x ...): one coalesced float4 store
-        // per warp lane, 4-element (8 or 16-byte) conflict-free shared-memory reads.
-#pragma unroll 4
-        for (unsigned int j = threadIdx.x; j < tile_elems / 4; j += blockDim.x) {
-            float acc[4];
-            float x[4];
-            int first = 0;
-            if (accumulate) {
-                const float4 d = out[j];
-                acc[0] = d.x;
-                acc[1] = d.y;
-                acc[2] = d.z;
-                acc[3] = d.w;
-            } else {
-                E::quad(stage + j * 4 * esz, acc);
-                first = 1;
-            }
-#pragma unroll
-            for (int q = 0; q < NSRC; ++q) {
-                if (q >= first) {
-                    E::quad(stage + q * TIDE_BULK_TILE + j * 4 * esz, x);
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[e] = acc[e] + x[e];
-                }
-            }
-            float4 d;
-            d.x = acc[0];
-            d.y = acc[1];
-            d.z = acc[2];
-            d.w = acc[3];
-            out[j] = d;
-        }
-        __syncthreads();  // every thread done reading stage s: it may be refilled
-        if (threadIdx.x == 0 && k + STAGES < mine) {
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            issue(k + STAGES);
-        }
-    }
-}
-
-template <class E>
-TIDE_DEV void tide_sum_bulk(float* dst, const TideSrcs& srcs, int nsrc, unsigned long long n, int accumulate) {
-    if (nsrc < 1 || nsrc > TIDE_BULK_MAX_SRCS) return;  // the host never launches this
-    const unsigned long long tile_elems = TIDE_BULK_TILE / (16 / E::PER_VEC);
-    const unsigned long long ntiles = n / tile_elems;
-    switch (nsrc) {
-        case 1: tide_sum_bulk_tiles<E, 1, TIDE_BULK_STAGES_2>(dst, srcs, ntiles, accumulate); break;
-        case 2: tide_sum_bulk_tiles<E, 2, TIDE_BULK_STAGES_2>(dst, srcs, ntiles, accumulate); break;
-        case 3: tide_sum_bulk_tiles<E, 3, TIDE_BULK_STAGES_4>(dst, srcs, ntiles, accumulate); break;
-        default: tide_sum_bulk_tiles<E, 4, TIDE_BULK_STAGES_4>(dst, srcs, ntiles, accumulate); break;
-    }
-    // The rest (less than one tile): LSU vectors, then scalars. Tile boundaries are 16-byte aligned.
-    const unsigned long long off = ntiles * tile_elems;
-    if (off < n) {
-        TideSrcs rest;
-#pragma unroll
-        for (int q = 0; q < TIDE_MAX_SRCS; ++q)
-            rest.p[q] = (const unsigned char*)srcs.p[q] + off * (16 / E::PER_VEC);
-        const unsigned long long nvec = (n - off) / E::PER_VEC;
-        switch (nsrc) {
-            case 1: tide_sum_vec<E, 1, 1>(dst + off, rest, nvec, accumulate); break;
-            case 2: tide_sum_vec<E, 2, 1>(dst + off, rest, nvec, accumulate); break;
-            case 3: tide_sum_vec<E, 3, 1>(dst + off, rest, nvec, accumulate); break;
-            default: tide_sum_vec<E, 4, 1>(dst + off, rest, nvec, accumulate); break;
-        }
-        tide_sum_scalar<E>(dst + off, rest, nsrc, nvec * E::PER_VEC, n - off, accumulate);
-    }
-}
-#define TIDE_BULK_BODY(E) tide_sum_bulk<E>(dst, srcs, nsrc, n, accumulate)
-#else
-#define TIDE_BULK_BODY(E)
-#endif
-
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
-rs_sum_bf16_f32_bulk(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized) {
-    TIDE_BULK_BODY(TideBf16);
-}
-
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
-rs_sum_f16_f32_bulk(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized) {
-    TIDE_BULK_BODY(TideF16);
-}
-
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
-rs_sum_f32_f32_bulk(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized) {
-    TIDE_BULK_BODY(TideF32);
-}
-#endif  // !TIDE_HOST_EMULATION

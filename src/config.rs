@@ -54,13 +54,6 @@ pub struct Config {
     /// On: 1.2-1.6x faster all-gathers on 2 H200s (bench/results/2026-11-30-cuda-bench.md); the engine
     /// falls back to single copies where the driver lacks the symbol.
     pub copy_batch: bool,
-    /// TIDE_RS_KERNEL (default `st`: 2.2x faster than `ld` at 16 CTAs on one H200, faster than
-    /// `bulk` at every size measured, /work/shared/measurements/2026-12-01/rs-kernels.md): the
-    /// reduce-scatter's fp32 reduction kernel: `st` = 8-byte source loads and one contiguous
-    /// 16-byte fp32 store per thread, `ld` = LSU 16-byte loads (`rs_sum_*_f32`), `bulk` = Hopper bulk async copies into a shared-memory ring
-    /// (`rs_sum_*_f32_bulk`; compute capability >= 9.0, 16-byte aligned, at most 4 sources per launch,
-    /// otherwise the `ld` kernel). Both give bitwise identical results.
-    pub rs_kernel: RsKernel,
     /// TIDE_MAX_IN_FLIGHT (default 4, an integer in [1, 16]): CUDA calls of one op (all-gather,
     /// reduce-scatter) that may be started and not yet done at once per device. Each owns an
     /// in-flight slot: a tide stream, side streams, events and (reduce-scatter) its own stage slots,
@@ -85,27 +78,6 @@ pub struct Config {
     /// TIDE_DEBUG_MP (default off; a flag as TIDE_MULTICAST): trace the multi-process CUDA path's
     /// rail (NCCL groups, aborts) to stderr.
     pub debug_mp: bool,
-}
-
-/// Which fp32 reduction kernel the CUDA reduce-scatter launches.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RsKernel {
-    Ld,
-    Bulk,
-    /// The ld kernel with 8-byte source loads and one contiguous 16-byte fp32 store per thread.
-    St,
-}
-
-impl std::str::FromStr for RsKernel {
-    type Err = String;
-    fn from_str(s: &str) -> Result<RsKernel, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "ld" | "lsu" => Ok(RsKernel::Ld),
-            "bulk" | "tma" => Ok(RsKernel::Bulk),
-            "st" | "coalesced" => Ok(RsKernel::St),
-            other => Err(format!("{other:?}: expected ld, bulk or st")),
-        }
-    }
 }
 
 /// How the CUDA engine performs a copy whose source and destination are on the same GPU.
@@ -144,6 +116,12 @@ impl std::fmt::Display for SettingError {
         )
     }
 }
+
+/// TIDE_RS_KERNEL chose the reduce-scatter's fp32 reduction kernel (`ld`, `bulk` or `st`) until
+/// issue #9: `st` (8-byte source loads, one coalesced 16-byte fp32 store per thread) was 2.2x `ld` at
+/// 16 CTAs and faster than `bulk` at every size measured on one H200, so it is the only one left.
+const REMOVED_RS_KERNEL: &str = "it unset: TIDE_RS_KERNEL was removed (issue #9); the reduction \
+                                 kernel is always st (coalesced fp32 stores)";
 
 /// Shortest and longest TIDE_TIMEOUT_S, in seconds.
 pub const TIMEOUT_RANGE_S: (f64, f64) = (0.001, 1e6);
@@ -215,6 +193,17 @@ impl Reader<'_> {
         )
     }
 
+    /// A variable whose setting was removed: unset, or one of `still_true` (what tide now always
+    /// does), else an error saying so, so a job that asked for the old behaviour learns it is gone.
+    fn removed(&mut self, variable: &'static str, still_true: &[&str], why: &str) {
+        self.get(variable, (), &|| why.to_string(), &|v| {
+            still_true
+                .iter()
+                .any(|t| t.eq_ignore_ascii_case(v))
+                .then_some(())
+        })
+    }
+
     fn choice<T: std::str::FromStr>(
         &mut self,
         variable: &'static str,
@@ -278,13 +267,13 @@ impl Config {
             rs_copy_streams: r.int("TIDE_RS_COPY_STREAMS", 1, 1, 16) as usize,
             local_copy: r.choice("TIDE_LOCAL_COPY", LocalCopy::CopyEngine, "ce or sm"),
             copy_batch: r.flag("TIDE_COPY_BATCH", true),
-            rs_kernel: r.choice("TIDE_RS_KERNEL", RsKernel::St, "ld, bulk or st"),
             max_in_flight: r.int("TIDE_MAX_IN_FLIGHT", 4, 1, 16) as usize,
             fuse_bytes: r.int("TIDE_FUSE_BYTES", 512 << 10, 0, 1 << 30) as usize,
             nvrtc_lib_dir: r.raw("TIDE_NVRTC_LIB_DIR"),
             nccl_lib: r.raw("TIDE_NCCL_LIB"),
             debug_mp: r.flag("TIDE_DEBUG_MP", false),
         };
+        r.removed("TIDE_RS_KERNEL", &["st", "coalesced"], REMOVED_RS_KERNEL);
         (config, r.errors)
     }
 
@@ -420,7 +409,9 @@ mod tests {
             ("TIDE_MULTICAST", "2", "0 or 1"),
             ("TIDE_COPY_BATCH", "maybe", "0 or 1"),
             ("TIDE_LOCAL_COPY", "dma", "ce or sm"),
-            ("TIDE_RS_KERNEL", "fast", "ld, bulk or st"),
+            ("TIDE_RS_KERNEL", "fast", "TIDE_RS_KERNEL was removed"),
+            ("TIDE_RS_KERNEL", "bulk", "TIDE_RS_KERNEL was removed"),
+            ("TIDE_RS_KERNEL", "ld", "TIDE_RS_KERNEL was removed"),
         ];
         for (variable, value, accepted) in cases {
             let errors = parse_one(variable, value).expect_err(variable);
@@ -429,10 +420,10 @@ mod tests {
         }
         let c = parse_one("TIDE_MULTICAST", "On").unwrap();
         assert!(c.multicast);
-        assert_eq!(
-            parse_one("TIDE_RS_KERNEL", "BULK").unwrap().rs_kernel,
-            RsKernel::Bulk
-        );
+        // The removed TIDE_RS_KERNEL accepts what always runs now.
+        for v in ["st", "ST", " coalesced ", ""] {
+            assert_eq!(parse_one("TIDE_RS_KERNEL", v).unwrap(), Config::defaults());
+        }
         assert_eq!(Config::parse(&|_| None).unwrap(), Config::defaults());
     }
 

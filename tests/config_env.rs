@@ -52,7 +52,7 @@ fn an_invalid_setting_fails_every_call_naming_it() {
         );
         assert!(
             s.message
-                .contains("TIDE_RS_KERNEL=\"abc\" is not a valid setting: expected ld, bulk or st"),
+                .contains("TIDE_RS_KERNEL=\"abc\" is not a valid setting: expected it unset: TIDE_RS_KERNEL was removed"),
             "{}",
             s.message
         );

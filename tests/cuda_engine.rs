@@ -282,11 +282,10 @@ fn cuda_engine_matches_cpu_engine() {
             run_and_check(&devs, op, site, world, 99 + k as u64, 50);
         }
     }
-    // The bulk-copy reduction (TIDE_RS_KERNEL=bulk; the ld kernel where the device lacks sm_90):
-    // 64 KiB slots (many small launches) and 1 MiB slots (several tiles per CTA), 3 and 64 CTAs.
+    // The reduction kernel at few and many CTAs: 64 KiB slots (many small launches) and 1 MiB slots
+    // (many quads per thread), 3 and 64 CTAs.
     for (slot, ctas) in [(65536usize, 3u32), (1 << 20, 3), (1 << 20, 64)] {
         let mut c = tide::config::Config::from_env();
-        c.rs_kernel = tide::config::RsKernel::Bulk;
         c.rs_slot_bytes = slot;
         c.rs_max_ctas = ctas;
         tide::config::set_override(Some(c));
@@ -295,7 +294,7 @@ fn cuda_engine_matches_cpu_engine() {
             .collect::<std::collections::BTreeSet<_>>()
         {
             say(&format!(
-                "cuda_engine: TIDE_RS_KERNEL=bulk slot {slot} ctas {ctas}"
+                "cuda_engine: reduce-scatter slot {slot} ctas {ctas}"
             ));
             site += 1;
             run_and_check(&devs, Op::ReduceScatter, site, world, 7 + ctas as u64, 1);

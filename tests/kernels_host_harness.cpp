@@ -102,7 +102,7 @@ static int failures = 0;
 static long checks = 0;
 
 static void check_sum(int dtype, int nsrc, size_t n, int accumulate, size_t misalign, unsigned grid,
-                      unsigned block, int mode, std::mt19937_64& rng) {
+                      unsigned block, std::mt19937_64& rng) {
     static const SumKernel kernels[3] = {rs_sum_bf16_f32, rs_sum_f16_f32, rs_sum_f32_f32};
     const size_t esize = dtype == 2 ? 4 : 2;
     // Buffers over-allocated so a 16-byte-aligned base plus `misalign` elements stays in bounds.
@@ -133,16 +133,17 @@ static void check_sum(int dtype, int nsrc, size_t n, int accumulate, size_t misa
         for (; s < nsrc; ++s) acc = acc + ref_one(dtype, sp[s], i);
         expect[i] = acc;
     }
-    // mode 1: 16-byte vectors; mode 2: the quad (coalesced-store) body; unaligned: scalar.
-    const int vectorized = misalign == 0 ? mode : 0;
+    // Aligned: the quad (2-byte sources) or 16-byte vector (fp32) body and a scalar tail;
+    // unaligned: scalar.
+    const int vectorized = misalign == 0 ? 1 : 0;
     SumKernel k = kernels[dtype];
     launch(grid, block, [&] { k(dst, srcs, nsrc, (unsigned long long)n, accumulate, vectorized); });
     for (size_t i = 0; i < n; ++i) {
         ++checks;
         if (f32_bits(dst[i]) != f32_bits(expect[i])) {
             if (failures < 20)
-                std::printf("MISMATCH sum dtype=%d nsrc=%d n=%zu acc=%d misalign=%zu grid=%u block=%u mode=%d at %zu: got %a want %a\n",
-                            dtype, nsrc, n, accumulate, misalign, grid, block, mode, i, dst[i], expect[i]);
+                std::printf("MISMATCH sum dtype=%d nsrc=%d n=%zu acc=%d misalign=%zu grid=%u block=%u at %zu: got %a want %a\n",
+                            dtype, nsrc, n, accumulate, misalign, grid, block, i, dst[i], expect[i]);
             ++failures;
             return;
         }
@@ -194,7 +195,6 @@ static void check_sum_batch(int dtype, int count, unsigned grid, unsigned block,
         const size_t n = (size_t)(rng() % 300);
         const int acc = (int)(rng() % 2);
         const size_t mis = (rng() % 3 == 0) ? 1 : 0;
-        const int mode = 1 + (int)(rng() % 2);
         std::vector<const unsigned char*> sp(nsrc);
         for (int s = 0; s < nsrc; ++s) {
             store.emplace_back((n + 64) * esize + 64);
@@ -224,7 +224,7 @@ static void check_sum_batch(int dtype, int count, unsigned grid, unsigned block,
         b.n[k] = n;
         b.nsrc[k] = nsrc;
         b.accumulate[k] = acc;
-        b.vectorized[k] = mis == 0 ? mode : 0;
+        b.vectorized[k] = mis == 0 ? 1 : 0;
     }
     launch(grid, block, [&] { kernels[dtype](b, count); });
     for (int k = 0; k < count; ++k)
@@ -284,7 +284,8 @@ static void check_copy_batch(int count, unsigned grid, unsigned block, std::mt19
 
 // The kernels' IEEE contract on fixed values (src/engine/cpu.rs [Note: IEEE arithmetic]): 8
 // subnormal FLT_MIN/4 sources sum to 2 * FLT_MIN (nothing flushed; on the GPU NVRTC's default
-// -ftz=false), all -0.0 sources to -0.0, -0.0 and +0.0 to +0.0; every body (scalar, vector, quad).
+// -ftz=false), all -0.0 sources to -0.0, -0.0 and +0.0 to +0.0; every body (scalar, and the quad or
+// vector body).
 static void check_ieee() {
     static const SumKernel kernels[3] = {rs_sum_bf16_f32, rs_sum_f16_f32, rs_sum_f32_f32};
     const float quarter_min = 2.9387358770557188e-39f;  // FLT_MIN / 4
@@ -306,16 +307,16 @@ static void check_ieee() {
                 for (size_t i = 0; i < n; ++i) std::memcpy(p + i * esize, &bits, esize);
                 srcs.p[s] = p;
             }
-            for (int mode = 0; mode <= 2; ++mode) {
+            for (int vectorized = 0; vectorized <= 1; ++vectorized) {
                 std::vector<unsigned char> dstore(n * 4 + 64);
                 float* dst = (float*)((((uintptr_t)dstore.data() + 15) & ~(uintptr_t)15));
-                launch(2, 32, [&] { kernels[c.dtype](dst, srcs, 8, (unsigned long long)n, 0, mode); });
+                launch(2, 32, [&] { kernels[c.dtype](dst, srcs, 8, (unsigned long long)n, 0, vectorized); });
                 const unsigned int want = neg_zero == 0 ? f32_bits(8.0f * c.one) : (neg_zero == 1 ? 0x80000000u : 0u);
                 for (size_t i = 0; i < n; ++i) {
                     ++checks;
                     if (f32_bits(dst[i]) != want) {
-                        std::printf("IEEE MISMATCH dtype=%d case=%d mode=%d at %zu: got %a want bits %08x\n",
-                                    c.dtype, neg_zero, mode, i, dst[i], want);
+                        std::printf("IEEE MISMATCH dtype=%d case=%d vectorized=%d at %zu: got %a want bits %08x\n",
+                                    c.dtype, neg_zero, vectorized, i, dst[i], want);
                         ++failures;
                         break;
                     }
@@ -335,8 +336,7 @@ int main() {
             for (size_t n : sizes)
                 for (int acc = 0; acc < 2; ++acc)
                     for (size_t mis : {(size_t)0, (size_t)1, (size_t)3})
-                        for (auto& g : grids)
-                            for (int mode = 1; mode <= 2; ++mode) check_sum(dtype, nsrc, n, acc, mis, g[0], g[1], mode, rng);
+                        for (auto& g : grids) check_sum(dtype, nsrc, n, acc, mis, g[0], g[1], rng);
     for (size_t bytes : {0, 1, 2, 15, 16, 17, 100, 4096, 5003})
         for (size_t doff : {0, 1, 2, 4, 8})
             for (size_t soff : {0, 2, 8})

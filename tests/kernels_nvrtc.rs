@@ -5,7 +5,7 @@
 //! unless TIDE_REQUIRE_NVRTC=1, where a missing NVRTC fails it.
 
 use std::io::Write;
-use tide::cuda::kernels::{BULK_KERNEL_NAMES, KERNEL_NAMES, SOURCE, SOURCE_NAME};
+use tide::cuda::kernels::{KERNEL_NAMES, SOURCE, SOURCE_NAME};
 use tide::cuda::nvrtc::{compile, compile_with, ensure_loaded, version, Output};
 
 /// Prints past libtest's capture (it captures print!/eprint!, not direct writes to stderr).
@@ -39,7 +39,7 @@ fn every_kernel_compiles_for_sm90() {
     say(&format!("kernels_nvrtc: NVRTC {major}.{minor}"));
     let ptx = compile(SOURCE, SOURCE_NAME, "compute_90", Output::Ptx).unwrap();
     let ptx = String::from_utf8_lossy(&ptx);
-    for k in KERNEL_NAMES.iter().chain(BULK_KERNEL_NAMES.iter()) {
+    for k in KERNEL_NAMES {
         assert!(
             ptx.contains(&format!(".entry {k}(")),
             "kernel {k} missing from the PTX"
@@ -50,17 +50,20 @@ fn every_kernel_compiles_for_sm90() {
         !ptx.contains("ld.local") && !ptx.contains("st.local"),
         "local memory in the PTX"
     );
-    // The bulk kernels use the TMA bulk copy and mbarriers (sm_90).
-    assert!(ptx.contains("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"));
-    assert!(ptx.contains("mbarrier.try_wait.parity"));
-    assert!(ptx.contains("mbarrier.arrive.expect_tx"));
-    // The f16 path uses the PTX conversion, the vector path 16-byte loads.
+    // The f16 path uses the PTX conversion, the fp32 vector path 16-byte loads, the 2-byte quad
+    // path 8-byte loads; no shared memory (the bulk kernels are gone, issue #9).
     assert!(ptx.contains("cvt.f32.f16"));
     assert!(
         ptx.contains("ld.global.v4.u32")
             || ptx.contains("ld.global.v4.b32")
             || ptx.contains("ld.global.nc.v4")
     );
+    assert!(
+        ptx.contains("ld.global.v2.u32")
+            || ptx.contains("ld.global.v2.b32")
+            || ptx.contains("ld.global.nc.v2")
+    );
+    assert!(!ptx.contains(".shared") && !ptx.contains("mbarrier"));
     let (cubin, log) = compile_with(
         SOURCE,
         SOURCE_NAME,
@@ -79,27 +82,12 @@ fn every_kernel_compiles_for_sm90() {
     }
     assert!(log.contains("Used"), "no ptxas report in the log: {log}");
     assert_eq!(&cubin[..4], b"\x7fELF", "a cubin is an ELF image");
-    for k in KERNEL_NAMES.iter().chain(BULK_KERNEL_NAMES.iter()) {
+    for k in KERNEL_NAMES {
         assert!(
             cubin.windows(k.len()).any(|w| w == k.as_bytes()),
             "kernel {k} missing from the cubin"
         );
     }
-}
-
-/// Below sm_90 the bulk kernels compile to empty entries (the module still loads there; the host
-/// never launches them).
-#[test]
-fn bulk_kernels_compile_empty_below_sm90() {
-    if !nvrtc_or_skip("bulk_kernels_compile_empty_below_sm90") {
-        return;
-    }
-    let ptx = compile(SOURCE, SOURCE_NAME, "compute_80", Output::Ptx).unwrap();
-    let ptx = String::from_utf8_lossy(&ptx);
-    for k in BULK_KERNEL_NAMES {
-        assert!(ptx.contains(&format!(".entry {k}(")), "{k} missing");
-    }
-    assert!(!ptx.contains("cp.async.bulk"));
 }
 
 #[test]

@@ -30,11 +30,6 @@ pub struct Module {
     /// Batched launches: `tide_copy_batch`, `rs_sum_batch_{bf16,f16,f32}_f32` (TIDE_FUSE_BYTES).
     pub copy_batch: CUfunction,
     pub sum_batch: [CUfunction; 3],
-    /// The bulk-copy (TMA) variants, bf16/f16/f32, with their dynamic shared memory allowed up to
-    /// `kernels::BULK_SMEM_MAX`; `None` below compute capability 9.0 or if the attribute failed
-    /// (`bulk_why` says why).
-    pub sum_bulk: Option<[CUfunction; 3]>,
-    pub bulk_why: String,
 }
 
 // SAFETY: a loaded module's handles are plain identifiers the driver accepts from any host thread;
@@ -70,17 +65,6 @@ impl Module {
                 })
             }
         })
-    }
-
-    /// The bulk variant for `dtype`, if this device runs it.
-    pub fn sum_bulk(&self, dtype: DType) -> Option<CUfunction> {
-        let b = self.sum_bulk.as_ref()?;
-        match dtype {
-            DType::BF16 => Some(b[0]),
-            DType::F16 => Some(b[1]),
-            DType::F32 => Some(b[2]),
-            _ => None,
-        }
     }
 }
 
@@ -496,41 +480,6 @@ impl DeviceState {
                 )?;
                 Ok(f)
             };
-            let (sum_bulk, bulk_why) = if self.cc.0 >= 9 {
-                let mut fs = [std::ptr::null_mut(); 3];
-                let mut why = String::new();
-                for (i, name) in kernels::BULK_KERNEL_NAMES.iter().enumerate() {
-                    fs[i] = get(name)?;
-                    // SAFETY: valid function handle; the context is current.
-                    let r = unsafe {
-                        sys::cuFuncSetAttribute(
-                            fs[i],
-                            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            kernels::BULK_SMEM_MAX as i32,
-                        )
-                    };
-                    if r != sys::CUresult::CUDA_SUCCESS {
-                        why = format!(
-                            "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES = {}) on {name}: {}",
-                            kernels::BULK_SMEM_MAX,
-                            super::driver::describe(r)
-                        );
-                    }
-                }
-                if why.is_empty() {
-                    (Some(fs), String::new())
-                } else {
-                    (None, why)
-                }
-            } else {
-                (
-                    None,
-                    format!(
-                        "compute capability {}.{} < 9.0 (no cp.async.bulk)",
-                        self.cc.0, self.cc.1
-                    ),
-                )
-            };
             let m = Module {
                 _module: module,
                 sum_bf16: get("rs_sum_bf16_f32")?,
@@ -543,8 +492,6 @@ impl DeviceState {
                     get("rs_sum_batch_f16_f32")?,
                     get("rs_sum_batch_f32_f32")?,
                 ],
-                sum_bulk,
-                bulk_why,
             };
             self.module = Some(Arc::new(m));
         }

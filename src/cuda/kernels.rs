@@ -76,54 +76,6 @@ impl Default for SumBatch {
     }
 }
 
-/// The Hopper bulk-copy (TMA) variants of the `rs_sum_*` kernels (same parameters, same results),
-/// exported by the module on every architecture but only launched on compute capability >= 9.0.
-pub const BULK_KERNEL_NAMES: [&str; 3] = [
-    "rs_sum_bf16_f32_bulk",
-    "rs_sum_f16_f32_bulk",
-    "rs_sum_f32_f32_bulk",
-];
-/// Source bytes of one bulk tile (`TIDE_BULK_TILE`).
-pub const BULK_TILE: u64 = 16384;
-/// Sources one bulk launch may sum (`TIDE_BULK_MAX_SRCS`); more go to the LSU kernel.
-pub const BULK_MAX_SRCS: usize = 4;
-
-/// Ring stages of the bulk kernel for `nsrc` sources (`TIDE_BULK_STAGES_2` / `_4`).
-pub fn bulk_stages(nsrc: usize) -> u32 {
-    if nsrc <= 2 {
-        6
-    } else {
-        3
-    }
-}
-
-/// Dynamic shared memory of a bulk launch with `nsrc` sources (at most `BULK_SMEM_MAX`).
-pub fn bulk_smem(nsrc: usize) -> u32 {
-    bulk_stages(nsrc) * nsrc.max(1) as u32 * BULK_TILE as u32
-}
-
-/// The largest `bulk_smem`: set once as CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES.
-pub const BULK_SMEM_MAX: u32 = 6 * 2 * 16384;
-
-/// Whole bulk tiles of an `rs_sum` over `elems` elements of `dtype` (the rest is LSU code).
-pub fn bulk_tiles(elems: u64, dtype: DType) -> u64 {
-    elems * dtype.size_bytes() as u64 / BULK_TILE
-}
-
-/// Whether a launch may use the bulk kernel: 16-byte aligned, few sources, at least one tile.
-pub fn bulk_eligible(vectorized: bool, nsrc: usize, elems: u64, dtype: DType) -> bool {
-    vectorized && (1..=BULK_MAX_SRCS).contains(&nsrc) && bulk_tiles(elems, dtype) > 0
-}
-
-/// The bulk `rs_sum` kernel for sources of `dtype`.
-pub fn bulk_kernel(dtype: DType) -> Result<&'static str> {
-    Ok(match sum_kernel(dtype)? {
-        "rs_sum_bf16_f32" => BULK_KERNEL_NAMES[0],
-        "rs_sum_f16_f32" => BULK_KERNEL_NAMES[1],
-        _ => BULK_KERNEL_NAMES[2],
-    })
-}
-
 /// The `rs_sum` kernel for sources of `dtype`.
 pub fn sum_kernel(dtype: DType) -> Result<&'static str> {
     match dtype {
@@ -192,33 +144,21 @@ pub fn grid(units: u64, max_ctas: u32) -> u32 {
     want.min(max_ctas.max(1) as u64) as u32
 }
 
-/// Work items of an `rs_sum` launch over `elems` elements of `dtype` (vectors when vectorized).
-pub fn sum_units(elems: u64, dtype: DType, vectorized: bool) -> u64 {
+/// Work items of an `rs_sum` launch over `elems` elements: when vectorized, every thread of either
+/// body stores one 16-byte fp32 vector (2-byte sources: an 8-byte quad; fp32: a 16-byte vector), so
+/// `elems / 4` of them, or the scalar tail's elements if more; else one element each.
+pub fn sum_units(elems: u64, vectorized: bool) -> u64 {
     if vectorized {
-        let per_vec = (16 / dtype.size_bytes()) as u64;
-        (elems / per_vec).max(elems % per_vec)
+        (elems / 4).max(elems % 4)
     } else {
         elems
     }
 }
 
-/// The `vectorized` argument of an `rs_sum` launch: 0 scalar, 1 16-byte vectors, 2 8-byte quads
-/// with coalesced fp32 stores (`TIDE_RS_KERNEL=st`; 2-byte sources only, else 1).
-pub fn sum_mode(vectorized: bool, dtype: DType, coalesced_stores: bool) -> i32 {
-    match (vectorized, coalesced_stores && dtype.size_bytes() == 2) {
-        (false, _) => 0,
-        (true, false) => 1,
-        (true, true) => 2,
-    }
-}
-
-/// Work items of an `rs_sum` launch in `mode` (`sum_mode`).
-pub fn sum_units_mode(elems: u64, dtype: DType, mode: i32) -> u64 {
-    if mode == 2 {
-        (elems / 4).max(elems % 4)
-    } else {
-        sum_units(elems, dtype, mode != 0)
-    }
+/// The `vectorized` argument of an `rs_sum` launch (`rs_sum_*` in kernels/rs_sum.cu): 0 scalar, 1
+/// the 16-byte path (2-byte sources: 8-byte quads, one coalesced fp32 store per thread).
+pub fn sum_mode(vectorized: bool) -> i32 {
+    vectorized as i32
 }
 
 /// The copy unit of `tide_copy`: the largest of 16, 8, 4, 2, 1 dividing both addresses.
@@ -259,16 +199,6 @@ mod tests {
                 "kernel {k} not in source"
             );
         }
-        for k in BULK_KERNEL_NAMES {
-            assert!(
-                SOURCE.contains(&format!("\n{k}(")),
-                "kernel {k} not in source"
-            );
-        }
-        assert_eq!(define("TIDE_BULK_TILE"), BULK_TILE.to_string());
-        assert_eq!(define("TIDE_BULK_MAX_SRCS"), BULK_MAX_SRCS.to_string());
-        assert_eq!(define("TIDE_BULK_STAGES_2"), bulk_stages(2).to_string());
-        assert_eq!(define("TIDE_BULK_STAGES_4"), bulk_stages(4).to_string());
         assert_eq!(std::mem::size_of::<SrcPtrs>(), 8 * MAX_SRCS);
         // No CUDA headers, no multicast.
         assert!(!SOURCE.contains("#include"));
@@ -340,15 +270,11 @@ mod tests {
 
     #[test]
     fn store_modes() {
-        use DType::*;
-        assert_eq!(sum_mode(false, BF16, true), 0);
-        assert_eq!(sum_mode(true, BF16, false), 1);
-        assert_eq!(sum_mode(true, BF16, true), 2);
-        assert_eq!(sum_mode(true, F16, true), 2);
-        assert_eq!(sum_mode(true, F32, true), 1);
-        assert_eq!(sum_units_mode(4099, BF16, 2), 1024);
-        assert_eq!(sum_units_mode(3, BF16, 2), 3);
-        assert_eq!(sum_units_mode(4099, BF16, 1), sum_units(4099, BF16, true));
+        assert_eq!(sum_mode(false), 0);
+        assert_eq!(sum_mode(true), 1);
+        assert_eq!(sum_units(4099, true), 1024);
+        assert_eq!(sum_units(3, true), 3);
+        assert_eq!(sum_units(4099, false), 4099);
     }
 
     #[test]
@@ -361,25 +287,14 @@ mod tests {
         assert_eq!(grid(512 * 3 + 1, 16), 4);
         assert_eq!(grid(1 << 30, 16), 16);
         assert_eq!(grid(1 << 30, 0), 1);
-        assert_eq!(sum_units(80, DType::BF16, true), 10);
-        assert_eq!(sum_units(83, DType::BF16, true), 10);
-        assert_eq!(sum_units(3, DType::F32, true), 3);
-        assert_eq!(sum_units(83, DType::BF16, false), 83);
+        assert_eq!(sum_units(80, true), 20);
+        assert_eq!(sum_units(83, true), 20);
+        assert_eq!(sum_units(3, true), 3);
+        assert_eq!(sum_units(83, false), 83);
         assert_eq!(copy_width(0x1000, 0x2000), 16);
         assert_eq!(copy_width(0x1008, 0x2000), 8);
         assert_eq!(copy_width(0x1002, 0x2004), 2);
         assert_eq!(copy_width(0x1001, 0x2000), 1);
         assert_eq!(arch(9, 0), "sm_90");
-        assert_eq!(bulk_smem(1), 6 * 16384);
-        assert_eq!(bulk_smem(2), BULK_SMEM_MAX);
-        assert_eq!(bulk_smem(4), 3 * 4 * 16384);
-        assert!((1..=BULK_MAX_SRCS).all(|n| bulk_smem(n) <= BULK_SMEM_MAX));
-        assert_eq!(bulk_tiles(8192, DType::BF16), 1);
-        assert_eq!(bulk_tiles(8191, DType::BF16), 0);
-        assert!(bulk_eligible(true, 2, 8192, DType::BF16));
-        assert!(!bulk_eligible(false, 2, 8192, DType::BF16));
-        assert!(!bulk_eligible(true, 5, 1 << 20, DType::BF16));
-        assert!(!bulk_eligible(true, 2, 4095, DType::F32));
-        assert_eq!(bulk_kernel(DType::F16).unwrap(), "rs_sum_f16_f32_bulk");
     }
 }

@@ -1324,8 +1324,8 @@ fn flush_batch(
 }
 
 /// A Reduce as one batched-sum segment, if it qualifies (TIDE_FUSE_BYTES): one launch's worth of
-/// sources (at most `kernels::MAX_SRCS` of one dtype), output smaller than TIDE_FUSE_BYTES, and not
-/// the bulk kernel (which keeps its own launches). Ranges are bounds-checked here.
+/// sources (at most `kernels::MAX_SRCS` of one dtype), output smaller than TIDE_FUSE_BYTES. Ranges
+/// are bounds-checked here.
 fn sum_segment(
     infos: &[RankInfo],
     dst: &Region,
@@ -1333,8 +1333,7 @@ fn sum_segment(
     elems: usize,
     cfg: &Config,
 ) -> Result<Option<fuse::SumSeg>> {
-    if cfg.rs_kernel == crate::config::RsKernel::Bulk
-        || elems.saturating_mul(4) >= cfg.fuse_bytes
+    if elems.saturating_mul(4) >= cfg.fuse_bytes
         || srcs.is_empty()
         || srcs.len() > kernels::MAX_SRCS
         || srcs.iter().any(|o| o.dtype != srcs[0].dtype)
@@ -1356,7 +1355,7 @@ fn sum_segment(
         nsrc: srcs.len(),
         elems: elems as u64,
         accumulate: false,
-        mode: kernels::sum_mode(vectorized, dtype, cfg.rs_kernel == crate::config::RsKernel::St),
+        mode: kernels::sum_mode(vectorized),
     }))
 }
 
@@ -1637,39 +1636,12 @@ pub(crate) fn issue(
                     ptrs.p[k] = address(infos, &o.region, elems * o.dtype.size_bytes())?;
                 }
                 let vectorized = kernels::sum_vectorized(da, &ptrs.p[..l.count]);
-                let mode = kernels::sum_mode(
-                    vectorized,
-                    l.dtype,
-                    cfg.rs_kernel == crate::config::RsKernel::St,
-                );
-                let mut grid = kernels::grid(
-                    kernels::sum_units_mode(*elems as u64, l.dtype, mode),
+                let mode = kernels::sum_mode(vectorized);
+                let grid = kernels::grid(
+                    kernels::sum_units(*elems as u64, vectorized),
                     cfg.rs_max_ctas,
                 );
-                let mut f = m.sum(l.dtype)?;
-                let mut smem = 0u32;
-                if cfg.rs_kernel == crate::config::RsKernel::Bulk {
-                    match m.sum_bulk(l.dtype) {
-                        Some(b) => {
-                            if kernels::bulk_eligible(vectorized, l.count, *elems as u64, l.dtype) {
-                                f = b;
-                                smem = kernels::bulk_smem(l.count);
-                                grid = kernels::bulk_tiles(*elems as u64, l.dtype)
-                                    .clamp(1, cfg.rs_max_ctas.max(1) as u64)
-                                    as u32;
-                            }
-                        }
-                        None => {
-                            static WARNED: std::sync::Once = std::sync::Once::new();
-                            WARNED.call_once(|| {
-                                log::warn!(
-                                    "tide: TIDE_RS_KERNEL=bulk unavailable ({}); using the ld kernel",
-                                    m.bulk_why
-                                )
-                            });
-                        }
-                    }
-                }
+                let f = m.sum(l.dtype)?;
                 let mut d = da;
                 let mut nsrc = l.count as i32;
                 let mut n = *elems as u64;
@@ -1696,7 +1668,7 @@ pub(crate) fn issue(
                             kernels::THREADS,
                             1,
                             1,
-                            smem,
+                            0,
                             s,
                             params.as_mut_ptr(),
                             std::ptr::null_mut(),
@@ -1705,7 +1677,7 @@ pub(crate) fn issue(
                     "cuLaunchKernel(rs_sum)",
                     || {
                         format!(
-                            "{}, {} {} sources from {}, {elems} elements, grid {grid}, smem {smem}",
+                            "{}, {} {} sources from {}, {elems} elements, grid {grid}",
                             step_ctx(call, prepared, phase, *step, dst),
                             l.count,
                             l.dtype.name(),
