@@ -361,10 +361,24 @@ def worker(out_dir: str) -> None:
             assert abs(float(lt) - float(lj)) <= 1e-4 * abs(float(lj)), (lt, lj)
             worst = max(worst, _max_err(gt, gj))
     assert worst < 1e-4, worst
+    # The layer loop across processes: start/done of one instruction in flight in consecutive loop
+    # iterations, ordered on each lane by its ticket (src/ffi/cpu.rs).
+    one = {"w": np.zeros((7, 7), np.float32), "b": np.zeros((7,), np.float32), "g": np.float32(1)}
+    lay = tide_jax.layout(one, mesh, AXIS)
+    stacked, x = _model_data(np.random.default_rng(21), 16, 7, batch=2 * lay.world)
+    shards = lay.shard_stacked(stacked)
+    xs = jax.device_put(x, NamedSharding(mesh, P(AXIS)))
+    specs = dict(mesh=mesh, in_specs=(lay.stacked_spec, P(AXIS)), out_specs=(P(), (lay.stacked_spec, P(AXIS))))
+    for prefetch, remat in ((1, False), (2, True)):
+        got, want = (_fetch(jax.jit(tide_jax.shard_map(scan_step(lay, b, prefetch, remat), **specs))(shards, xs))
+                     for b in ("tide", "jax"))
+        err = _max_err(got, want)
+        assert err < 1e-4 * max(1.0, abs(float(want[0]))), (prefetch, remat, err)
+        worst = max(worst, err)
     print(f"rank {jax.process_index()}: reuse ok (worst {worst:.2e})", flush=True)
 
 
-def test_reused_helper_multiprocess():
+def test_reused_helper_and_layer_loop_multiprocess():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(os.path.dirname(HERE)), "python"),
                                          env.get("PYTHONPATH", "")])
