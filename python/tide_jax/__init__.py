@@ -31,7 +31,7 @@ from ._ops import (
     set_backend,
 )
 from ._compat import shard_map
-from ._loop import scan_layers
+from ._loop import REMAT_NAMES, remat_policy, scan_layers
 from ._distributed import initialize
 
 __version__ = "0.1.0"
@@ -57,6 +57,8 @@ __all__ = [
     "reduce_scatter",
     "reference",
     "scan_layers",
+    "remat_policy",
+    "REMAT_NAMES",
     "set_backend",
     "shard_map",
 ]

@@ -30,7 +30,15 @@ def vma_of(x) -> frozenset:
         aval = jax.typeof(x)
     except AttributeError:  # pragma: no cover - very old JAX
         aval = jax.core.get_aval(x)
-    return frozenset(getattr(aval, "vma", frozenset()) or frozenset())
+    return vma_of_aval(aval)
+
+
+def vma_of_aval(aval) -> frozenset:
+    """`vma_of` for an abstract value: `aval.vma` (jax 0.11), `aval.manual_axis_type.varying` (0.10)."""
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(vma or frozenset())
 
 
 def mark_varying(x, axes):

@@ -1,27 +1,54 @@
-"""scan_layers: the FSDP layer loop with prefetched all-gathers and overlapped reduce-scatters.
+"""scan_layers: the FSDP layer loop, with prefetched all-gathers, overlapped reduce-scatters and the
+activation and parameter memory the caller chooses.
 
-    y = scan_layers(layer_fn, x, shards, lay, prefetch=1, remat=False, dtype=jnp.bfloat16)
+    out = scan_layers(layer_fn, carry, shards, lay, xs=None, prefetch=1, remat=None,
+                      reshard_after_forward=True, dtype=jnp.bfloat16, prologue=None, epilogue=None)
 
-is exactly `for i in range(L): x = layer_fn(gather_params(shards[i], lay, dtype), x)` and its
-gradient, scheduled so the collectives run behind compute (docs/design.md "The layer loop"):
+is exactly (values and gradients)
 
-forward, layer i:   done(gather i) -> start(gather i+prefetch) -> [barrier] -> layer_fn -> [barrier]
-backward, layer i:  done(gather i) -> start(gather i-prefetch) -> [barrier] -> vjp(layer_fn)
-                    -> start(reduce-scatter of layer i's grads) -> [barrier] -> done(RS of layer i+1)
+    carry, aux = prologue(inputs)                   # optional: (fn, shards, layout) or fn
+    for i in range(L):
+        p = gather_params(shards[i], lay, dtype)
+        carry = jax.checkpoint(layer_fn, policy=...)(p, carry[, xs[i]])   # remat=None: no checkpoint
+    out = epilogue(carry, aux)                      # optional
 
-The barriers (`ordered`, i.e. `jax.lax.optimization_barrier`) pin the order: a start is issued
-before the layer's compute begins, a done only after the compute that should hide it. The steady
-state runs in a `lax.scan` (one HLO body for any L); the first and last `prefetch` layers are
-unrolled, so no gather is ever started without its done. On the "jax" backend the same loop runs
-the pure-JAX collectives without barriers, leaving their scheduling to XLA.
+scheduled so the collectives run behind compute (docs/design.md "The layer loop"). The contract:
 
-Memory: the forward saves each layer's input x (L of them) and, with remat=False, each layer's
-gathered parameters (L full layers in `dtype`); remat=True re-gathers them in the backward pass
-instead. The layer's internals are recomputed in the backward pass (per-layer activation
-checkpointing). In flight at once: `prefetch` gathers and one reduce-scatter.
+- Activations (`remat`): None/False keeps what autodiff keeps (no recompute: each layer's forward
+  residuals are saved by the forward scan and consumed by the backward); True recomputes the layer
+  in the backward pass (`jax.checkpoint`); a `jax.checkpoint` policy (`jax.checkpoint_policies.*`,
+  `save_only_these_names(...)` with `checkpoint_name` inside `layer_fn`, ...) saves what it names.
+  `remat_policy(name)` maps the names the examples use ("none", "full", "dots", ...) to these.
+- Parameters (`reshard_after_forward`, FSDP2's name and default): True frees each layer's gathered
+  parameters after its forward and re-gathers them (prefetched) in the backward; every residual
+  that is a function of the gathered parameters alone (a transpose, a cast, a broadcast of a norm
+  scale) is recomputed from the re-gathered ones instead of saved, so no gathered layer outlives its
+  use. The last `prefetch` layers stay gathered (the backward needs them first). False keeps every
+  layer's gathered parameters (L layers in `dtype`) from the forward to the backward.
+- Memory, per device: shards (fp32) + in flight `prefetch` gathered layers and one reduce-scatter,
+  plus the saved residuals: with remat=True each layer's input carry; with None everything autodiff
+  saves except parameter-only values; with a policy what it saves; plus, with reshard=False, every
+  gathered layer.
+- `carry` is any pytree (shapes and dtypes unchanged by `layer_fn`); `xs` a pytree whose leaves have
+  the layer axis first (per-layer keys, masks): `layer_fn(params, carry, xs_i)`. Non-float leaves
+  (PRNG keys, counters) pass through and get no gradient.
+- `prologue` / `epilogue` (e.g. the embedding lookup / the final norm and head) run inside the same
+  schedule, so the loop's edges are hidden: the first `prefetch` layer gathers run behind the
+  prologue (after its own gather), the epilogue's gather behind the last layer, the epilogue's
+  reduce-scatter behind the last layer's backward and the first layer's reduce-scatter behind the
+  prologue's backward. `prologue=(fn, shards, layout)` gathers `shards` (a group of its own) and calls
+  `fn(params, inputs) -> (carry, aux)`; a plain `prologue=fn` is `fn(inputs) -> (carry, aux)`.
+  `epilogue=(fn, shards, layout)`: `fn(params, carry, aux) -> out`; plain: `fn(carry, aux) -> out`.
+  `aux` carries what both ends share (a tied embedding table); None when there is no prologue.
 
-Values `layer_fn` closes over (e.g. a mask, rotary tables, shared weights) are hoisted with
-`jax.closure_convert` and differentiated too (their cotangents summed over layers).
+Schedule (forward, layer i; backward, layer i; `[b]` = `ordered` barrier, tide backend only):
+    forward:  start G(i+k) [b] layer i [b] done G(i+k)              (k = prefetch, G = all-gather)
+    backward: start RS(i+1), start G(i-k) [b] backward of layer i [b] done RS(i+1), done G(i-k)
+The steady state runs in a `lax.scan` (one HLO body for any L); steps without a prefetch or a
+reduce-scatter are unrolled around it (`unroll=True`: everything in Python). A start and its done
+are always in one iteration (a handle never crosses a loop boundary); what is carried are finished
+values. Gradients of the stacked shards are written in place into one (L, ...) buffer per leaf.
+At world size 1 the collectives are local identities (no native call; `_ops`).
 """
 
 from __future__ import annotations
@@ -33,9 +60,307 @@ import numpy as np
 from . import _compat, _ops
 from ._layout import Layout
 
-__all__ = ["scan_layers"]
+__all__ = ["scan_layers", "remat_policy", "REMAT_NAMES"]
 
 
+# ----------------------------------------------------------------------------------------------
+# activation policies
+# ----------------------------------------------------------------------------------------------
+def _names_policy(*names):
+    return jax.checkpoint_policies.save_only_these_names(*names)
+
+
+REMAT_NAMES = {
+    "none": "keep every residual autodiff keeps (no recompute)",
+    "full": "recompute the whole layer in the backward pass",
+    "dots": "save matmul outputs without batch dimensions (jax.checkpoint_policies.dots_with_no_batch_dims_saveable; MaxText's 'minimal')",
+    "dots_all": "save every matmul output (jax.checkpoint_policies.dots_saveable)",
+    "dots_with_context": "'dots' plus values named 'context' (the attention output; MaxText's 'minimal_with_context')",
+    "qkv_proj": "values named 'query_proj', 'key_proj', 'value_proj' (MaxText's 'save_qkv_proj')",
+    "dots_except_mlp": "values named 'query_proj', 'key_proj', 'value_proj', 'context', 'out_proj' (MaxText's 'save_dot_except_mlp')",
+}
+
+
+def remat_policy(name):
+    """The `remat` value for a policy name: "none" -> None, "full" -> True, "dots" ... (REMAT_NAMES),
+    or the name of any `jax.checkpoint_policies` attribute (e.g. "everything_saveable"),
+    or "names:a,b" (`save_only_these_names("a", "b")`)."""
+    if name is None or name is False or name is True or callable(name):
+        return name
+    key = str(name).strip().lower()
+    if key in ("none", "no", "off", "false"):
+        return None
+    if key in ("full", "true", "all"):
+        return True
+    if key == "dots":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    if key == "dots_all":
+        return jax.checkpoint_policies.dots_saveable
+    if key == "dots_with_context":
+        return jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _names_policy("context"))
+    if key == "qkv_proj":
+        return _names_policy("query_proj", "key_proj", "value_proj")
+    if key == "dots_except_mlp":
+        return _names_policy("query_proj", "key_proj", "value_proj", "context", "out_proj")
+    if key.startswith("names:"):
+        names = [n.strip() for n in key[len("names:"):].split(",") if n.strip()]
+        if not names:
+            raise ValueError(f"tide: remat policy {name!r}: no names after 'names:'")
+        return _names_policy(*names)
+    policy = getattr(jax.checkpoint_policies, str(name).strip(), None)
+    if policy is None or not callable(policy):
+        raise ValueError(
+            f"tide: unknown remat policy {name!r}: expected one of {sorted(REMAT_NAMES)}, 'names:a,b', "
+            "or the name of a jax.checkpoint_policies attribute"
+        )
+    return policy
+
+
+def _checkpointed(fn, remat, unroll: bool):
+    """`fn` under the activation policy `remat` (None/False: as it is)."""
+    remat = remat_policy(remat)
+    if remat is None or remat is False:
+        return fn
+    policy = None if remat is True else remat
+    # prevent_cse guards a recompute against being merged with the forward by XLA's CSE; inside a
+    # scan body the two live in different loops, so it is only needed for the unrolled loop.
+    return jax.checkpoint(fn, policy=policy, prevent_cse=unroll)
+
+
+# ----------------------------------------------------------------------------------------------
+# one layer's forward with its residuals split: saved / gathered parameters / derived from them
+# ----------------------------------------------------------------------------------------------
+def _aval_key(leaves) -> tuple:
+    return tuple(str(jax.typeof(x)) if hasattr(x, "dtype") else repr(x) for x in leaves)
+
+
+class _Residuals:
+    """The residuals of `jax.vjp(fn, p, c, x, k)` for one layer, split by what they depend on.
+
+    Traced once per input signature (`jax.make_jaxpr`): each residual is either one of the gathered
+    parameters `p` (then it is not saved: the backward has the parameters, re-gathered or kept), one
+    of the closed-over constants `k` (also at hand), a value computed from `p` and `k` alone
+    ("derived": recomputed in the backward from the parameters by the dead-code-eliminated forward,
+    when `derive`), or anything else ("saved": stacked by the forward scan)."""
+
+    def __init__(self, fn, derive: bool):
+        self.fn = fn
+        self.derive = derive
+        self._plans: dict = {}
+
+    def _plan(self, p, c, x, k):
+        flat, in_tree = jax.tree_util.tree_flatten((p, c, x, k))
+        key = (in_tree, _aval_key(flat))
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan, flat
+        box = {}
+
+        def fwd_flat(*flat_in):
+            p_, c_, x_, k_ = jax.tree_util.tree_unflatten(in_tree, flat_in)
+            y, pullback = jax.vjp(self.fn, p_, c_, x_, k_)
+            y_leaves, y_tree = jax.tree_util.tree_flatten(y)
+            res, res_tree = jax.tree_util.tree_flatten(pullback)
+            box.update(y_tree=y_tree, res_tree=res_tree, n_y=len(y_leaves))
+            return (*y_leaves, *res)
+
+        closed = jax.make_jaxpr(fwd_flat)(*flat)
+        n_p = len(jax.tree_util.tree_leaves(p))
+        n_c = len(jax.tree_util.tree_leaves(c))
+        n_x = len(jax.tree_util.tree_leaves(x))
+        n_in = len(flat)
+        kinds_in = ["p"] * n_p + ["c"] * n_c + ["x"] * n_x + ["k"] * (n_in - n_p - n_c - n_x)
+        jaxpr = closed.jaxpr
+        source = {v: {"const"} for v in jaxpr.constvars}
+        for v, kind in zip(jaxpr.invars, kinds_in):
+            source[v] = {kind}
+        for eqn in jaxpr.eqns:
+            dep = set()
+            for v in eqn.invars:
+                if not _is_literal(v):
+                    dep |= source[v]
+            for o in eqn.outvars:
+                source[o] = dep
+        index_of = {v: i for i, v in enumerate(jaxpr.invars)}
+        n_y = box["n_y"]
+        kinds = []  # per residual: ("p", j) | ("k", j) | ("derive", d) | ("save", s)
+        n_save = n_derive = 0
+        derive_out = []
+        for pos, v in enumerate(jaxpr.outvars[n_y:]):
+            i = None if _is_literal(v) else index_of.get(v)
+            if i is not None and kinds_in[i] == "p":
+                kinds.append(("p", i))
+            elif i is not None and kinds_in[i] == "k":
+                kinds.append(("k", i - n_p - n_c - n_x))
+            elif self.derive and (_is_literal(v) or source[v] <= {"p", "k"}):
+                kinds.append(("derive", n_derive))
+                derive_out.append(n_y + pos)
+                n_derive += 1
+            else:
+                kinds.append(("save", n_save))
+                n_save += 1
+        derive_fn = None
+        if derive_out:
+            derive_fn = _derive_function(closed, derive_out, kinds_in)
+        plan = dict(closed=closed, kinds=kinds, n_save=n_save, derive_fn=derive_fn, in_tree=in_tree,
+                    n_p=n_p, n_c=n_c, n_x=n_x, **box)
+        self._plans[key] = plan
+        return plan, flat
+
+    def forward(self, p, c, x, k):
+        """(y, saved residuals, plan) of one layer."""
+        plan, flat = self._plan(p, c, x, k)
+        outs = _eval(plan["closed"].jaxpr, plan["closed"].consts, flat)
+        y = jax.tree_util.tree_unflatten(plan["y_tree"], outs[: plan["n_y"]])
+        res = outs[plan["n_y"]:]
+        saved = [r for r, kind in zip(res, plan["kinds"]) if kind[0] == "save"]
+        return y, saved, plan
+
+    @staticmethod
+    def backward(plan, saved, p, k, dy):
+        """(dp, dc, dx, dk) of one layer from its saved residuals and its gathered parameters."""
+        p_leaves = jax.tree_util.tree_leaves(p)
+        k_leaves = jax.tree_util.tree_leaves(k)
+        derived = plan["derive_fn"](p_leaves, k_leaves) if plan["derive_fn"] else []
+        res = []
+        for kind, j in plan["kinds"]:
+            res.append({"p": p_leaves, "k": k_leaves, "derive": derived, "save": saved}[kind][j])
+        pullback = jax.tree_util.tree_unflatten(plan["res_tree"], res)
+        return pullback(dy)
+
+
+def _eval(jaxpr, consts, args):
+    from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+
+    return list(jaxpr_as_fun(ClosedJaxpr(jaxpr, list(consts)))(*args))
+
+
+def _is_literal(v) -> bool:
+    return type(v).__name__ == "Literal"
+
+
+def _derive_function(closed, outputs: list, kinds_in: list):
+    """(p_leaves, k_leaves) -> the residuals at `outputs` of `closed`, computed by the part of the
+    forward they depend on (dead-code eliminated: no activation is touched)."""
+    jaxpr = closed.jaxpr
+    used = [False] * len(jaxpr.outvars)
+    for o in outputs:
+        used[o] = True
+    try:
+        from jax._src.interpreters import partial_eval as pe
+
+        if jaxpr.constvars:
+            jaxpr = pe.convert_constvars_jaxpr(jaxpr)
+            kinds_in = ["const"] * len(closed.jaxpr.constvars) + list(kinds_in)
+        dce, used_in = pe.dce_jaxpr(jaxpr, used)
+    except Exception:  # pragma: no cover - JAX internals moved: evaluate everything, XLA drops the rest
+        dce, used_in = None, None
+    consts = list(closed.consts)
+
+    def derive(p_leaves, k_leaves):
+        if dce is None:  # pragma: no cover
+            full = _eval(closed.jaxpr, consts, _dummy_inputs(closed, kinds_in, p_leaves, k_leaves))
+            return [full[o] for o in outputs]
+        args = _dummy_inputs(closed, kinds_in, p_leaves, k_leaves, with_consts=consts)
+        return _eval(dce, [], [a for a, u in zip(args, used_in) if u])
+
+    return derive
+
+
+def _dummy_inputs(closed, kinds_in, p_leaves, k_leaves, with_consts=None):
+    """The flat inputs of `closed` with the parameters and constants in place; activation inputs are
+    zeros (only reached when dead-code elimination is unavailable; their values never matter)."""
+    args, ip, ik = [], 0, 0
+    consts = list(with_consts) if with_consts is not None else []
+    avals = [v.aval for v in closed.jaxpr.invars]
+    if with_consts is not None and closed.jaxpr.constvars:
+        args.extend(consts)
+        kinds_in = kinds_in[len(consts):]
+    for kind, aval in zip(kinds_in, avals):
+        if kind == "p":
+            args.append(p_leaves[ip])
+            ip += 1
+        elif kind == "k":
+            args.append(k_leaves[ik])
+            ik += 1
+        else:
+            args.append(_zeros_of(aval))
+    return args
+
+
+def _zeros_of(aval):
+    z = jnp.zeros(aval.shape, aval.dtype)
+    vma = _compat.vma_of_aval(aval)
+    return _compat.mark_varying(z, sorted(vma)) if vma else z
+
+
+# ----------------------------------------------------------------------------------------------
+# a parameter group's collectives (the layer, the prologue's, the epilogue's)
+# ----------------------------------------------------------------------------------------------
+class _Group:
+    """Start/done of one layout's gather and reduce-scatter, with HSDP replicas and casts."""
+
+    def __init__(self, lay: Layout, leaves: list, dtype, backend: str, op: str):
+        self.lay = lay
+        self.shard_dtypes = [np.dtype(s.dtype) for s in leaves]
+        self.param_dtypes = [np.dtype(dtype) if dtype is not None else d for d in self.shard_dtypes]
+        self.backend = backend
+        # HSDP (as gather_params): mesh axes the shards are replicated on; the fp32 gradient shards
+        # are summed over them, the gathered parameters typed varying over them.
+        self.shard_vma = frozenset().union(*(_compat.vma_of(s) for s in leaves)) if leaves else frozenset()
+        self.replica_axes = ()
+        if self.shard_vma:
+            manual = _compat.manual_axes(_compat.enclosing_mesh())
+            self.replica_axes = tuple(sorted(manual - self.shard_vma - {lay.axis}))
+        self.ct_axes = sorted(self.shard_vma | set(self.replica_axes) | {lay.axis}) if self.shard_vma else []
+        self.p_vma = sorted(self.shard_vma | set(self.replica_axes) | {lay.axis})
+        for p, x in zip(lay.params, leaves):
+            if not jnp.issubdtype(x.dtype, jnp.floating):
+                raise TypeError(
+                    f"tide: scan_layers: {op}: {p.describe()}: shard dtype {np.dtype(x.dtype).name} is not "
+                    "a floating type; only floating parameters can be gathered and differentiated"
+                )
+
+    def example(self):
+        """Zeros typed as the gathered parameters will be (for closure conversion)."""
+        return jax.tree_util.tree_unflatten(
+            self.lay.treedef,
+            [_compat.mark_varying(jnp.zeros(p.shape, d), self.p_vma) for p, d in zip(self.lay.params, self.param_dtypes)],
+        )
+
+    def start_gather(self, leaves):
+        cast = [_ops._maybe_cast(s, d) for s, d in zip(leaves, self.param_dtypes)]
+        return _ops._start("all_gather", cast, self.lay, self.backend)
+
+    def done_gather(self, h):
+        outs = _ops._done(h, "all_gather")
+        if self.replica_axes:
+            outs = [_compat.mark_varying(o, list(self.replica_axes)) for o in outs]
+        return outs
+
+    def gather_now(self, leaves):
+        return self.done_gather(self.start_gather(leaves))
+
+    def start_scatter(self, dp):
+        dp = jax.tree_util.tree_leaves(dp)
+        if self.ct_axes:
+            dp = [_compat.mark_varying(t, self.ct_axes) for t in dp]
+        return _ops._start("reduce_scatter", list(dp), self.lay, self.backend)
+
+    def done_scatter(self, h):
+        outs = _ops._done(h, "reduce_scatter")
+        if self.replica_axes:
+            outs = [jax.lax.psum(o, self.replica_axes) for o in outs]
+        outs = [o if o.dtype == d else o.astype(d) for o, d in zip(outs, self.shard_dtypes)]
+        if self.shard_vma:
+            outs = [_compat.mark_varying(o, sorted(self.shard_vma)) for o in outs]
+        return outs
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+# ----------------------------------------------------------------------------------------------
 def _check_stacked(shards, lay: Layout) -> tuple[list, int]:
     leaves, treedef = jax.tree_util.tree_flatten(shards)
     if treedef != lay.treedef:
@@ -50,14 +375,12 @@ def _check_stacked(shards, lay: Layout) -> tuple[list, int]:
             hint = ""
             if shape[1:] == p.global_shape:
                 hint = " (the global stacked shape: call this inside shard_map with in_specs=lay.stacked_spec)"
+            elif shape == p.shard_shape or shape == p.shape:
+                hint = (" (no layer axis: `lay` must be the layout of ONE layer, built from the stacked "
+                        "parameters without their leading axis, e.g. tide_jax.layout(one_layer, mesh, axis))")
             raise ValueError(
                 f"tide: scan_layers: {p.describe()}: local stacked shard has shape {shape}, expected "
                 f"(L, *{p.shard_shape}) for {lay.world} ranks of axis {lay.axis!r}{hint}"
-            )
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(
-                f"tide: scan_layers: {p.describe()}: shard dtype {np.dtype(x.dtype).name} is not a "
-                "floating type; only floating parameters can be differentiated"
             )
         if num is None:
             num = shape[0]
@@ -68,221 +391,530 @@ def _check_stacked(shards, lay: Layout) -> tuple[list, int]:
     return leaves, int(num)
 
 
-def scan_layers(layer_fn, x, shards, lay: Layout, *, prefetch: int = 1, remat: bool = False,
-                dtype=jnp.bfloat16, backend: str | None = None, unroll: bool = False):
-    """Runs `layer_fn(params_i, x)` for the L layers of `shards` with FSDP collectives overlapped.
+def _check_xs(xs, num: int):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(xs)[0]:
+        shape = tuple(getattr(leaf, "shape", ()))
+        if not shape or shape[0] != num:
+            raise ValueError(
+                f"tide: scan_layers: xs{jax.tree_util.keystr(path)} has shape {shape}: every leaf of xs "
+                f"needs the layer axis first, with L = {num} entries (like lax.scan's xs)"
+            )
+
+
+def _end(spec, what: str, op_name: str):
+    """(fn, shards, layout) | fn | None -> (fn, shard leaves, layout or None)."""
+    if spec is None:
+        return None
+    if callable(spec):
+        return spec, [], None
+    if isinstance(spec, (tuple, list)) and len(spec) == 3 and callable(spec[0]) and isinstance(spec[2], Layout):
+        fn, shards, lay = spec
+        _ops._check_context(lay, f"scan_layers {what}")
+        leaves = _ops._check_shards(shards, lay, f"scan_layers {what}")
+        return fn, leaves, lay
+    raise TypeError(
+        f"tide: scan_layers: {what} must be a function or a tuple (fn, shards, layout), got "
+        f"{type(spec).__name__}"
+    )
+
+
+def _float(x) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _zero_cotangents(tree):
+    """None (a zero cotangent) for every leaf: what a custom_vjp returns for inputs without gradient."""
+    return jax.tree.map(lambda _: None, tree)
+
+
+def _maybe_none_cts(tree, cts):
+    """`cts` with None where the primal leaf is not differentiable (ints, keys)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    ct_leaves = jax.tree_util.tree_flatten(cts, is_leaf=lambda t: t is None)[0]
+    return jax.tree_util.tree_unflatten(treedef, [c if _float(x) else None for x, c in zip(leaves, ct_leaves)])
+
+
+# ----------------------------------------------------------------------------------------------
+# scan_layers
+# ----------------------------------------------------------------------------------------------
+def scan_layers(layer_fn, carry, shards, lay: Layout, *, xs=None, prefetch: int = 1, remat=None,
+                reshard_after_forward: bool = True, dtype=jnp.bfloat16, backend: str | None = None,
+                unroll: bool = False, prologue=None, epilogue=None):
+    """Runs `layer_fn(params_i, carry[, xs_i]) -> carry` for the L layers of `shards` under FSDP.
 
     `lay` is the layout of ONE layer's parameters; `shards` that pytree with a leading layer axis on
     every leaf, `(L, shard_rows, *rest)` inside shard_map (globally `(L, P * shard_rows, *rest)`:
-    `lay.shard_stacked`, `lay.stacked_spec`). `layer_fn(params, x) -> x` (same shape and dtype of x)
-    gets one layer's full parameters cast to `dtype`. Gradients reach `shards` as fp32-accumulated
-    reduce-scatters cast to the shards' dtype, and `x` and whatever `layer_fn` closes over as usual.
-    `prefetch`: layers gathered ahead (0: gather right before use); `remat`: re-gather in the
-    backward pass instead of keeping the gathered parameters; `unroll`: a Python loop instead of
-    `lax.scan` (a larger program, but nothing carried between iterations for XLA to copy).
+    `lay.shard_stacked`, `lay.stacked_spec`). `layer_fn` gets one layer's full parameters cast to
+    `dtype` and returns a carry of the same structure, shapes and dtypes. Gradients reach `shards`
+    as fp32-accumulated reduce-scatters cast to the shards' dtype, and `carry`, `xs`, the prologue's
+    inputs and whatever the functions close over as usual.
+
+    `remat`: None/False (no recompute), True (recompute each layer), a `jax.checkpoint` policy or a
+    name (`remat_policy`). `reshard_after_forward`: True (default) frees gathered parameters after
+    each layer's forward and re-gathers them in the backward; False keeps them. `prefetch`: layers
+    gathered ahead (0: right before use). `prologue`/`epilogue`: the computation before and after
+    the layers, scheduled with them (module docstring). `unroll`: a Python loop instead of
+    `lax.scan`. Memory of each combination: module docstring and README "The layer loop".
     """
     _ops._check_context(lay, "scan_layers")
     if not isinstance(prefetch, (int, np.integer)) or isinstance(prefetch, bool) or prefetch < 0:
         raise ValueError(f"tide: scan_layers: prefetch must be an int >= 0, got {prefetch!r}")
+    if not isinstance(reshard_after_forward, (bool, np.bool_)):
+        raise TypeError(f"tide: scan_layers: reshard_after_forward must be True or False, got {reshard_after_forward!r}")
+    remat = remat_policy(remat)
     leaves, num = _check_stacked(shards, lay)
+    if xs is not None:
+        _check_xs(xs, num)
     backend = backend or _ops.get_backend()
     if backend not in _ops.BACKENDS:
         raise ValueError(f"tide: unknown backend {backend!r}: expected one of {_ops.BACKENDS}")
-    shard_dtypes = [np.dtype(s.dtype) for s in leaves]
-    param_dtypes = [np.dtype(dtype) if dtype is not None else d for d in shard_dtypes]
+    pro = _end(prologue, "prologue", "prologue")
+    epi = _end(epilogue, "epilogue", "epilogue")
+    loop = _Loop(layer_fn, lay, leaves, num, xs is not None, prefetch, remat, bool(reshard_after_forward),
+                 dtype, backend, unroll, pro, epi)
+    return loop.run(carry, leaves, xs)
 
-    # HSDP (as gather_params): mesh axes the shards are replicated on; the fp32 gradient shards are
-    # summed over them, the gathered parameters typed varying over them.
-    shard_vma = frozenset().union(*(_compat.vma_of(s) for s in leaves))
-    replica_axes = ()
-    if shard_vma:
-        manual = _compat.manual_axes(_compat.enclosing_mesh())
-        replica_axes = tuple(sorted(manual - shard_vma - {lay.axis}))
-    ct_axes = sorted(shard_vma | set(replica_axes) | {lay.axis}) if shard_vma else []
 
-    # Example parameters typed as the gathered ones will be (varying over the axis, the shards'
-    # axes and the replica axes), so the converted function needs no casts of varying-ness.
-    p_vma = sorted(shard_vma | set(replica_axes) | {lay.axis})
-    example = jax.tree_util.tree_unflatten(
-        lay.treedef,
-        [_compat.mark_varying(jnp.zeros(p.shape, d), p_vma) for p, d in zip(lay.params, param_dtypes)],
-    )
-    converted, consts = jax.closure_convert(layer_fn, example, x)
+class _Loop:
+    """One `scan_layers` call: the traced functions, the schedule, the custom VJP."""
 
-    def apply(p_leaves, x, consts):
-        return converted(jax.tree_util.tree_unflatten(lay.treedef, p_leaves), x, *consts)
+    def __init__(self, layer_fn, lay, leaves, num, has_xs, prefetch, remat, reshard, dtype, backend,
+                 unroll, pro, epi):
+        self.lay, self.num, self.has_xs = lay, num, has_xs
+        self.k = min(int(prefetch), num)
+        self.reshard, self.unroll, self.backend = reshard, unroll, backend
+        self.layer = _Group(lay, leaves, dtype, backend, "layers")
+        self.layer_fn, self.remat, self.dtype = layer_fn, remat, dtype
+        self.pro, self.epi = pro, epi
+        self.pro_group = _Group(pro[2], pro[1], dtype, backend, "prologue") if pro and pro[2] else None
+        self.epi_group = _Group(epi[2], epi[1], dtype, backend, "epilogue") if epi and epi[2] else None
+        self.use_barriers = backend == "tide"
 
-    use_barriers = backend == "tide"
+    # ----- helpers -----
+    def order(self, handles, *others):
+        """`ordered(handles, *others)` keeping every value's type (the tide backend only).
 
-    def order(*xs):
-        """`ordered` over the non-empty arguments (the tide backend only)."""
-        if not use_barriers:
-            return xs
-        flat, tree = jax.tree_util.tree_flatten(xs)
-        if not flat:
-            return xs
-        return jax.tree_util.tree_unflatten(tree, list(jax.lax.optimization_barrier(tuple(flat))))
+        An optimization barrier types all its outputs as varying over the union of its operands'
+        mesh axes, which would change a carry's type (an invariant counter) or a residual's. So the
+        barrier ties the handles only to the values that vary over at least the handles' axes, one
+        barrier per such type (each with the handles; the done uses the handles of the first);
+        values varying over fewer axes are left out: nothing they compute can use the collective."""
+        if not self.use_barriers:
+            return (handles, *others)
+        h_flat, h_tree = jax.tree_util.tree_flatten(handles)
+        o_flat, o_tree = jax.tree_util.tree_flatten(others)
+        if not h_flat:
+            return (handles, *others)
+        h_vma = frozenset().union(*(_compat.vma_of(h) for h in h_flat))
+        classes: dict = {}
+        for i, x in enumerate(o_flat):
+            v = _compat.vma_of(x)
+            if v >= h_vma:
+                classes.setdefault(v, []).append(i)
+        new_h, new_o = None, list(o_flat)
+        for v in sorted(classes, key=lambda v: (len(v), sorted(v))):
+            idx = classes[v]
+            out = jax.lax.optimization_barrier(tuple(h_flat) + tuple(o_flat[i] for i in idx))
+            if new_h is None:
+                new_h = list(out[: len(h_flat)])
+            for j, i in enumerate(idx):
+                new_o[i] = out[len(h_flat) + j]
+        if new_h is None:
+            new_h = list(jax.lax.optimization_barrier(tuple(h_flat)))
+        return (jax.tree_util.tree_unflatten(h_tree, new_h), *jax.tree_util.tree_unflatten(o_tree, new_o))
 
-    def layer(stacked, i):
+    @staticmethod
+    def index(stacked, i):
         return [jax.lax.dynamic_index_in_dim(s, i, 0, keepdims=False) for s in stacked]
 
-    def gather_start(stacked, i):
-        cast = [_ops._maybe_cast(s, d) for s, d in zip(layer(stacked, i), param_dtypes)]
-        return _ops._start("all_gather", cast, lay, backend)
-
-    def gather_done(h):
-        outs = _ops._done(h, "all_gather")
-        if replica_axes:
-            outs = [_compat.mark_varying(o, list(replica_axes)) for o in outs]
-        return outs
-
-    def scatter_start(dp):
-        if ct_axes:
-            dp = [_compat.mark_varying(t, ct_axes) for t in dp]
-        return _ops._start("reduce_scatter", list(dp), lay, backend)
-
-    def scatter_done(h):
-        outs = _ops._done(h, "reduce_scatter")
-        if replica_axes:
-            outs = [jax.lax.psum(o, replica_axes) for o in outs]
-        outs = [o if o.dtype == d else o.astype(d) for o, d in zip(outs, shard_dtypes)]
-        if shard_vma:
-            outs = [_compat.mark_varying(o, sorted(shard_vma)) for o in outs]
-        return outs
-
-    k = min(prefetch, num)
-
-    def gather_now(stacked, i):
-        """Start and done back to back: a layer nothing is left to overlap with."""
-        return gather_done(gather_start(stacked, i))
-
-    def scan_or_unroll(body, carry, idx):
+    def scan(self, body, carry, idx: list):
         """`lax.scan` over `idx` (the steady state), or a Python loop when `unroll` is set."""
-        if len(idx) == 0:
+        if not idx:
             return carry, None
-        if unroll:
+        if self.unroll:
             ys = []
             for i in idx:
                 carry, y = body(carry, i)
                 ys.append(y)
             return carry, jax.tree.map(lambda *t: jnp.stack(t), *ys)
-        return jax.lax.scan(body, carry, jnp.asarray(idx))
+        return jax.lax.scan(body, carry, jnp.asarray(idx, jnp.int32))
+
+    # ----- tracing the user's functions -----
+    def convert(self, carry, xs):
+        """Closure-converts the layer, prologue and epilogue functions (their closed-over values
+        become differentiable inputs) and builds the per-layer residual splitter."""
+        has_xs = self.has_xs
+        fn = self.layer_fn
+
+        def layer3(p, c, x):
+            out = fn(p, c, x) if has_xs else fn(p, c)
+            return out
+
+        x0 = jax.tree.map(lambda t: t[0], xs) if has_xs else None
+        converted, consts = jax.closure_convert(layer3, self.layer.example(), carry, x0)
+        treedef = self.lay.treedef
+
+        def apply(p_leaves, c, x, k):
+            return converted(jax.tree_util.tree_unflatten(treedef, p_leaves), c, x, *k)
+
+        self.apply = apply
+        self.apply_ck = _checkpointed(apply, self.remat, self.unroll)
+        self.residuals = _Residuals(self.apply_ck, derive=True)
+        return list(consts)
+
+    def carry_vma(self, carry, xs):
+        """Per carry leaf, the mesh axes it varies over once the layer has run (a fixed point)."""
+        has_xs, fn, example = self.has_xs, self.layer_fn, self.layer.example()
+        x0 = jax.tree.map(lambda t: t[0], xs) if has_xs else None
+        target = [_compat.vma_of(c) for c in jax.tree_util.tree_leaves(carry)]
+        for _ in range(4):
+            current = _with_vma(carry, target)
+            closed = jax.make_jaxpr(lambda c: fn(example, c, x0) if has_xs else fn(example, c))(current)
+            out = [_compat.vma_of_aval(a) for a in closed.out_avals]
+            if len(out) != len(target):
+                break  # a structure error, reported with its names by the first traced layer
+            grown = [t | o for t, o in zip(target, out)]
+            if grown == target:
+                break
+            target = grown
+        return target
+
+    def convert_end(self, end, group, *example_args):
+        if end is None:
+            return None, []
+        fn = end[0]
+        if group is None:
+            converted, consts = jax.closure_convert(fn, *example_args)
+            return (lambda p, *a: converted(*a[:-1], *a[-1])), list(consts)
+        converted, consts = jax.closure_convert(fn, group.example(), *example_args)
+        treedef = group.lay.treedef
+        return (lambda p, *a: converted(jax.tree_util.tree_unflatten(treedef, p), *a[:-1], *a[-1])), list(consts)
+
+    # ----- the call -----
+    def run(self, inputs, leaves, xs):
+        L = self.num
+        # Trace the prologue on example inputs to learn the carry (closure conversion needs it).
+        pro_fn, k_pro = self.convert_end(self.pro, self.pro_group, inputs)
+        if pro_fn is not None:
+            p_ex = jax.tree_util.tree_leaves(self.pro_group.example()) if self.pro_group else []
+            closed, shape = jax.make_jaxpr(lambda i, kk: pro_fn(p_ex, i, kk), return_shape=True)(inputs, k_pro)
+            out_tree = jax.tree_util.tree_structure(shape)
+            example = jax.tree_util.tree_unflatten(out_tree, [_zeros_of(a) for a in closed.out_avals])
+            if not (isinstance(example, tuple) and len(example) == 2):
+                raise ValueError(
+                    "tide: scan_layers: the prologue must return a pair (carry, aux) (aux: what the "
+                    f"epilogue shares with it, or None), got {out_tree}"
+                )
+            carry_ex, aux_ex = example
+        else:
+            carry_ex, aux_ex = inputs, None
+        # The carry is typed as varying over every mesh axis the layer makes it vary over (lax.scan
+        # needs one carry type; `jnp.float32(0)` as a running sum would otherwise change type).
+        target = self.carry_vma(carry_ex, xs)
+        carry_ex = _with_vma(carry_ex, target)
+        if pro_fn is not None:
+            pro_raw = pro_fn
+            pro_fn = lambda p, i, kk: (lambda ca: (_with_vma(ca[0], target), ca[1]))(pro_raw(p, i, kk))  # noqa: E731
+        else:
+            inputs = _with_vma(inputs, target)
+        k_layer = self.convert(carry_ex, xs)
+        epi_fn, k_epi = self.convert_end(self.epi, self.epi_group, carry_ex, aux_ex)
+        self.pro_fn, self.epi_fn = pro_fn, epi_fn
+        pro_leaves = self.pro[1] if self.pro else []
+        epi_leaves = self.epi[1] if self.epi else []
+        xs_in = xs if self.has_xs else None
+
+        @jax.custom_vjp
+        def run(inputs, stacked, xs, k_layer, pro_leaves, k_pro, epi_leaves, k_epi):
+            return self.forward(inputs, stacked, xs, k_layer, pro_leaves, k_pro, epi_leaves, k_epi, save=False)[0]
+
+        def run_fwd(inputs, stacked, xs, k_layer, pro_leaves, k_pro, epi_leaves, k_epi):
+            out, res = self.forward(inputs, stacked, xs, k_layer, pro_leaves, k_pro, epi_leaves, k_epi, save=True)
+            return out, (res, inputs, stacked, xs, k_layer, pro_leaves, k_pro, epi_leaves, k_epi)
+
+        def run_bwd(res, dout):
+            return self.backward(res, dout)
+
+        run.defvjp(run_fwd, run_bwd)
+        del L
+        return run(inputs, list(leaves), xs_in, k_layer, list(pro_leaves), k_pro, list(epi_leaves), k_epi)
 
     # ----- forward -----
-    # A start and its done are always in the same iteration (a handle never crosses a loop
-    # boundary, where XLA may copy it while tide still writes it); what is carried are finished
-    # values: the gathered parameters of the next `k` layers.
-    def forward(x, stacked, consts, save: bool):
-        def step(x, ps, i, ahead):
-            p, ps = ps[0], tuple(ps[1:])
-            if ahead is None:
-                y = apply(p, x, consts)
-                return y, ps, (x, p)
-            h = gather_start(stacked, ahead)
-            h, x_in, p = order(h, x, p)
-            y = apply(p, x_in, consts)
-            h, y = order(h, y)
-            return y, ps + (gather_done(h),), (x_in, p)
-
-        if k == 0:
-            ps = ()
-            def step0(x, ps, i, ahead):
-                p = gather_now(stacked, i)
-                return apply(p, x, consts), ps, (x, p)
-            run_step, steady = step0, list(range(num))
-        else:
-            ps = tuple(gather_now(stacked, j) for j in range(k))
-            run_step, steady = step, list(range(num - k))
-
-        def body(carry, i):
-            x, ps = carry
-            y, ps, (x_in, p) = run_step(x, ps, i, i + k if k else None)
-            return (y, ps), ((x_in, p if not remat else ()) if save else ())
-
-        (x, ps), saved = scan_or_unroll(body, (x, ps), steady)
-        xs_saved, ps_saved = [], []
-        if saved is not None and save:
-            xs_saved.append(saved[0])
-            if not remat:
-                ps_saved.append(saved[1])
-        for i in range(len(steady), num):
-            x, ps, (x_in, p) = run_step(x, ps, i, None)
+    def forward(self, inputs, stacked, xs, k_layer, pro_leaves, k_pro, epi_leaves, k_epi, save: bool):
+        L, k, g = self.num, self.k, self.layer
+        res = {}
+        # the prologue, with the first k layer gathers in flight behind it
+        pending = [g.start_gather(self.index(stacked, j)) for j in range(k)]
+        if self.pro_fn is not None:
+            pro_p = []
+            if self.pro_group is not None:
+                hp = self.pro_group.start_gather(pro_leaves)
+                (pending, hp), = self.order((pending, hp))
+                pro_p = self.pro_group.done_gather(hp)
+            pending, inputs, pro_p, k_pro = self.order(pending, inputs, pro_p, k_pro)
             if save:
-                xs_saved.append(x_in[None])
-                if not remat:
-                    ps_saved.append([t[None] for t in p])
+                (carry, aux), pro_pb = jax.vjp(lambda p, i, kk: self.pro_fn(p, i, kk), pro_p, inputs, k_pro)
+                res["pro_pb"] = pro_pb
+            else:
+                carry, aux = self.pro_fn(pro_p, inputs, k_pro)
+            pending, carry, aux = self.order(pending, carry, aux)
+        else:
+            carry, aux = inputs, None
+        ps = tuple(g.done_gather(h) for h in pending)
+        epi_h = None  # the epilogue's gather, started during the last layer
+
+        def layer_step(c, ps, i, x_i, ahead):
+            """One layer's forward; `ahead`: the layer to start gathering (or None); returns the new
+            carry, queue, and (saved residuals, gathered params) of layer i."""
+            nonlocal epi_h
+            if k == 0:
+                p = g.gather_now(self.index(stacked, i))
+                rest = ps
+            else:
+                p, rest = ps[0], tuple(ps[1:])
+            starts = []
+            if ahead is not None:
+                starts.append(g.start_gather(self.index(stacked, ahead)))
+            want_epi = self.epi_group is not None and k > 0 and isinstance(i, int) and i == L - 1
+            if want_epi:
+                starts.append(self.epi_group.start_gather(epi_leaves))
+            if starts:
+                starts, c, p = self.order(starts, c, p)
+            plan = None
+            if save:
+                y, saved, plan = self.residuals.forward(p, c, x_i, k_layer)
+            else:
+                y, saved = self.apply_ck(p, c, x_i, k_layer), None
+            self._check_carry(c, y)
+            if starts:
+                starts, y = self.order(starts, y)
+                if want_epi:
+                    epi_h = starts.pop()
+                if ahead is not None:
+                    rest = rest + (g.done_gather(starts[0]),)
+            return y, rest, (saved, p, plan)
+
+        def x_at(i):
+            return None if xs is None else jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, i, 0, keepdims=False), xs)
+
+        steady = list(range(L - k)) if k else list(range(L))
+
+        scan_plan = []
+
+        def body(state, i):
+            c, ps = state
+            y, ps, (saved, p, plan) = layer_step(c, ps, i, x_at(i), i + k if k else None)
+            scan_plan.append(plan)
+            out = (saved, p if not self.reshard else []) if save else ()
+            return (y, ps), out
+
+        (carry, ps), scanned = self.scan(body, (carry, ps), steady)
+        tail = []
+        for i in range(len(steady), L):
+            carry, ps, (saved, p, plan) = layer_step(carry, ps, i, x_at(i), None)
+            tail.append((saved, p, plan))
+        # the epilogue
+        if self.epi_fn is not None:
+            epi_p = []
+            if self.epi_group is not None:
+                epi_p = self.epi_group.done_gather(epi_h) if epi_h is not None else self.epi_group.gather_now(epi_leaves)
+            if save:
+                out, epi_pb = jax.vjp(lambda p, c, a, kk: self.epi_fn(p, c, a, kk), epi_p, carry, aux, k_epi)
+                res["epi_pb"] = epi_pb
+            else:
+                out = self.epi_fn(epi_p, carry, aux, k_epi)
+        else:
+            out = carry
         if not save:
-            return x, None, None
-        xs_all = jnp.concatenate(xs_saved, axis=0)
-        ps_all = None
-        if not remat:
-            ps_all = [jnp.concatenate([c[j] for c in ps_saved], axis=0) for j in range(len(leaves))]
-        return x, xs_all, ps_all
+            return out, None
+        # the plans are static (traced once per input signature): kept on the loop, not as residuals
+        self.scan_plan = scan_plan[-1] if scan_plan else None
+        self.tail_plans = [t[2] for t in tail]
+        res["scanned"] = scanned if steady else None
+        res["tail"] = [t[:2] for t in tail]
+        res["aux"] = aux
+        return out, res
+
+    def _check_carry(self, c, y):
+        ct, yt = jax.tree_util.tree_structure(c), jax.tree_util.tree_structure(y)
+        if ct != yt:
+            raise ValueError(
+                f"tide: scan_layers: layer_fn must return a carry of the structure it was given: got {yt}, "
+                f"expected {ct}"
+            )
+        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(c)[0], jax.tree_util.tree_leaves(y)):
+            if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+                raise ValueError(
+                    f"tide: scan_layers: layer_fn changed carry{jax.tree_util.keystr(path)} from "
+                    f"{a.dtype}{list(a.shape)} to {b.dtype}{list(b.shape)}; the carry must keep its shapes "
+                    "and dtypes (cast inside layer_fn)"
+                )
 
     # ----- backward -----
-    # Step j handles layer i = L-1-j: the reduce-scatter of layer i+1's gradients (computed in
-    # step j-1 and carried as a finished value) and, with remat, the gather of layer i-k run while
-    # layer i's vjp computes.
-    def backward(res, dy):
-        xs_all, ps_all, stacked, consts = res
-        kg = k if remat else 0
+    def backward(self, saved_all, dout):
+        res, inputs, stacked, xs, k_layer, pro_leaves, k_pro, epi_leaves, k_epi = saved_all
+        L, k, g = self.num, self.k, self.layer
+        aux = res["aux"]
+        # the epilogue's backward; its reduce-scatter runs behind the last layer's
+        extra = []
+        d_epi = None
+        dk_epi = _zeros_cts(k_epi)
+        if self.epi_fn is not None:
+            d_epi_p, dc, daux, dk_epi = res["epi_pb"](dout)
+            if self.epi_group is not None:
+                extra.append(("epi", self.epi_group.start_scatter(d_epi_p)))
+        else:
+            dc, daux = dout, None
 
-        def params_of(ps, i):
-            if not remat:
-                return layer(ps_all, i), ps
-            if kg == 0:
-                return gather_now(stacked, i), ps
-            return ps[0], tuple(ps[1:])
+        # where each layer's residuals and gathered parameters come from
+        scanned, tail = res["scanned"], res["tail"]
+        n_scan = L - len(tail)
 
-        def step(dx, ps, dp_prev, dcs, i, ahead):
-            p, ps = params_of(ps, i)
-            x_in = jax.lax.dynamic_index_in_dim(xs_all, i, 0, keepdims=False)
-            hr = scatter_start(dp_prev) if dp_prev is not None else None
-            hg = gather_start(stacked, ahead) if ahead is not None else None
-            hr, hg, p, x_in, dx = order(hr, hg, p, x_in, dx)
-            _, vjp = jax.vjp(apply, p, x_in, consts)
-            dp, dx, dc = vjp(dx)
-            dcs = jax.tree.map(jnp.add, dcs, dc)
-            hr, hg, dp, dx = order(hr, hg, dp, dx)
-            grads = scatter_done(hr) if hr is not None else None
-            if hg is not None:
-                ps = ps + (gather_done(hg),)
-            return dx, ps, dp, dcs, grads
+        def source(i, dynamic: bool):
+            """(saved residuals, kept parameters or None, plan) of layer i."""
+            if not dynamic and i >= n_scan:
+                saved, p = tail[i - n_scan]
+                return saved, p, self.tail_plans[i - n_scan]
+            saved_s, p_s = scanned
+            saved = self.index(saved_s, i) if dynamic else [s[i] for s in saved_s]
+            p = (self.index(p_s, i) if dynamic else [s[i] for s in p_s]) if not self.reshard else None
+            return saved, p, self.scan_plan
 
-        def ahead_of(i):
-            return i - kg if kg and i - kg >= 0 else None
+        # gradient buffers, written in place (no concatenation of per-layer pieces)
+        def grad_buffer(dt, p):
+            z = jnp.zeros((L, *p.shard_shape), dt)
+            return _compat.mark_varying(z, sorted(g.shard_vma)) if g.shard_vma else z
 
-        dcs = jax.tree.map(jnp.zeros_like, consts)
-        ps = tuple(gather_now(stacked, num - 1 - j) for j in range(kg))
-        # j = 0 (layer L-1): no later layer's gradients to reduce-scatter yet.
-        dx, ps, dp, dcs, _ = step(dy, ps, None, dcs, num - 1, ahead_of(num - 1))
-        steady_end = num - kg if kg else num  # steps j in [1, steady_end) have a layer to prefetch
+        gbuf = [grad_buffer(dt, p) for dt, p in zip(g.shard_dtypes, self.lay.params)]
+        dxs_leaves = jax.tree_util.tree_leaves(xs) if xs is not None else []
+        dxbuf = [jnp.zeros(t.shape, t.dtype) if _float(t) else None for t in dxs_leaves]
+        if dxbuf:
+            dxbuf = [_compat.mark_varying(b, sorted(_compat.vma_of(t))) if b is not None and _compat.vma_of(t) else b
+                     for b, t in zip(dxbuf, dxs_leaves)]
+        dk = _zeros_cts(k_layer)
 
-        def body(carry, j):
-            dx, ps, dp, dcs = carry
-            i = num - 1 - j
-            dx, ps, dp, dcs, g = step(dx, ps, dp, dcs, i, i - kg if kg else None)
-            return (dx, ps, dp, dcs), g
+        def put(buf, i, vals):
+            return [jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), i, 0) for b, v in zip(buf, vals)]
 
-        (dx, ps, dp, dcs), g = scan_or_unroll(body, (dx, ps, dp, dcs), list(range(1, max(steady_end, 1))))
-        grads_rev = [] if g is None else [g]  # layers L-1, L-2, ..., 0
-        for j in range(max(steady_end, 1), num):
-            dx, ps, dp, dcs, g = step(dx, ps, dp, dcs, num - 1 - j, None)
-            grads_rev.append([t[None] for t in g])
-        grads_rev.append([t[None] for t in scatter_done(scatter_start(dp))])
-        dstacked = [
-            jnp.flip(jnp.concatenate([c[j] for c in grads_rev], axis=0), axis=0)
-            for j in range(len(leaves))
-        ]
-        return dx, dstacked, dcs
+        def x_at(i):
+            return None if xs is None else jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, i, 0, keepdims=False), xs)
 
-    @jax.custom_vjp
-    def run(x, stacked, consts):
-        return forward(x, stacked, consts, save=False)[0]
+        # the backward's queue of gathered parameters: the forward's last k layers (kept)
+        reshard = self.reshard
+        ps = tuple(tail[-1 - j][1] for j in range(k)) if reshard and k else ()
 
-    def run_fwd(x, stacked, consts):
-        y, xs_all, ps_all = forward(x, stacked, consts, save=True)
-        return y, (xs_all, ps_all, stacked, consts)
+        def step(state, i, dynamic: bool, extra=()):
+            dc, ps, dp_prev, dk, gbuf, dxbuf = state
+            saved, p_saved, plan = source(i, dynamic)
+            starts = []
+            if dp_prev is not None:
+                starts.append(g.start_scatter(dp_prev))
+            ahead = None
+            if reshard and k:
+                ahead = i - k if dynamic or i - k >= 0 else None
+                if ahead is not None:
+                    starts.append(g.start_gather(self.index(stacked, ahead)))
+            extra_h = [h for _, h in extra]
+            if reshard:
+                if k:
+                    p, ps = ps[0], tuple(ps[1:])
+                elif not dynamic and i >= n_scan:
+                    p = p_saved
+                else:
+                    p = g.gather_now(self.index(stacked, i))
+            else:
+                p = p_saved
+            if starts or extra_h:
+                (starts, extra_h), dc, p, saved = self.order((starts, extra_h), dc, p, saved)
+            dp, dc, dx, dkk = self.residuals.backward(plan, saved, p, k_layer, dc)
+            dk = _add_cts(dk, dkk)
+            if starts or extra_h:
+                (starts, extra_h), dp, dc = self.order((starts, extra_h), dp, dc)
+            if dp_prev is not None:
+                gbuf = put(gbuf, i + 1, g.done_scatter(starts[0]))
+                starts = starts[1:]
+            if ahead is not None:
+                ps = ps + (g.done_gather(starts[0]),)
+            if dxbuf:
+                dx_leaves = jax.tree_util.tree_leaves(dx) if dx is not None else []
+                dxbuf = [b if b is None else jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), i, 0)
+                         for b, v in zip(dxbuf, _pad_leaves(dx_leaves, len(dxbuf)))]
+            done_extra = {name: self.epi_group.done_scatter(h) for (name, _), h in zip(extra, extra_h)}
+            return (dc, ps, jax.tree_util.tree_leaves(dp), dk, gbuf, dxbuf), done_extra
 
-    run.defvjp(run_fwd, backward)
-    return run(x, leaves, list(consts))
+        # segments: unrolled [L-1 .. hi), scan [hi-1 .. lo], unrolled [lo-1 .. 0]
+        hi = min(n_scan, L - 1)
+        lo = k if (reshard and k) else 0
+        lo = min(lo, hi)
+        state = (dc, ps, None, dk, gbuf, dxbuf)
+        extras_done = {}
+        first = True
+        for i in range(L - 1, hi - 1, -1):
+            state, done_extra = step(state, i, False, extra if first else ())
+            extras_done.update(done_extra)
+            first = False
+        # (the unrolled part always holds layer L-1: the first step has no reduce-scatter to start)
+        if hi > lo:
+            def body(st, i):
+                st, _ = step(st, i, True)
+                return st, None
+
+            state, _ = self.scan(body, state, list(range(hi - 1, lo - 1, -1)))
+        for i in range(lo - 1, -1, -1):
+            state, done_extra = step(state, i, False, extra if first else ())
+            extras_done.update(done_extra)
+            first = False
+        dc, ps, dp0, dk, gbuf, dxbuf = state
+
+        # layer 0's reduce-scatter behind the prologue's backward
+        h0 = g.start_scatter(dp0)
+        d_pro = None
+        dk_pro = _zeros_cts(k_pro)
+        if self.pro_fn is not None:
+            if daux is None:
+                daux = jax.tree.map(jnp.zeros_like, aux)
+            h0, dc, daux = self.order(h0, dc, daux)
+            d_pro_p, d_inputs, dk_pro = res["pro_pb"]((dc, daux))
+            h0, d_pro_p, d_inputs = self.order(h0, d_pro_p, d_inputs)
+            if self.pro_group is not None:
+                hpr = self.pro_group.start_scatter(d_pro_p)
+                gbuf = put(gbuf, 0, g.done_scatter(h0))
+                d_pro = self.pro_group.done_scatter(hpr)
+            else:
+                gbuf = put(gbuf, 0, g.done_scatter(h0))
+        else:
+            d_inputs = dc
+            gbuf = put(gbuf, 0, g.done_scatter(h0))
+        d_epi = extras_done.get("epi")
+
+        d_xs = None
+        if xs is not None:
+            d_xs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(xs), [b for b in dxbuf])
+        d_pro_leaves = d_pro if d_pro is not None else [None] * len(pro_leaves)
+        d_epi_leaves = d_epi if d_epi is not None else [None] * len(epi_leaves)
+        return (_maybe_none_cts(inputs, d_inputs), gbuf, d_xs, _maybe_none_cts(k_layer, dk), d_pro_leaves,
+                _maybe_none_cts(k_pro, dk_pro), d_epi_leaves, _maybe_none_cts(k_epi, dk_epi))
+
+
+def _with_vma(tree, target):
+    """`tree` with each leaf marked varying over its entry of `target` (a no-op where it is)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if not leaves or not any(target):
+        return tree
+    return jax.tree_util.tree_unflatten(
+        treedef, [_compat.mark_varying(x, sorted(t)) if t else x for x, t in zip(leaves, target)])
+
+
+def _zeros_cts(tree):
+    """Zero cotangent accumulators for the float leaves of `tree` (None for the others)."""
+    return jax.tree.map(lambda x: jnp.zeros_like(x) if _float(x) else None, tree)
+
+
+def _add_cts(acc, new):
+    return jax.tree.map(lambda a, b: a if a is None else a + b.astype(a.dtype), acc, new,
+                        is_leaf=lambda t: t is None)
+
+
+def _pad_leaves(leaves, n):
+    leaves = list(leaves)
+    return leaves + [None] * (n - len(leaves))

@@ -177,8 +177,24 @@ def _attrs(lay: Layout, site: int) -> dict[str, Any]:
     )
 
 
+# ----- world size 1: the collectives are local -----
+# One rank along the axis owns every row: the all-gather is the shard itself, the reduce-scatter the
+# gradient in float32 (shard_rows == rows, no padding). No native call (nothing to move), as
+# jax.lax's collectives are no-ops there; the result types are those of the native call.
+def _local_all_gather(leaves: list, lay: Layout) -> list:
+    outs = [jnp.reshape(x, p.shape) for p, x in zip(lay.params, leaves)]
+    return _vary_like(outs, leaves, lay.axis)
+
+
+def _local_reduce_scatter(leaves: list, lay: Layout) -> list:
+    outs = [jnp.reshape(g, p.shard_shape).astype(jnp.float32) for p, g in zip(lay.params, leaves)]
+    return _vary_like(outs, leaves, lay.axis)
+
+
 # ----- the native (tide) implementations, on validated leaves -----
 def _tide_all_gather(leaves: list, lay: Layout) -> list:
+    if lay.world == 1:
+        return _local_all_gather(leaves, lay)
     _lib.ensure_registered(lay.platform)
     result_types = [jax.ShapeDtypeStruct(p.shape, x.dtype) for p, x in zip(lay.params, leaves)]
     outs = jax.ffi.ffi_call("tide_all_gather", result_types, vmap_method="sequential")(*leaves, **_attrs(lay, _new_site()))
@@ -186,6 +202,8 @@ def _tide_all_gather(leaves: list, lay: Layout) -> list:
 
 
 def _tide_reduce_scatter(leaves: list, lay: Layout) -> list:
+    if lay.world == 1:
+        return _local_reduce_scatter(leaves, lay)
     _lib.ensure_registered(lay.platform)
     result_types = [jax.ShapeDtypeStruct(p.shard_shape, jnp.float32) for p in lay.params]
     outs = jax.ffi.ffi_call("tide_reduce_scatter", result_types, vmap_method="sequential")(*leaves, **_attrs(lay, _new_site()))
@@ -218,10 +236,14 @@ class Handle:
 
 
 def _start(op: str, leaves: list, lay: Layout, backend: str) -> Handle:
-    if backend == "jax":  # XLA schedules its own collectives; the handle holds the results
-        gather, scatter = _impl("jax")
+    if backend == "jax" or lay.world == 1:  # XLA schedules its own collectives, or nothing moves:
+        # the handle holds the results
+        if backend == "jax":
+            gather, scatter = _impl("jax")
+        else:
+            gather, scatter = _local_all_gather, _local_reduce_scatter
         outs = (gather if op == "all_gather" else scatter)(leaves, lay)
-        return Handle(outs, [], (op, lay, backend, ()))
+        return Handle(outs, [], (op, lay, "local", ()))
     _lib.ensure_registered(lay.platform)
     if op == "all_gather":
         types = [jax.ShapeDtypeStruct(p.shape, x.dtype) for p, x in zip(lay.params, leaves)]
@@ -247,7 +269,7 @@ def _done(handle: Handle, op: str) -> list:
     hop, lay, backend, vma = handle.meta
     if hop != op:
         raise ValueError(f"tide: {op}_done got the handle of a {hop}_start")
-    if backend == "jax":
+    if backend == "local":
         return list(handle.results)
     n = len(handle.results)
     types = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in handle.results]
