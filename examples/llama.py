@@ -14,13 +14,20 @@ Every leaf is sharded on its rows (FSDP2's dim-0 rule, per layer for the stacked
 `stack_shard`), fp32, with AdamW's moments sharded the same way.
 
 Three ways to run the same step (`Backend`), same data, same init, same optimizer:
-- "tide": `tide_jax.scan_layers` for the layers (prefetched all-gathers, overlapped reduce-scatters;
-  a plain per-layer fallback where tide_jax lacks it) and `tide_jax.gather_params` for the embedding
-  and the head: bf16 all-gather, bf16 gradients reduce-scattered with fp32 accumulation;
+- "tide": `tide_jax.scan_layers` for the layers, with the embedding lookup as its prologue and the
+  final norm and head as its epilogue (each its own gathered group, scheduled with the layers:
+  prefetched all-gathers, overlapped reduce-scatters): bf16 all-gather, bf16 gradients
+  reduce-scattered with fp32 accumulation;
 - "jax" + reduce "bf16": `jax.lax.scan` over layers, `jax.lax.all_gather` of the bf16-cast shards;
   autodiff makes the backward a bf16 `psum_scatter` (JAX's default FSDP, lossy);
 - "jax" + reduce "fp32": the same loop, gradients upcast to fp32 before `psum_scatter`
   (`tide_jax.reference.gather_params`, pure JAX): exact sums at twice the bytes.
+Both take the same memory knobs with the same meaning (`Config.remat`, `Config.reshard`): the
+activation policy (`tide_jax.remat_policy` names: none, full, dots, dots_with_context, ...; the
+layer names its values with MaxText's names, so its named policies apply) and whether gathered
+parameters are freed after each layer's forward and re-gathered in the backward (FSDP2's
+reshard_after_forward). For plain JAX: `jax.checkpoint` of the scan body under the policy, with
+the gathered parameters never saved (reshard) or always saved (no reshard).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -91,27 +99,8 @@ def one_layer(stacked) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------
-# the layer loop and stacked layouts (tide_jax.scan_layers when present, else the fallback below)
+# stacked layouts
 # ----------------------------------------------------------------------------------------------
-def _fallback_scan_layers(layer_fn, x, shards, lay, *, prefetch=1, remat=False, dtype=jnp.bfloat16):
-    """`tide_jax.scan_layers`'s semantics without its overlap: per layer, gather then compute.
-    `prefetch` is accepted and ignored."""
-    del prefetch
-
-    def body(x, layer_shards):
-        return layer_fn(tide_jax.gather_params(layer_shards, lay, dtype), x), None
-
-    if remat:
-        body = jax.checkpoint(body)
-    x, _ = jax.lax.scan(body, x, shards)
-    return x
-
-
-def scan_layers(layer_fn, x, shards, lay, *, prefetch=1, remat=False, dtype=jnp.bfloat16):
-    fn = getattr(tide_jax, "scan_layers", None) or _fallback_scan_layers
-    return fn(layer_fn, x, shards, lay, prefetch=prefetch, remat=remat, dtype=dtype)
-
-
 def stacked_spec(lay):
     if hasattr(lay, "stacked_spec"):
         return lay.stacked_spec
@@ -194,19 +183,61 @@ def rope(x, theta):
 
 
 def layer_fn(cfg: Config, p, x):
-    """One decoder layer on x: (B, T, d) bf16, with one layer's full bf16 parameters."""
+    """One decoder layer on x: (B, T, d) bf16, with one layer's full bf16 parameters. Values carry
+    MaxText's checkpoint names (query_proj, key_proj, value_proj, context, out_proj, mlpwi, mlpwo),
+    so its named remat policies (`tide_jax.remat_policy`) save the same things here."""
     b, t, d = x.shape
     hd = cfg.head_dim
     h = rms_norm(x, p["attn_norm"])
-    q = (h @ p["wq"]).reshape(b, t, cfg.heads, hd)
-    k = (h @ p["wk"]).reshape(b, t, cfg.kv_heads, hd)
-    v = (h @ p["wv"]).reshape(b, t, cfg.kv_heads, hd)
+    q = checkpoint_name((h @ p["wq"]).reshape(b, t, cfg.heads, hd), "query_proj")
+    k = checkpoint_name((h @ p["wk"]).reshape(b, t, cfg.kv_heads, hd), "key_proj")
+    v = checkpoint_name((h @ p["wv"]).reshape(b, t, cfg.kv_heads, hd), "value_proj")
     q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
-    # GQA: each kv head serves heads / kv_heads query heads; cuDNN flash attention on GPUs (auto)
+    # GQA: each kv head serves heads / kv_heads query heads; cuDNN flash attention on GPUs
     att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=cfg.attention)
-    x = x + att.reshape(b, t, cfg.heads * hd) @ p["wo"]
+    att = checkpoint_name(att, "context")
+    x = x + checkpoint_name(att.reshape(b, t, cfg.heads * hd) @ p["wo"], "out_proj")
     h = rms_norm(x, p["mlp_norm"])
-    return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+    gate = checkpoint_name(h @ p["w_gate"], "mlpwi_0")
+    up = checkpoint_name(h @ p["w_up"], "mlpwi_1")
+    return x + checkpoint_name((jax.nn.silu(gate) * up) @ p["w_down"], "mlpwo")
+
+
+def choose_attention(cfg: Config, platform: str, say=print) -> str | None:
+    """cuDNN flash attention on GPUs where it applies to this model (tried once at its shapes), else
+    XLA's, with one line saying why; None (JAX's choice) elsewhere."""
+    if cfg.attention is not None or platform != "gpu":
+        return cfg.attention
+    q = jnp.zeros((1, min(cfg.seq, 128), cfg.heads, cfg.head_dim), COMPUTE)
+    kv = jnp.zeros((1, min(cfg.seq, 128), cfg.kv_heads, cfg.head_dim), COMPUTE)
+    try:
+        def attn(q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn").sum()
+
+        jax.jit(jax.grad(attn, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+        return "cudnn"
+    except Exception as e:  # noqa: BLE001 - any refusal means: not here
+        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        say(f"[attention] cuDNN flash attention does not apply here ({reason}): using XLA's")
+        return "xla"
+
+
+GATHERED = "fsdp_gathered"  # the checkpoint name of the jax backend's gathered parameters
+
+
+def jax_layer_policy(remat, reshard: bool):
+    """The `jax.checkpoint` policy of the jax backend's scan body (gather + layer), or None for plain
+    autodiff: `remat` as tide's, and the gathered parameters (named GATHERED) never saved with
+    reshard, always saved without."""
+    cp = jax.checkpoint_policies
+    policy = tide_jax.remat_policy(remat)
+    if policy is None:
+        return cp.save_anything_except_these_names(GATHERED) if reshard else None
+    base = cp.nothing_saveable if policy is True else policy
+    if reshard:
+        # a policy saving GATHERED by name is overridden: resharding means not keeping them
+        return lambda prim, *a, **kw: False if kw.get("name") == GATHERED else base(prim, *a, **kw)
+    return cp.save_from_both_policies(base, cp.save_only_these_names(GATHERED))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,30 +264,42 @@ class Backend:
 
         return jax.tree.map(gather, shards, infos)
 
-    def scan_layers(self, fn, x, shards, lay, remat):
+    def loss_fn(self, cfg: Config, lays: "Layouts", shards, tokens):
+        """Mean next-token cross entropy of this device's batch. Inside shard_map."""
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        layer = partial(layer_fn, cfg)
+
+        def embed(p, inputs):
+            table = p["tokens"]
+            return table[inputs], (table if cfg.tied else None)
+
+        def head(p, x, table):
+            w_out = table.T if cfg.tied else p["out"]
+            logits = (rms_norm(x, p["norm"]) @ w_out).astype(jnp.float32)
+            logp = jax.nn.log_softmax(logits, axis=-1)
+            return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
         if self.name == "tide":
-            return scan_layers(fn, x, shards, lay, remat=remat, dtype=COMPUTE)
+            return tide_jax.scan_layers(
+                layer, inputs, shards["layers"], lays.layer, remat=cfg.remat, reshard_after_forward=cfg.reshard,
+                dtype=COMPUTE, prologue=(embed, shards["embed"], lays.embed),
+                epilogue=(head, shards["head"], lays.head))
+        x, table = embed(self.gather(shards["embed"], lays.embed), inputs)
 
         def body(x, layer_shards):
-            return fn(self.gather(layer_shards, lay), x), None
+            p = jax.tree.map(lambda t: checkpoint_name(t, GATHERED), self.gather(layer_shards, lays.layer))
+            return layer(p, x), None
 
-        if remat:
-            body = jax.checkpoint(body)
-        x, _ = jax.lax.scan(body, x, shards)
-        return x
+        policy = jax_layer_policy(cfg.remat, cfg.reshard)
+        if policy is not None:
+            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+        x, _ = jax.lax.scan(body, x, shards["layers"])
+        return head(self.gather(shards["head"], lays.head), x, table)
 
 
 def model_loss(cfg: Config, backend: Backend, lays: Layouts, shards, tokens):
     """Mean next-token cross entropy of this device's batch. Inside shard_map."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    embed = backend.gather(shards["embed"], lays.embed)["tokens"]
-    x = embed[inputs]
-    x = backend.scan_layers(partial(layer_fn, cfg), x, shards["layers"], lays.layer, cfg.remat)
-    head = backend.gather(shards["head"], lays.head)
-    w_out = embed.T if cfg.tied else head["out"]
-    logits = (rms_norm(x, head["norm"]) @ w_out).astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+    return backend.loss_fn(cfg, lays, shards, tokens)
 
 
 # ----------------------------------------------------------------------------------------------

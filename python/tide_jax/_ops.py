@@ -51,6 +51,24 @@ def _backend_from_env() -> str:
 _backend = _backend_from_env()
 
 
+def _world1_native_from_env() -> bool:
+    value = os.environ.get("TIDE_WORLD1_NATIVE", "").strip().lower()
+    if value in ("", "0", "false", "off", "no"):
+        return False
+    if value in ("1", "true", "on", "yes"):
+        return True
+    raise ValueError(f"tide: TIDE_WORLD1_NATIVE={value!r}: expected 0/1 (false/true, off/on, no/yes)")
+
+
+# At world size 1 the collectives are local (no native call) unless TIDE_WORLD1_NATIVE=1: a test
+# knob, so one GPU can still run the native start/done path through XLA (tests/python/test_gpu.py).
+_world1_native = _world1_native_from_env()
+
+
+def _is_local(lay: Layout) -> bool:
+    return lay.world == 1 and not _world1_native
+
+
 def set_backend(name: str) -> str:
     """Selects the backend used when a tide op is traced: "tide" (native) or "jax" (pure JAX).
 
@@ -193,7 +211,7 @@ def _local_reduce_scatter(leaves: list, lay: Layout) -> list:
 
 # ----- the native (tide) implementations, on validated leaves -----
 def _tide_all_gather(leaves: list, lay: Layout) -> list:
-    if lay.world == 1:
+    if _is_local(lay):
         return _local_all_gather(leaves, lay)
     _lib.ensure_registered(lay.platform)
     result_types = [jax.ShapeDtypeStruct(p.shape, x.dtype) for p, x in zip(lay.params, leaves)]
@@ -202,7 +220,7 @@ def _tide_all_gather(leaves: list, lay: Layout) -> list:
 
 
 def _tide_reduce_scatter(leaves: list, lay: Layout) -> list:
-    if lay.world == 1:
+    if _is_local(lay):
         return _local_reduce_scatter(leaves, lay)
     _lib.ensure_registered(lay.platform)
     result_types = [jax.ShapeDtypeStruct(p.shard_shape, jnp.float32) for p in lay.params]
@@ -236,7 +254,7 @@ class Handle:
 
 
 def _start(op: str, leaves: list, lay: Layout, backend: str) -> Handle:
-    if backend == "jax" or lay.world == 1:  # XLA schedules its own collectives, or nothing moves:
+    if backend == "jax" or _is_local(lay):  # XLA schedules its own collectives, or nothing moves:
         # the handle holds the results
         if backend == "jax":
             gather, scatter = _impl("jax")

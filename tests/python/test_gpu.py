@@ -422,3 +422,96 @@ def test_compiled_layer_loop_orders_start_compute_done():
     f = jax.jit(tide_jax.shard_map(R.scan_step(lay, "tide", 1, False), **specs))
     text = f.lower(shards, xs).compile().as_text()
     R.assert_start_compute_done(text)
+
+
+# ----- the layer loop's knobs and edges on GPUs (issue #14) -----
+@pytest.fixture(autouse=True)
+def _native_at_world_1():
+    """At world size 1 tide_jax makes the collectives local (no native call); these tests run on one
+    GPU too, so they ask for the native calls (TIDE_WORLD1_NATIVE) to test them through XLA:GPU."""
+    from tide_jax import _ops
+
+    previous, _ops._world1_native = _ops._world1_native, True
+    yield
+    _ops._world1_native = previous
+
+
+def _edge_model(devs, seed, tied):
+    import jax
+    import jax.numpy as jnp
+    import tide_jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import test_loop as T
+
+    mesh = Mesh(np.array(devs), (AXIS,))
+    rng = np.random.default_rng(seed)
+    stacked, emb, head = T._embed_head_model(rng, 5, vocab=37)
+    lay = tide_jax.layout(T._one(stacked), mesh, AXIS)
+    lay_e, lay_h = tide_jax.layout(emb, mesh, AXIS), tide_jax.layout(head, mesh, AXIS)
+    args = (lay.shard_stacked(stacked), lay_e.shard(emb), lay_h.shard(head))
+    tokens = jax.device_put(rng.integers(0, 37, (4 * len(devs), 9)).astype(np.int32), NamedSharding(mesh, P(AXIS)))
+
+    def step(remat, reshard, backend):
+        def embed(pe, tok):
+            return pe["tokens"][tok], (pe["tokens"] if tied else None)
+
+        def logits(ph, x, table):
+            return (x * ph["norm"]) @ (table.T if tied else ph["out"])
+
+        def per_device(s, se, sh, tok):
+            def loss(s, se, sh):
+                out = tide_jax.scan_layers(T.layer_fn, tok, s, lay, dtype=jnp.float32, backend=backend, remat=remat,
+                                           reshard_after_forward=reshard, prologue=(embed, se, lay_e),
+                                           epilogue=(logits, sh, lay_h))
+                return jnp.sum(jax.nn.log_softmax(out) ** 2)
+
+            value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(s, se, sh)
+            return jax.lax.psum(value, AXIS), grads
+
+        return jax.jit(tide_jax.shard_map(per_device, mesh=mesh,
+                                          in_specs=(lay.stacked_spec, lay_e.spec, lay_h.spec, P(AXIS)),
+                                          out_specs=(P(), (lay.stacked_spec, lay_e.spec, lay_h.spec))))
+
+    return step, args, tokens
+
+
+@pytest.mark.parametrize("ngpu", [1, 2])
+@pytest.mark.parametrize("remat,reshard", [(None, True), (None, False), ("dots", True), (True, True)])
+def test_layer_loop_policies_and_edges_match_jax_backend(ngpu, remat, reshard):
+    """scan_layers with a prologue (embedding) and epilogue (head, tied), every activation policy and
+    reshard setting, native start/done on GPUs: equal to the pure-JAX twin; two runs bitwise equal."""
+    import jax
+
+    step, args, tokens = _edge_model(_need(ngpu), 11 + ngpu, tied=True)
+    got = jax.device_get(step(remat, reshard, "tide")(*args, tokens))
+    again = jax.device_get(step(remat, reshard, "tide")(*args, tokens))
+    want = jax.device_get(step(remat, reshard, "jax")(*args, tokens))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(again)))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.max(np.abs(a - b)) <= 1e-5 * max(1.0, float(np.max(np.abs(b)))), float(np.max(np.abs(a - b)))
+
+
+def test_compiled_edges_overlap_on_gpu():
+    """The compiled step (XLA:GPU keeps the barriers' order): a layer gather start before the
+    embedding lookup and its done after it; a layer reduce-scatter start before the lookup's
+    backward (a scatter) and its done after it."""
+    import re
+
+    step, args, tokens = _edge_model(_need(1), 3, tied=False)
+    text = step(None, True, "tide").lower(*args, tokens).compile().as_text()
+    entry = text[text.index("ENTRY"):].splitlines()
+
+    def rows(pred):
+        return [n for n, line in enumerate(entry) if pred(line)]
+
+    def target(name):
+        return rows(lambda line: f'custom_call_target="{name}"' in line)
+
+    lookup = rows(lambda line: re.search(r"gather", line.split("=", 1)[0]) or " gather(" in line)
+    scatter = rows(lambda line: re.search(r"scatter", line.split("=", 1)[0]) and "tide_" not in line)
+    ag_s, ag_d = target("tide_all_gather_start"), target("tide_all_gather_done")
+    rs_s, rs_d = target("tide_reduce_scatter_start"), target("tide_reduce_scatter_done")
+    assert lookup and scatter, "no gather/scatter op in the entry computation"
+    assert any(s < lookup[0] < d for s in ag_s for d in ag_d), (ag_s, ag_d, lookup)
+    assert any(s < scatter[-1] < d for s in rs_s for d in rs_d), (rs_s, rs_d, scatter)
