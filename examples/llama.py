@@ -222,6 +222,18 @@ def choose_attention(cfg: Config, platform: str, say=print) -> str | None:
         return "xla"
 
 
+ONE_HOT_VOCAB = 4096  # up to this vocabulary the embedding lookup is a one-hot matmul
+
+
+def lookup(table, inputs):
+    """The embedding rows of `inputs`. A small vocabulary (bytes: 256) as a one-hot matmul (MaxText's
+    `use_iota_embed`): the gather's backward is a scatter-add whose many colliding updates into few
+    rows are slow on GPUs; the matmul's is a matmul."""
+    if table.shape[0] <= ONE_HOT_VOCAB:
+        return jax.nn.one_hot(inputs, table.shape[0], dtype=table.dtype) @ table
+    return table[inputs]
+
+
 GATHERED = "fsdp_gathered"  # the checkpoint name of the jax backend's gathered parameters
 
 
@@ -271,7 +283,7 @@ class Backend:
 
         def embed(p, inputs):
             table = p["tokens"]
-            return table[inputs], (table if cfg.tied else None)
+            return lookup(table, inputs), (table if cfg.tied else None)
 
         def head(p, x, table):
             w_out = table.T if cfg.tied else p["out"]

@@ -481,14 +481,17 @@ class _Loop:
     def __init__(self, layer_fn, lay, leaves, num, has_xs, prefetch, remat, reshard, dtype, backend,
                  unroll, pro, epi):
         self.lay, self.num, self.has_xs = lay, num, has_xs
-        self.k = min(int(prefetch), num)
+        # Nothing moves when the collectives are local (world size 1): no prefetch, no ordering,
+        # which would only keep buffers alive and constrain XLA's fusion.
+        self.local = backend == "tide" and _ops._is_local(lay)
+        self.k = 0 if self.local else min(int(prefetch), num)
         self.reshard, self.unroll, self.backend = reshard, unroll, backend
         self.layer = _Group(lay, leaves, dtype, backend, "layers")
         self.layer_fn, self.remat, self.dtype = layer_fn, remat, dtype
         self.pro, self.epi = pro, epi
         self.pro_group = _Group(pro[2], pro[1], dtype, backend, "prologue") if pro and pro[2] else None
         self.epi_group = _Group(epi[2], epi[1], dtype, backend, "epilogue") if epi and epi[2] else None
-        self.use_barriers = backend == "tide"
+        self.use_barriers = backend == "tide" and not self.local
 
     # ----- helpers -----
     def order(self, handles, *others):
@@ -825,7 +828,9 @@ class _Loop:
             else:
                 p = p_saved
             if starts or extra_h:
-                (starts, extra_h), dc, p, saved = self.order((starts, extra_h), dc, p, saved)
+                # (the saved residuals stay out: a barrier would materialize each one's slice of the
+                # stacked buffer, which XLA otherwise fuses into its consumers)
+                (starts, extra_h), dc, p = self.order((starts, extra_h), dc, p)
             dp, dc, dx, dkk = self.residuals.backward(plan, saved, p, k_layer, dc)
             dk = _add_cts(dk, dkk)
             if starts or extra_h:

@@ -274,11 +274,63 @@ def _start(op: str, leaves: list, lay: Layout, backend: str) -> Handle:
     # The operands come back as results N.. (aliased): done takes those, so XLA keeps the very
     # buffers tide reads alive until done, and cannot give done a recomputed copy.
     types = types + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-    outs = jax.ffi.ffi_call(f"tide_{op}_start", types, input_output_aliases={i: n + i for i in range(n)})(
-        *leaves, **_attrs(lay, _new_site()))
     vma = tuple(sorted(frozenset().union(*(_compat.vma_of(x) for x in leaves)) | {lay.axis}))
-    results = [_compat.mark_varying(o, list(vma)) for o in outs[:n]]
-    return Handle(results, list(outs[n:]), (op, lay, backend, vma))
+    outs = _start_call(op, types, n, _attrs(lay, _new_site()), vma)(*leaves)
+    return Handle(list(outs[:n]), list(outs[n:]), (op, lay, backend, vma))
+
+
+# [Note: start/done under vmap]
+# A start and its done are two calls that meet through the buffers between them, so a batched start
+# cannot become a loop of starts (XLA would stack their results into new buffers, which done could
+# not find). Under jax.vmap (also a vmapped custom_vjp, e.g. scan_layers' gradient in a per-example
+# forward) the start instead runs the synchronous collective on each batch element in turn (the sync
+# target's vmap_method="sequential": calls of one site, one after the other) and returns finished
+# results, and the batched done passes them on. A start and its done must therefore be traced at the
+# same vmap level, as `scan_layers` and any program that pairs them does: the batched done cannot
+# tell a batched start's handle from handles of unbatched starts stacked by hand (don't: such a done
+# would not wait for them). A done batched on some of its arrays only is refused at trace time.
+# Both forms type their results alike (varying over `vma`, the operands as they came), inside the
+# custom_vmap: a cast after it would meet already-varying values once the rule has replaced the call.
+def _start_call(op: str, types: list, n: int, attrs: dict, vma):
+    call = jax.ffi.ffi_call(f"tide_{op}_start", types, input_output_aliases={i: n + i for i in range(n)})
+    sync = jax.ffi.ffi_call(f"tide_{op}", types[:n], vmap_method="sequential")
+
+    def typed(results, operands, like):
+        results = [_compat.mark_varying(r, list(vma)) for r in results]
+        operands = [_compat.mark_varying(o, sorted(_compat.vma_of(x))) for o, x in zip(operands, like)]
+        return (*results, *operands)
+
+    @jax.custom_batching.custom_vmap
+    def start(*leaves):
+        outs = call(*leaves, **attrs)
+        return typed(outs[:n], outs[n:], leaves)
+
+    @start.def_vmap
+    def start_batched(axis_size, in_batched, *leaves):
+        leaves = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, b in zip(leaves, in_batched)]
+        results = jax.vmap(lambda *xs: tuple(sync(*xs, **attrs)))(*leaves)
+        return typed(results, leaves, leaves), (True,) * (2 * n)
+
+    return start
+
+
+def _done_call(op: str, types: list, n: int, attrs: dict, vma):
+    call = jax.ffi.ffi_call(f"tide_{op}_done", types, input_output_aliases={i: i for i in range(n)})
+
+    @jax.custom_batching.custom_vmap
+    def done(*arrays):
+        return tuple(_compat.mark_varying(o, list(vma)) for o in call(*arrays, **attrs))
+
+    @done.def_vmap
+    def done_batched(axis_size, in_batched, *arrays):
+        if not all(in_batched[:n]):
+            raise ValueError(
+                f"tide: {op}_done is batched by jax.vmap but its {op}_start was not: trace a start and "
+                "its done at the same vmap level ([Note: start/done under vmap] in tide_jax/_ops.py)"
+            )
+        return tuple(arrays[:n]), (True,) * n  # the batched start's results are final
+
+    return done
 
 
 def _done(handle: Handle, op: str) -> list:
@@ -291,9 +343,7 @@ def _done(handle: Handle, op: str) -> list:
         return list(handle.results)
     n = len(handle.results)
     types = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in handle.results]
-    outs = jax.ffi.ffi_call(
-        f"tide_{op}_done", types, input_output_aliases={i: i for i in range(n)}
-    )(*handle.results, *handle.operands, **_attrs(lay, _new_site()))
+    outs = _done_call(op, types, n, _attrs(lay, _new_site()), vma)(*handle.results, *handle.operands)
     # A barrier after, as before start: XLA:GPU's dynamic-slice fusion would otherwise have done
     # write a result straight into a slice of a larger buffer (a scan's stacked outputs), which
     # breaks the aliasing done relies on (seen on the H200).

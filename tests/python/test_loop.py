@@ -323,12 +323,12 @@ def _temp_bytes(compiled):
 def test_reshard_after_forward_keeps_no_gathered_layer():
     """The saved residuals of reshard_after_forward=True contain no gathered parameter (nor its
     transpose): the backward re-gathers and re-derives them; with False every layer's are kept."""
-    world, num_layers = 1, 6
+    world, num_layers = 3, 6  # (shards of 5 rows: their shapes differ from the gathered ones)
     mesh = make_mesh((world,), (AXIS,))
     stacked = model(np.random.default_rng(0), num_layers)
     lay = tide_jax.layout(_one(stacked), mesh, AXIS)
     shards = lay.shard_stacked(stacked)
-    x = jax.device_put(np.ones((4, D), np.float32), NamedSharding(mesh, P(AXIS)))
+    x = jax.device_put(np.ones((6, D), np.float32), NamedSharding(mesh, P(AXIS)))
     seen = {}
 
     def per_device(s, x, reshard):
