@@ -840,25 +840,36 @@ class _Loop:
                 starts = starts[1:]
             if ahead is not None:
                 ps = ps + (g.done_gather(starts[0]),)
+            dp = jax.tree_util.tree_leaves(dp)
+            if self.local:  # nothing to overlap: this layer's gradient shards at once, no pipeline
+                gbuf = put(gbuf, i, g.done_scatter(g.start_scatter(dp)))
+                dp = None
             if dxbuf:
                 dx_leaves = jax.tree_util.tree_leaves(dx) if dx is not None else []
                 dxbuf = [b if b is None else jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), i, 0)
                          for b, v in zip(dxbuf, _pad_leaves(dx_leaves, len(dxbuf)))]
             done_extra = {name: self.epi_group.done_scatter(h) for (name, _), h in zip(extra, extra_h)}
-            return (dc, ps, jax.tree_util.tree_leaves(dp), dk, gbuf, dxbuf), done_extra
+            return (dc, ps, dp, dk, gbuf, dxbuf), done_extra
 
-        # segments: unrolled [L-1 .. hi), scan [hi-1 .. lo], unrolled [lo-1 .. 0]
-        hi = min(n_scan, L - 1)
-        lo = k if (reshard and k) else 0
-        lo = min(lo, hi)
+        # segments: unrolled [L-1 .. hi), scan [hi-1 .. lo], unrolled [lo-1 .. 0]; local: one scan
+        if self.local:
+            if extra:  # the epilogue's gradient shards, at once
+                extras_done = {name: self.epi_group.done_scatter(h) for name, h in extra}
+                extra = []
+            hi, lo = L, 0
+        else:
+            hi = min(n_scan, L - 1)
+            lo = k if (reshard and k) else 0
+            lo = min(lo, hi)
         state = (dc, ps, None, dk, gbuf, dxbuf)
-        extras_done = {}
+        if not self.local:
+            extras_done = {}
         first = True
         for i in range(L - 1, hi - 1, -1):
             state, done_extra = step(state, i, False, extra if first else ())
             extras_done.update(done_extra)
             first = False
-        # (the unrolled part always holds layer L-1: the first step has no reduce-scatter to start)
+        # (pipelined, the unrolled part holds layer L-1: the first step has no reduce-scatter to start)
         if hi > lo:
             def body(st, i):
                 st, _ = step(st, i, True)
@@ -872,7 +883,7 @@ class _Loop:
         dc, ps, dp0, dk, gbuf, dxbuf = state
 
         # layer 0's reduce-scatter behind the prologue's backward
-        h0 = g.start_scatter(dp0)
+        h0 = g.start_scatter(dp0) if dp0 is not None else None
         d_pro = None
         dk_pro = _zeros_cts(k_pro)
         if self.pro_fn is not None:
@@ -883,13 +894,15 @@ class _Loop:
             h0, d_pro_p, d_inputs = self.order(h0, d_pro_p, d_inputs)
             if self.pro_group is not None:
                 hpr = self.pro_group.start_scatter(d_pro_p)
-                gbuf = put(gbuf, 0, g.done_scatter(h0))
+                if h0 is not None:
+                    gbuf = put(gbuf, 0, g.done_scatter(h0))
                 d_pro = self.pro_group.done_scatter(hpr)
-            else:
+            elif h0 is not None:
                 gbuf = put(gbuf, 0, g.done_scatter(h0))
         else:
             d_inputs = dc
-            gbuf = put(gbuf, 0, g.done_scatter(h0))
+            if h0 is not None:
+                gbuf = put(gbuf, 0, g.done_scatter(h0))
         d_epi = extras_done.get("epi")
 
         d_xs = None
