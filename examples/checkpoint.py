@@ -36,10 +36,16 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-# orbax internals `LogicalArrayHandler` uses (tested with orbax-checkpoint 0.12.8): the writer of
-# host-side shard pieces behind `ArrayHandler.serialize`, and the per-array metadata store.
+# orbax internals `LogicalArrayHandler` uses (tested with orbax-checkpoint 0.12.8, what CI pins): the
+# writer of host-side shard pieces behind `ArrayHandler.serialize`, the per-array metadata store,
+# and ArrayHandler's settings (`_primary_host`, `_metadata_key`, `_array_metadata_store`).
 from orbax.checkpoint._src.metadata import array_metadata_store as _array_metadata_store
 from orbax.checkpoint._src.serialization import jax_array_handlers as _jax_array_handlers
+
+_write_pieces = getattr(_jax_array_handlers, "_async_serialize_replica_slices", None)
+if _write_pieces is None:  # pragma: no cover
+    raise ImportError(f"examples/checkpoint.py: orbax-checkpoint {getattr(ocp, '__version__', '?')} has no "
+                      "_async_serialize_replica_slices (the writer this file uses); tested with 0.12.8")
 
 STATE, META = "state", "meta"
 
@@ -141,7 +147,7 @@ class LogicalArrayHandler(ocp.type_handlers.ArrayHandler):
         host = [_pieces(v, copies) for v, copies in zip(values, _to_host(values))]
 
         async def write():
-            await _jax_array_handlers._async_serialize_replica_slices(
+            await _write_pieces(
                 host, infos, args, primary_host=self._primary_host, metadata_key=self._metadata_key,
                 array_metadata_store=self._array_metadata_store, enable_replica_parallel_separate_folder=False,
                 use_replica_parallel=False, ext_metadata={})
@@ -218,14 +224,17 @@ def read_meta(path: str) -> dict:
 
 
 def stored_shapes(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{orbax name: (shape, dtype)} of the state arrays in the checkpoint at `path`."""
-    root, step = locate(path)
+    """{orbax name: (shape, dtype)} of the state arrays in the checkpoint at `path` (see `locate`)."""
+    return _stored_shapes(*locate(path))
+
+
+def _stored_shapes(root: str, step: int):
     meta = ocp.PyTreeCheckpointer().metadata(os.path.join(root, str(step), STATE)).item_metadata.tree
     flat, _ = jax.tree_util.tree_flatten_with_path(meta)
-    return {_name(k): (tuple(m.shape), str(np.dtype(m.dtype))) for k, m in flat}
+    return {leaf_name(k): (tuple(m.shape), str(np.dtype(m.dtype))) for k, m in flat}
 
 
-def _name(key_path) -> str:
+def leaf_name(key_path) -> str:
     """orbax's name of a leaf: the keys joined by '.'."""
     parts = []
     for k in key_path:
@@ -243,8 +252,8 @@ def restore(path: str, target, logical):
     reads the rows of its own devices' shards; rows past the logical ones are zeros. Returns
     (state, meta)."""
     root, step = locate(path)
-    stored = stored_shapes(path)
-    want = {_name(k): (tuple(x.shape), str(np.dtype(x.dtype)))
+    stored = _stored_shapes(root, step)
+    want = {leaf_name(k): (tuple(x.shape), str(np.dtype(x.dtype)))
             for k, x in jax.tree_util.tree_flatten_with_path(logical)[0]}
     if stored != want:
         missing = sorted(set(want) - set(stored))
