@@ -15,8 +15,8 @@ On disk, a `CheckpointManager` directory (`DIR/<step>/`, written atomically, fin
 
 Saving: each addressable shard (replica 0 of it, so a replicated leaf is written once) is cropped to
 the logical bounds (padding rows dropped; a shard that is all padding writes nothing) and written at
-its index into the logical array. The write chunk is the padded shard (every chunk belongs to one
-device, so no two processes write the same chunk). orbax's `ArrayHandler` writes the shards of a
+its index into the logical array. The write unit is the padded shard (every zarr chunk lies in one
+device's shard, so no two processes write the same chunk). orbax's `ArrayHandler` writes the shards of a
 `jax.Array`, whose shape must divide evenly by the mesh, which the logical shapes do not: so
 `LogicalArrayHandler` (below) crops the shards itself and hands them to orbax's own writer. It
 records the arrays as ordinary `jax.Array`s: reading needs only stock orbax.
@@ -61,6 +61,8 @@ class Logical:
     shape: tuple[int, ...]
 
     def __post_init__(self):
+        if self.array.ndim and not self.shape:
+            raise ValueError("checkpoint: 0-d parameters (sharded as (P,) arrays) are not supported")
         if len(self.shape) != self.array.ndim or any(s > g for s, g in zip(self.shape, self.array.shape)):
             raise ValueError(f"checkpoint: logical shape {self.shape} is not a leading part of {self.array.shape}")
 
@@ -97,8 +99,6 @@ class _Pieces:
 
 def _pieces(v: Logical, copies: list) -> _Pieces:
     arr = v.array
-    if arr.ndim and not v.shape:
-        raise ValueError("checkpoint: 0-d parameters are not supported")
     pieces = []
     for shard, host in copies:
         bounds = [(s.start or 0, min(g if s.stop is None else s.stop, n))

@@ -467,15 +467,17 @@ def logical_state(state, lays: Layouts):
     the rest (step counters) as they are. What a checkpoint stores."""
     treedef = jax.tree.structure(state["params"])
     num_layers = jax.tree.leaves(state["params"]["layers"])[0].shape[0]
-    shapes = {"embed": jax.tree.unflatten(lays.embed.treedef, [p.shape for p in lays.embed.params]),
-              "layers": jax.tree.unflatten(lays.layer.treedef, [(num_layers, *p.shape) for p in lays.layer.params]),
-              "head": jax.tree.unflatten(lays.head.treedef, [p.shape for p in lays.head.params])}
-    shape_leaves = jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+    def shapes(lay, lead=()):
+        return jax.tree.unflatten(lay.treedef, [jax.ShapeDtypeStruct((*lead, *p.shape), p.dtype) for p in lay.params])
+
+    model = jax.tree.leaves({"embed": shapes(lays.embed), "layers": shapes(lays.layer, (num_layers,)),
+                             "head": shapes(lays.head)})
 
     def logical(node):
         if _structure(node) == treedef:
-            return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(shape, x.dtype)
-                                                for x, shape in zip(jax.tree.leaves(node), shape_leaves)])
+            return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(m.shape, x.dtype)
+                                                for x, m in zip(jax.tree.leaves(node), model)])
         return jax.ShapeDtypeStruct(node.shape, node.dtype)
 
     return jax.tree.map(logical, state, is_leaf=lambda n: _structure(n) == treedef)
