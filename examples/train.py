@@ -251,6 +251,9 @@ def train(args) -> dict:
     eval_every = max(1, steps // 6) if args.eval_every is None else args.eval_every
     log_every = args.log_every or max(1, steps // 30)
     stop = min(steps, args.stop_after or steps)
+    if args.resume and start >= stop:
+        raise SystemExit(f"train: --resume {args.resume} is at step {start}: nothing to do up to step {stop} "
+                         "(--steps / --stop-after)")
 
     def evaluate(step):
         loss = float(np.mean([float(eval_step(state["params"], b)) for b in eval_set]))
@@ -269,10 +272,12 @@ def train(args) -> dict:
     if start == 0 and eval_every:
         evals.append(evaluate(0))
     t_run = time.perf_counter()
+    done = start  # steps done: what the state is after
     for step in range(start, stop):
         tokens = llama.put_batch(data.batch(args.seed, step, batch, cfg.seq), mesh)
         t0 = time.perf_counter()
         state, metrics = train_step(state, tokens)
+        done = step + 1
         loss = float(metrics["loss"])  # waits for the step
         dt = time.perf_counter() - t0
         rec = {"step": step, "loss": loss, "time_s": dt, "grad_norm": float(metrics["grad_norm"])}
@@ -293,7 +298,8 @@ def train(args) -> dict:
             save(step + 1)
     wall = time.perf_counter() - t_run
     if args.save:
-        save(stop)
+        if done > start or not args.resume:  # (a resumed run that did no step has nothing new)
+            save(done)  # = stop unless a non-finite loss stopped the run
         t0 = time.perf_counter()
         saver.close()  # waits for the writes
         say(f"[{name}] checkpoints written ({time.perf_counter() - t0:.1f} s waiting for the last one)")
