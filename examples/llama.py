@@ -33,7 +33,6 @@ the gathered parameters never saved (reshard) or always saved (no reshard).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import pathlib
@@ -514,60 +513,54 @@ def put_batch(tokens: np.ndarray, mesh: Mesh):
 
 
 # ----------------------------------------------------------------------------------------------
-# checkpoints: full (unsharded) fp32 arrays in one .npz + meta.json; restore re-shards onto any mesh
+# checkpoints: orbax, every array in its logical (unpadded) shape (examples/checkpoint.py, which
+# needs orbax-checkpoint: imported by train.py only for --save / --resume)
 # ----------------------------------------------------------------------------------------------
-def _to_host(x) -> np.ndarray:
-    if getattr(x, "is_fully_addressable", True):
-        return np.asarray(x)
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def _full_state(state, lays: Layouts):
-    """The state with every param-shaped tree unsharded (padding dropped)."""
+def logical_state(state, lays: Layouts):
+    """`state`'s tree (arrays or ShapeDtypeStructs) as ShapeDtypeStructs in the model's own shapes:
+    every parameter-shaped tree (the parameters, AdamW's moments) without the FSDP padding rows,
+    the rest (step counters) as they are. What a checkpoint stores."""
     treedef = jax.tree.structure(state["params"])
-    is_param_tree = lambda node: _structure(node) == treedef  # noqa: E731
-    return jax.tree.map(lambda n: lays.unshard(n) if is_param_tree(n) else n, state, is_leaf=is_param_tree)
+    num_layers = jax.tree.leaves(state["params"]["layers"])[0].shape[0]
+
+    def shapes(lay, lead=()):
+        return jax.tree.unflatten(lay.treedef, [jax.ShapeDtypeStruct((*lead, *p.shape), p.dtype) for p in lay.params])
+
+    model = jax.tree.leaves({"embed": shapes(lays.embed), "layers": shapes(lays.layer, (num_layers,)),
+                             "head": shapes(lays.head)})
+
+    def logical(node):
+        if _structure(node) == treedef:
+            return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(m.shape, x.dtype)
+                                                for x, m in zip(jax.tree.leaves(node), model)])
+        return jax.ShapeDtypeStruct(node.shape, node.dtype)
+
+    return jax.tree.map(logical, state, is_leaf=lambda n: _structure(n) == treedef)
 
 
-def save_checkpoint(path: str, state, lays: Layouts, meta: dict) -> None:
-    full = _full_state(state, lays)
-    leaves, _ = jax.tree_util.tree_flatten_with_path(full)
-    arrays = {jax.tree_util.keystr(k): _to_host(x) for k, x in leaves}
-    if jax.process_index() != 0:
-        return
-    os.makedirs(path, exist_ok=True)
-    tmp = os.path.join(path, "state.tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, os.path.join(path, "state.npz"))
-    with open(os.path.join(path, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
+def abstract_state(cfg: Config, lays: Layouts, tx):
+    """The state's ShapeDtypeStructs with this mesh's shapes and shardings, allocating nothing (what a
+    checkpoint is restored into)."""
+    abstract = abstract_params(cfg)
+    stacked = NamedSharding(lays.layer.mesh, P(None, lays.layer.axis))
+    params = {
+        "embed": lays.embed.global_shapes,
+        "layers": jax.tree.unflatten(lays.layer.treedef, [
+            jax.ShapeDtypeStruct((cfg.layers, *p.global_shape), p.dtype, sharding=stacked) for p in lays.layer.params]),
+        "head": lays.head.global_shapes,
+    }
+    assert jax.tree.structure(params) == jax.tree.structure(abstract)
+    treedef, shardings = jax.tree.structure(params), [x.sharding for x in jax.tree.leaves(params)]
+    replicated = NamedSharding(lays.layer.mesh, P())
+    opt = jax.eval_shape(tx.init, params)
 
+    def place(node):
+        if _structure(node) == treedef:
+            return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                                                for x, s in zip(jax.tree.leaves(node), shardings)])
+        return jax.ShapeDtypeStruct(node.shape, node.dtype, sharding=replicated)
 
-def load_checkpoint(path: str, template, lays: Layouts):
-    """Fills `template` (a freshly initialized state on this mesh) with the checkpoint's values,
-    re-sharded for this mesh (any device count). Returns (state, meta)."""
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    arrays = np.load(os.path.join(path, "state.npz"))
-    treedef = jax.tree.structure(template["params"])
-    is_param_tree = lambda node: _structure(node) == treedef  # noqa: E731
-    rel_paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(_abstract_full(lays))[0]]
-
-    def fill(prefix, node):
-        if is_param_tree(node):
-            return lays.shard(jax.tree.unflatten(treedef, [arrays[prefix + rel] for rel in rel_paths]))
-        return jax.device_put(arrays[prefix].astype(node.dtype), node.sharding)
-
-    state = jax.tree_util.tree_map_with_path(lambda k, n: fill(jax.tree_util.keystr(k), n), template,
-                                             is_leaf=is_param_tree)
-    return state, meta
-
-
-def _abstract_full(lays: Layouts):
-    layer = jax.tree.unflatten(lays.layer.treedef, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in lays.layer.params])
-    return {"embed": lays.embed.abstract, "layers": layer, "head": lays.head.abstract}
+    return {"params": params, "opt": jax.tree.map(place, opt, is_leaf=lambda n: _structure(n) == treedef)}
 
 
 # ----------------------------------------------------------------------------------------------

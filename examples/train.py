@@ -16,8 +16,10 @@ differ), streaming its lines; then a table, DIR/summary.md, DIR/<run>.json and D
 Every step prints loss, step time, tokens/s, MFU (model FLOPs / (time x peak bf16 FLOP/s); peak known
 for H100/H200/A100/B200 or --peak-tflops) and peak device memory (GPUs); eval loss on the held-out
 split every --eval-every steps. Data: bytes of the standard library's .py files (default), --data FILE
-(text, .npy or .bin tokens) or --data synthetic. Checkpoints: --save DIR [--save-every N]; --resume DIR
-continues bitwise on the same device count, and on any other count (state is stored unsharded).
+(text, .npy or .bin tokens) or --data synthetic. Checkpoints (orbax-checkpoint, examples/checkpoint.py):
+--save DIR [--save-every N] writes DIR/<step>, every process its own shards, in the background, every
+array in its logical (unpadded) shape; --resume DIR (its latest step) or DIR/<step> continues bitwise
+on the same device count, and on any other count to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -109,10 +111,11 @@ def parse_args(argv=None):
     ap.add_argument("--devices", type=int, help="number of devices (default: all GPUs, 8 CPU devices)")
     ap.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s per device for MFU (default: from the device kind)")
     ap.add_argument("--out", help="folder for <run>.json, summary.md and train.png (default with --compare: runs/<model>)")
-    ap.add_argument("--save", help="checkpoint folder, written every --save-every steps and at the end "
-                    "('{step}' in it is replaced by the step)")
+    ap.add_argument("--save", metavar="DIR", help="orbax checkpoints in DIR/<step>: every --save-every steps and at "
+                    "the end (needs orbax-checkpoint)")
     ap.add_argument("--save-every", type=int, default=0)
-    ap.add_argument("--resume", help="checkpoint folder to continue from (any device count)")
+    ap.add_argument("--resume", metavar="DIR", help="continue from a checkpoint: DIR/<step>, or DIR's latest step "
+                    "(any device count)")
     ap.add_argument("--stop-after", type=int, help="stop after this step (the schedule still spans --steps)")
     ap.add_argument("--replot", metavar="DIR", help="only redo DIR's table, summary.md and train.png from its <run>.json "
                     "(e.g. on a machine with matplotlib)")
@@ -124,6 +127,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.backend is None:
         args.compare = True
+    if args.save and "{" in args.save:
+        ap.error("--save DIR: the checkpoints go to DIR/<step> (no '{step}' needed)")
     return args
 
 
@@ -177,6 +182,18 @@ def setup_env(args, use_gpu: bool, multiprocess: bool) -> None:
     sys.path.insert(0, HERE)
 
 
+def checkpoint_module():
+    """examples/checkpoint.py, which needs orbax-checkpoint (an optional dependency of the example)."""
+    try:
+        import checkpoint
+    except ImportError as e:
+        if not (e.name or "").startswith("orbax"):
+            raise
+        raise SystemExit("train: --save / --resume need orbax-checkpoint: pip install orbax-checkpoint "
+                         "(or pip install '.[examples]')") from e
+    return checkpoint
+
+
 def run_name(args) -> str:
     if args.name:
         return args.name
@@ -210,10 +227,8 @@ def train(args) -> dict:
     ndev = len(devices)
     name = run_name(args)
 
-    resume_meta = None
-    if args.resume:
-        with open(os.path.join(args.resume, "meta.json")) as f:
-            resume_meta = json.load(f)
+    ckpt = checkpoint_module() if args.save or args.resume else None
+    resume_meta = ckpt.read_meta(args.resume) if args.resume else None
     data = llama.load_data(args.data, args.vocab)
     cfg = llama.MODELS[args.model]
     over = {k: v for k, v in dict(layers=args.layers, seq=args.seq, batch_per_device=args.batch_per_device,
@@ -248,12 +263,16 @@ def train(args) -> dict:
 
     lays = llama.Layouts.build(cfg, mesh)
     tx = llama.optimizer(opt_cfg, cfg)
-    state = llama.init_state(cfg, lays, tx, args.seed)
     start = 0
-    if args.resume:
-        state, meta = llama.load_checkpoint(args.resume, state, lays)
+    if args.resume:  # read straight into this mesh's shards (no initial state first)
+        target = llama.abstract_state(cfg, lays, tx)
+        state, meta = ckpt.restore(args.resume, target, llama.logical_state(target, lays))
         start = meta["step"]
         say(f"[{name}] resumed from {args.resume} at step {start} (saved on {meta['devices']} devices, now {ndev})")
+    else:
+        state = llama.init_state(cfg, lays, tx, args.seed)
+    saver = ckpt.Checkpoints(args.save) if args.save else None
+    logical = llama.logical_state(state, lays)
     shardings = llama.state_shardings(state)
     train_step = llama.make_train_step(cfg, backend, lays, mesh, tx, shardings)
     eval_step = llama.make_eval_step(cfg, backend, lays, mesh)
@@ -261,18 +280,22 @@ def train(args) -> dict:
     eval_every = max(1, steps // 6) if args.eval_every is None else args.eval_every
     log_every = args.log_every or max(1, steps // 30)
     stop = min(steps, args.stop_after or steps)
+    if args.resume and start >= stop:
+        raise SystemExit(f"train: --resume {args.resume} is at step {start}: nothing to do up to step {stop} "
+                         "(--steps / --stop-after)")
 
     def evaluate(step):
         loss = float(np.mean([float(eval_step(state["params"], b)) for b in eval_set]))
         say(f"[{name}] eval  step {step:5d}  val loss {loss:.4f}")
         return {"step": step, "loss": loss}
 
-    def save(step):
-        path = args.save.format(step=step)  # "{step}" in --save: one folder per checkpoint
+    def save(step):  # returns once the shards are on the host; the writes go on behind the next steps
         meta = dict(step=step, model=args.model, config=dataclasses.asdict(cfg), batch=batch, seed=args.seed,
                     data=args.data, steps=steps, devices=ndev, backend=name)
-        llama.save_checkpoint(path, state, lays, meta)
-        say(f"[{name}] saved step {step} to {path}")
+        t0 = time.perf_counter()
+        saver.save(step, state, logical, meta)
+        say(f"[{name}] saving step {step} to {os.path.join(saver.directory, str(step))} "
+            f"({1e3 * (time.perf_counter() - t0):.0f} ms to the host, writing in the background)")
 
     records, evals = [], []
     if start == 0 and eval_every:
@@ -284,10 +307,12 @@ def train(args) -> dict:
     compile_s = time.perf_counter() - t0
     step_memory = _step_memory(compiled)
     t_run = time.perf_counter()
+    done = start  # steps done: what the state is after
     for step in range(start, stop):
         tokens = first_tokens if step == start else llama.put_batch(data.batch(args.seed, step, batch, cfg.seq), mesh)
         t0 = time.perf_counter()
         state, metrics = compiled(state, tokens)
+        done = step + 1
         loss = float(metrics["loss"])  # waits for the step
         dt = time.perf_counter() - t0
         rec = {"step": step, "loss": loss, "time_s": dt, "grad_norm": float(metrics["grad_norm"])}
@@ -308,7 +333,11 @@ def train(args) -> dict:
             save(step + 1)
     wall = time.perf_counter() - t_run
     if args.save:
-        save(stop)
+        if done > start or not args.resume:  # (a resumed run that did no step has nothing new)
+            save(done)  # = stop unless a non-finite loss stopped the run
+        t0 = time.perf_counter()
+        saver.close()  # waits for the writes
+        say(f"[{name}] checkpoints written ({time.perf_counter() - t0:.1f} s waiting for the last one)")
 
     times = [r["time_s"] for r in records]
     skip = min(len(times) - 1, max(2, len(times) // 10))  # compile and warm-up steps
@@ -661,6 +690,9 @@ def main(argv=None):
         setup_env(args, use_gpu, multiprocess)
         return sweep(args)
     if args.compare:
+        if args.save:
+            raise SystemExit("train: --save needs one run (--backend tide or jax): --compare's runs would all "
+                             "write the same checkpoints")
         if multiprocess:
             raise SystemExit("train: under a launcher, run one backend per job (--backend tide or jax); "
                              "--compare starts its runs as processes of its own")
