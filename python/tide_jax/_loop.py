@@ -852,6 +852,7 @@ class _Loop:
             return (dc, ps, dp, dk, gbuf, dxbuf), done_extra
 
         # segments: unrolled [L-1 .. hi), scan [hi-1 .. lo], unrolled [lo-1 .. 0]; local: one scan
+        extras_done = {}
         if self.local:
             if extra:  # the epilogue's gradient shards, at once
                 extras_done = {name: self.epi_group.done_scatter(h) for name, h in extra}
@@ -862,8 +863,6 @@ class _Loop:
             lo = k if (reshard and k) else 0
             lo = min(lo, hi)
         state = (dc, ps, None, dk, gbuf, dxbuf)
-        if not self.local:
-            extras_done = {}
         first = True
         for i in range(L - 1, hi - 1, -1):
             state, done_extra = step(state, i, False, extra if first else ())
