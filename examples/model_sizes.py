@@ -18,7 +18,7 @@ class Config:
     tied: bool = False  # output head = embedding^T
     rope_theta: float = 10000.0
     vocab: int = 256  # set from the data (bytes: 256)
-    remat: str = "none"  # activation policy (tide_jax.remat_policy names): none | full | dots | ...
+    remat: str = "dots"  # activation policy (tide_jax.remat_policy names): dots | none | full | ...
     reshard: bool = True  # free gathered parameters after each layer's forward, re-gather in the backward
     attention: str | None = None  # jax.nn.dot_product_attention's implementation: None (auto), "xla", "cudnn"
 
