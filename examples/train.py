@@ -570,17 +570,21 @@ def agreement(ref: dict, res: dict, rtol: float, check_steps: int, band: float, 
         return abs(a - b) / max(abs(b), 1e-6)
 
     why = ""
+    broken = [s for s in steps if not math.isfinite(loss[s]) and math.isfinite(ref_loss[s])]
+    if broken:
+        why = f"step {broken[0] + 1}: loss is {loss[broken[0]]} (the reference's is {ref_loss[broken[0]]:.4f})"
     early_steps, late_steps = steps[:check_steps], steps[check_steps:]
     early = max(rel(loss[s], ref_loss[s]) for s in early_steps)
-    if not math.isfinite(early) or early > rtol:
+    if not why and (not math.isfinite(early) or early > rtol):
         bad = next(s for s in early_steps if not rel(loss[s], ref_loss[s]) <= rtol)
         why = f"step {bad + 1}: loss {loss[bad]:.4f} vs {ref_loss[bad]:.4f} (rel. {rel(loss[bad], ref_loss[bad]):.1e} > {rtol:g})"
     smooth = 0.0
     if late_steps:
         a = _moving_average([loss[s] for s in steps], window)
         b = _moving_average([ref_loss[s] for s in steps], window)
-        diffs = [(rel(x, y), s) for x, y, s in zip(a, b, steps) if s in set(late_steps)]
-        smooth, where = max(diffs)
+        late = set(late_steps)
+        diffs = [(rel(x, y), s) for x, y, s in zip(a, b, steps) if s in late]
+        smooth, where = max(diffs, key=lambda d: (not math.isfinite(d[0]), d[0]))
         if not why and not smooth <= band:
             why = f"around step {where + 1}: smoothed loss {a[steps.index(where)]:.4f} vs {b[steps.index(where)]:.4f} (rel. {smooth:.1e} > {band:g})"
     ref_val = {e["step"]: e["loss"] for e in ref.get("evals", [])}
