@@ -1,4 +1,4 @@
-//! The CUDA engine across processes (`tide::cuda::execute_job` with a job id != 0), without JAX:
+//! The CUDA engine across processes (`tide::cuda::execute` / `execute_phase` with `call.job` != 0), without JAX:
 //! this binary re-runs itself as 2 child processes, one GPU each (`CUDA_VISIBLE_DEVICES`, like the
 //! launcher), which run all-gathers and reduce-scatters of an odd-shaped group and compare their
 //! outputs bitwise with the CPU engine running the same plan over all ranks in-process (every child
@@ -358,10 +358,10 @@ fn run_case_with(
         let r = if split {
             let mut done = call.clone();
             done.inputs = call.outputs.iter().chain(call.inputs.iter()).cloned().collect();
-            tide::cuda::execute_phase(&call, c.job, tide::ffi::Phase::Start)
-                .and_then(|()| tide::cuda::execute_phase(&done, c.job, tide::ffi::Phase::Done))
+            tide::cuda::execute_phase(&call, tide::call::Phase::Start)
+                .and_then(|()| tide::cuda::execute_phase(&done, tide::call::Phase::Done))
         } else {
-            tide::cuda::execute_job(&call, c.job)
+            tide::cuda::execute(&call)
         };
         r.map_err(|e| format!("{op:?} {} rank {} rep {rep}: {e}", c.topo, c.rank))?;
     }
@@ -487,7 +487,7 @@ fn child_entry() {
             let err = loop {
                 site += 1;
                 let case = &cases[site % 2];
-                if let Err(e) = tide::cuda::execute_job(&case.call, c.job) {
+                if let Err(e) = tide::cuda::execute(&case.call) {
                     break format!("{:?} {} rank {}: {e}", case.call.op, c.topo, c.rank);
                 }
                 assert!(
