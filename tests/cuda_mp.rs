@@ -8,14 +8,12 @@
 //! - forced 2x1: the hierarchical plans, cross-node copies over NCCL (libnccl.so.2 or TIDE_NCCL_LIB);
 //! - a process that exits while its peer is inside a call: the peer fails within seconds, naming it.
 //!
-//! TIDE_CUDA_MP_SPLIT=1 runs every call as start + done (scripts/gpu-check-9 on 2 GPUs).
-//! Needs 2 GPUs: `#[ignore]`d (run with --ignored; panics without a driver or with fewer GPUs). Build here, run on the GPU
-//! machine (no Rust there):
-//!   cargo test --release --test cuda_mp --no-run     # prints the binary's path
-//!   <binary> --ignored --nocapture --test-threads=1
-//! or, bounded (each run in its own process group): copy the binary to target/gpump/cuda_mp and
-//!   bash tests/cuda_mp_run.sh all
-//! NCCL: libnccl.so.2 from the loader's path, or TIDE_NCCL_LIB (the runner sets the nvidia wheel's).
+//! TIDE_CUDA_MP_SPLIT=1 runs every call as start + done.
+//! Needs 2 GPUs (`processes_share_one_gpu`: one): `#[ignore]`d (run with --ignored; panics without a driver or with
+//! fewer GPUs). Built here by `scripts/gpu bundle` (.carry/cuda_mp), run on the GPU machine (no Rust there) by
+//! `scripts/gpu run OUT engine` (bounded; on 2+ GPUs the whole binary), or by hand:
+//!   .carry/cuda_mp --ignored --nocapture --test-threads=1
+//! NCCL: libnccl.so.2 from the loader's path, or TIDE_NCCL_LIB (scripts/gpu sets the nvidia wheel's).
 
 use cudarc::driver::sys;
 use std::io::Write;
