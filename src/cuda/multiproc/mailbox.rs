@@ -432,6 +432,13 @@ fn read_peer(
     for &(a, off, b) in &m.stages {
         info.stages.push(addr(a, off, b)?);
     }
+    peer_events(&mut d.importer, (me, q, pid), &m, same, nphases, &mut info)?;
+    Ok((info, m.nccl_id))
+}
+
+/// Peer `q`'s `ready`, `done` and phase events into `info`: its raw events when it is in this
+/// process (`same`), else its interprocess events opened (once per handle).
+fn peer_events(importer: &mut ipc::Importer, (me, q, pid): (usize, usize, u64), m: &Mail, same: bool, nphases: usize, info: &mut RankInfo) -> Result<()> {
     if same {
         info.ready = m.raw_events[0] as usize;
         info.done = m.raw_events[1] as usize;
@@ -441,13 +448,13 @@ fn read_peer(
             .map(|&e| e as usize)
             .collect();
     } else {
-        info.ready = d.importer.event(me, q, pid, &m.ready, "ready")? as usize;
-        info.done = d.importer.event(me, q, pid, &m.done, "done")? as usize;
+        info.ready = importer.event(me, q, pid, &m.ready, "ready")? as usize;
+        info.done = importer.event(me, q, pid, &m.done, "done")? as usize;
         for h in m.phases.iter().take(nphases.saturating_sub(1)) {
-            info.phases.push(d.importer.event(me, q, pid, h, "phase")? as usize);
+            info.phases.push(importer.event(me, q, pid, h, "phase")? as usize);
         }
     }
-    Ok((info, m.nccl_id))
+    Ok(())
 }
 
 /// The multi-process meeting of one call (`meeting` module header): the group's barriers, the
