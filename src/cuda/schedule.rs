@@ -644,6 +644,7 @@ impl Emitter {
         }
     }
 
+    #[allow(clippy::needless_range_loop)] // x indexes two clocks
     /// Waits of unit `u` (on stream `s`) on the units of its step's dependencies `deps` that are on
     /// other streams and not yet ordered before it.
     fn dependency_waits(&mut self, s: usize, p: usize, u: usize, deps: &[usize], units: &[Unit], step_units: &[Vec<usize>]) -> Result<()> {
@@ -687,6 +688,7 @@ impl Emitter {
         }
     }
 
+    #[allow(clippy::needless_range_loop)] // x indexes two clocks
     /// Join: MAIN waits on every side stream used in this phase. Returns the highest side stream
     /// used (0: none).
     fn join_side_streams(&mut self) -> usize {
