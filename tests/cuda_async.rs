@@ -1,8 +1,8 @@
 //! The CUDA engine's start/done driver on real GPUs, without JAX (`tide::cuda::execute_phase`,
 //! the module header's rules A1-A4). Every test needs a CUDA GPU and is `#[ignore]`d, so a machine
 //! without one reports them as ignored, never as passed. On the GPU machine (no Rust there):
-//!   cargo test --release --test cuda_async --no-run     # here; prints the binary's path
-//!   <binary> --ignored --nocapture --test-threads=1     # there, from the repository root
+//! `scripts/gpu bundle` here, `scripts/gpu run OUT engine` (and `percall`) there, or by hand
+//!   .carry/cuda_async --ignored --nocapture --test-threads=1     # from the repository root
 //!
 //! - `start_returns_before_tide_runs_and_done_holds_xla`: one GPU. Tide's stream of the call's
 //!   in-flight slot is held on a host flag (cuStreamWaitValue32 on mapped pinned memory, released by

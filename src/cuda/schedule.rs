@@ -3,9 +3,11 @@
 //! Input: a `Plan` and the executing rank. Output: per phase, the exact list of commands the CUDA
 //! engine issues, in host order: which stream each step (or piece of a step) goes on, and the event
 //! records and waits that order them. The engine translates each command into one driver call or
-//! kernel launch (`cuda::exec`), so everything about ordering is decided, and tested, here.
+//! kernel launch (`cuda::issue`), so everything about ordering is decided, and tested, here.
 //!
-//! Streams: index `MAIN` (0) is XLA's stream; `1..=copy_streams + 1` are tide's side copy streams.
+//! Streams: index `MAIN` (0) is the call's main stream (tide's stream of the call's in-flight slot;
+//! on the multi-process path XLA's stream or a slot's); `1..=copy_streams + 1` are tide's side
+//! copy streams.
 //! - Copy-engine copies with a peer end go on side streams `1..=copy_streams`. A maximal run of
 //!   consecutive copy-engine copies of this executor (a *segment*: the all-gather's whole phase; one
 //!   chunk of the reduce-scatter) has its peer copies split into contiguous pieces that balance
