@@ -308,10 +308,9 @@ fn gate_selftest(devs: &[Dev]) {
 fn sched_cmds(ord: i64, site: i64, op: Op) -> usize {
     let st = tide::cuda::device::get(ord).unwrap();
     let st = st.lock().unwrap();
-    st.prepared
-        .iter()
-        .find(|(k, _)| k.0 == site && k.1 == op)
-        .map(|(_, p)| {
+    st.plans
+        .find(site, op)
+        .map(|p| {
             p.schedule
                 .phases
                 .iter()

@@ -4,7 +4,8 @@
 //! budgets <= 1 us per parameter for a whole call; this is the part before the engine runs.
 //!   cargo run --release --example host_edge_cost
 use std::time::Instant;
-use tide::ffi::{decode_done, decode_start, op_code, FfiBuffer, FfiCall};
+use tide::call::op_code;
+use tide::ffi::{decode_done, decode_start, FfiBuffer, FfiCall};
 use tide::plan::Op;
 
 const BF16: i32 = 16;

@@ -299,6 +299,48 @@ fn op_name(op: Op) -> &'static str {
     }
 }
 
+/// Which half of a collective a call is (docs/design.md "Start/done"). The FFI edge decodes it
+/// from the target; the engines take it with the `CallInfo`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// The whole collective in one call (start and done back to back).
+    Sync,
+    /// Launch the collective and return; its results are valid only after the matching done.
+    Start,
+    /// Wait for the call its start launched (found by the buffers, `crate::inflight`).
+    Done,
+}
+
+impl Phase {
+    /// The phase of the FFI bridge's code (0 sync, 1 start, 2 done).
+    pub fn from_code(code: u8) -> Result<Phase> {
+        match code {
+            0 => Ok(Phase::Sync),
+            1 => Ok(Phase::Start),
+            2 => Ok(Phase::Done),
+            _ => Err(TideError::Internal(format!("unknown phase code {code}"))),
+        }
+    }
+}
+
+/// The op code of the FFI bridge, `crate::inflight` and the multi-process announcements
+/// (0 all-gather, 1 reduce-scatter).
+pub fn op_code(op: Op) -> u8 {
+    match op {
+        Op::AllGather => 0,
+        Op::ReduceScatter => 1,
+    }
+}
+
+/// The op of an op code (`op_code`'s inverse).
+pub fn op_from_code(code: u8) -> Result<Op> {
+    match code {
+        0 => Ok(Op::AllGather),
+        1 => Ok(Op::ReduceScatter),
+        _ => Err(TideError::Internal(format!("unknown op code {code}"))),
+    }
+}
+
 fn build_layout(call: &CallInfo) -> Result<GroupLayout> {
     use crate::invalid;
     let what = format!("{} site {}", op_name(call.op), call.site);

@@ -1,8 +1,8 @@
 //! The CUDA engine's start/done driver on real GPUs, without JAX (`tide::cuda::execute_phase`,
 //! the module header's rules A1-A4). Every test needs a CUDA GPU and is `#[ignore]`d, so a machine
 //! without one reports them as ignored, never as passed. On the GPU machine (no Rust there):
-//!   cargo test --release --test cuda_async --no-run     # here; prints the binary's path
-//!   <binary> --ignored --nocapture --test-threads=1     # there, from the repository root
+//! `scripts/gpu bundle` here, `scripts/gpu run OUT engine` (and `percall`) there, or by hand
+//!   .carry/cuda_async --ignored --nocapture --test-threads=1     # from the repository root
 //!
 //! - `start_returns_before_tide_runs_and_done_holds_xla`: one GPU. Tide's stream of the call's
 //!   in-flight slot is held on a host flag (cuStreamWaitValue32 on mapped pinned memory, released by
@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use tide::call::{BufferView, CallInfo};
 use tide::cuda::driver::check;
 use tide::engine::cpu::run_threads;
-use tide::ffi::Phase;
+use tide::call::Phase;
 use tide::layout::{DType, GroupLayout, ParamSpec};
 use tide::plan::{self, Op, Plan};
 use tide::topology::Topology;
@@ -314,7 +314,7 @@ fn start_returns_before_tide_runs_and_done_holds_xla() {
         let x = new_stream(d);
         // Warm-up: creates the op's in-flight slot 0 (free again afterwards), compiles kernels.
         let warm = make_case(&devs, &[0], &[x], op, 5000 + k as i64, &specs(), 3);
-        tide::cuda::execute_phase(&warm.calls[0], 0, Phase::Sync).unwrap();
+        tide::cuda::execute_phase(&warm.calls[0], Phase::Sync).unwrap();
         sync(d, x);
         verify(&devs, &[0], &warm, &format!("{op:?} warm-up"));
         let case = make_case(&devs, &[0], &[x], op, 5100 + k as i64, &specs(), 11 + k as u64);
@@ -339,10 +339,10 @@ fn start_returns_before_tide_runs_and_done_holds_xla() {
             })
         };
         let t0 = Instant::now();
-        tide::cuda::execute_phase(&case.calls[0], 0, Phase::Start).unwrap();
+        tide::cuda::execute_phase(&case.calls[0], Phase::Start).unwrap();
         let start_host = t0.elapsed();
         let after_start = record(d, x);
-        tide::cuda::execute_phase(&done_of(&case.calls[0]), 0, Phase::Done).unwrap();
+        tide::cuda::execute_phase(&done_of(&case.calls[0]), Phase::Done).unwrap();
         let after_done = record(d, x);
         // XLA's stream passes the start although tide's stream is held...
         let t = Instant::now();
@@ -386,21 +386,21 @@ fn in_flight_run(devs: &[Dev], dev_of: &[usize], op: Op, site: i64, depth: usize
             s.spawn(move || {
                 let mut in_flight = std::collections::VecDeque::new();
                 for (k, c) in cases.iter().enumerate() {
-                    tide::cuda::execute_phase(&c.calls[r], 0, Phase::Start)
+                    tide::cuda::execute_phase(&c.calls[r], Phase::Start)
                         .unwrap_or_else(|e| panic!("{label}: rank {r} start {k}: {e}"));
                     in_flight.push_back(k);
                     if k == 0 {
-                        tide::cuda::execute_phase(&sync_case.calls[r], 0, Phase::Sync)
+                        tide::cuda::execute_phase(&sync_case.calls[r], Phase::Sync)
                             .unwrap_or_else(|e| panic!("{label}: rank {r} sync call: {e}"));
                     }
                     if in_flight.len() == depth {
                         let j = in_flight.pop_front().unwrap();
-                        tide::cuda::execute_phase(&done_of(&cases[j].calls[r]), 0, Phase::Done)
+                        tide::cuda::execute_phase(&done_of(&cases[j].calls[r]), Phase::Done)
                             .unwrap_or_else(|e| panic!("{label}: rank {r} done {j}: {e}"));
                     }
                 }
                 for j in in_flight {
-                    tide::cuda::execute_phase(&done_of(&cases[j].calls[r]), 0, Phase::Done)
+                    tide::cuda::execute_phase(&done_of(&cases[j].calls[r]), Phase::Done)
                         .unwrap_or_else(|e| panic!("{label}: rank {r} done {j}: {e}"));
                 }
             });
@@ -466,24 +466,24 @@ fn start_done_errors_are_clear() {
         .map(|k| make_case(&devs, &[0], &[x], Op::AllGather, 7000, &specs(), 40 + k))
         .collect();
     // Done without start.
-    let e = tide::cuda::execute_phase(&done_of(&cases[0].calls[0]), 0, Phase::Done).unwrap_err();
+    let e = tide::cuda::execute_phase(&done_of(&cases[0].calls[0]), Phase::Done).unwrap_err();
     assert!(e.to_string().contains("no matching start"), "{e}");
-    tide::cuda::execute_phase(&cases[0].calls[0], 0, Phase::Start).unwrap();
-    tide::cuda::execute_phase(&cases[1].calls[0], 0, Phase::Start).unwrap();
+    tide::cuda::execute_phase(&cases[0].calls[0], Phase::Start).unwrap();
+    tide::cuda::execute_phase(&cases[1].calls[0], Phase::Start).unwrap();
     // A third start of the op on this device: over TIDE_MAX_IN_FLIGHT=2.
-    let e = tide::cuda::execute_phase(&cases[2].calls[0], 0, Phase::Start).unwrap_err();
+    let e = tide::cuda::execute_phase(&cases[2].calls[0], Phase::Start).unwrap_err();
     assert!(e.to_string().contains("TIDE_MAX_IN_FLIGHT"), "{e}");
     // Done with a result at another address than its start wrote.
     let mut moved = done_of(&cases[1].calls[0]);
     moved.outputs[2].ptr += 256;
-    let e = tide::cuda::execute_phase(&moved, 0, Phase::Done).unwrap_err();
+    let e = tide::cuda::execute_phase(&moved, Phase::Done).unwrap_err();
     assert!(e.to_string().contains("site 7000") || e.to_string().contains("no matching start"), "{e}");
     // The calls in flight still complete.
-    tide::cuda::execute_phase(&done_of(&cases[0].calls[0]), 0, Phase::Done).unwrap();
-    tide::cuda::execute_phase(&done_of(&cases[1].calls[0]), 0, Phase::Done).unwrap();
+    tide::cuda::execute_phase(&done_of(&cases[0].calls[0]), Phase::Done).unwrap();
+    tide::cuda::execute_phase(&done_of(&cases[1].calls[0]), Phase::Done).unwrap();
     // A slot is free again.
-    tide::cuda::execute_phase(&cases[2].calls[0], 0, Phase::Start).unwrap();
-    tide::cuda::execute_phase(&done_of(&cases[2].calls[0]), 0, Phase::Done).unwrap();
+    tide::cuda::execute_phase(&cases[2].calls[0], Phase::Start).unwrap();
+    tide::cuda::execute_phase(&done_of(&cases[2].calls[0]), Phase::Done).unwrap();
     sync(d, x);
     for (k, c) in cases.iter().enumerate() {
         verify(&devs, &[0], c, &format!("error test call {k}"));
@@ -530,8 +530,8 @@ fn per_call_cost() {
                                 let call = &case.calls[r];
                                 let done = done_of(call);
                                 for _ in 0..3 {
-                                    tide::cuda::execute_phase(call, 0, Phase::Start).unwrap();
-                                    tide::cuda::execute_phase(&done, 0, Phase::Done).unwrap();
+                                    tide::cuda::execute_phase(call, Phase::Start).unwrap();
+                                    tide::cuda::execute_phase(&done, Phase::Done).unwrap();
                                 }
                                 sync(d, streams[r]);
                                 // Device time: XLA's stream held on the gate while every call is
@@ -546,8 +546,8 @@ fn per_call_cost() {
                                 let mut best = Duration::MAX;
                                 for _ in 0..reps {
                                     let t = Instant::now();
-                                    tide::cuda::execute_phase(call, 0, Phase::Start).unwrap();
-                                    tide::cuda::execute_phase(&done, 0, Phase::Done).unwrap();
+                                    tide::cuda::execute_phase(call, Phase::Start).unwrap();
+                                    tide::cuda::execute_phase(&done, Phase::Done).unwrap();
                                     best = best.min(t.elapsed());
                                 }
                                 // SAFETY: as above.

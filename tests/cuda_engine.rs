@@ -7,9 +7,9 @@
 //!
 //! Runs on every visible GPU (world = device count, and world = 1). Needs a GPU, so `#[ignore]`d:
 //! a machine without one reports it ignored, never passed; run with `--ignored` (it panics without
-//! a CUDA driver or GPU). Build here, run on the GPU machine (it has no Rust toolchain):
-//!   cargo test --release --test cuda_engine --no-run   # prints the test binary's path
-//!   <that binary> --ignored --nocapture                # on the GPU machine, from the repo root
+//! a CUDA driver or GPU). Built here by `scripts/gpu bundle`, run on the GPU machine (it has no Rust
+//! toolchain) by `scripts/gpu run OUT engine`, or by hand from the repo root:
+//!   .carry/cuda_engine --ignored --nocapture
 //! Rerun with TIDE_LOCAL_COPY=sm to cover the SM local copy.
 
 use cudarc::driver::sys;

@@ -1,4 +1,4 @@
-//! The CUDA engine across processes (`tide::cuda::execute_job` with a job id != 0), without JAX:
+//! The CUDA engine across processes (`tide::cuda::execute` / `execute_phase` with `call.job` != 0), without JAX:
 //! this binary re-runs itself as 2 child processes, one GPU each (`CUDA_VISIBLE_DEVICES`, like the
 //! launcher), which run all-gathers and reduce-scatters of an odd-shaped group and compare their
 //! outputs bitwise with the CPU engine running the same plan over all ranks in-process (every child
@@ -8,14 +8,12 @@
 //! - forced 2x1: the hierarchical plans, cross-node copies over NCCL (libnccl.so.2 or TIDE_NCCL_LIB);
 //! - a process that exits while its peer is inside a call: the peer fails within seconds, naming it.
 //!
-//! TIDE_CUDA_MP_SPLIT=1 runs every call as start + done (scripts/gpu-check-9 on 2 GPUs).
-//! Needs 2 GPUs: `#[ignore]`d (run with --ignored; panics without a driver or with fewer GPUs). Build here, run on the GPU
-//! machine (no Rust there):
-//!   cargo test --release --test cuda_mp --no-run     # prints the binary's path
-//!   <binary> --ignored --nocapture --test-threads=1
-//! or, bounded (each run in its own process group): copy the binary to target/gpump/cuda_mp and
-//!   bash tests/cuda_mp_run.sh all
-//! NCCL: libnccl.so.2 from the loader's path, or TIDE_NCCL_LIB (the runner sets the nvidia wheel's).
+//! TIDE_CUDA_MP_SPLIT=1 runs every call as start + done.
+//! Needs 2 GPUs (`processes_share_one_gpu`: one): `#[ignore]`d (run with --ignored; panics without a driver or with
+//! fewer GPUs). Built here by `scripts/gpu bundle` (.carry/cuda_mp), run on the GPU machine (no Rust there) by
+//! `scripts/gpu run OUT engine` (bounded; on 2+ GPUs the whole binary), or by hand:
+//!   .carry/cuda_mp --ignored --nocapture --test-threads=1
+//! NCCL: libnccl.so.2 from the loader's path, or TIDE_NCCL_LIB (scripts/gpu sets the nvidia wheel's).
 
 use cudarc::driver::sys;
 use std::io::Write;
@@ -358,10 +356,10 @@ fn run_case_with(
         let r = if split {
             let mut done = call.clone();
             done.inputs = call.outputs.iter().chain(call.inputs.iter()).cloned().collect();
-            tide::cuda::execute_phase(&call, c.job, tide::ffi::Phase::Start)
-                .and_then(|()| tide::cuda::execute_phase(&done, c.job, tide::ffi::Phase::Done))
+            tide::cuda::execute_phase(&call, tide::call::Phase::Start)
+                .and_then(|()| tide::cuda::execute_phase(&done, tide::call::Phase::Done))
         } else {
-            tide::cuda::execute_job(&call, c.job)
+            tide::cuda::execute(&call)
         };
         r.map_err(|e| format!("{op:?} {} rank {} rep {rep}: {e}", c.topo, c.rank))?;
     }
@@ -487,7 +485,7 @@ fn child_entry() {
             let err = loop {
                 site += 1;
                 let case = &cases[site % 2];
-                if let Err(e) = tide::cuda::execute_job(&case.call, c.job) {
+                if let Err(e) = tide::cuda::execute(&case.call) {
                     break format!("{:?} {} rank {}: {e}", case.call.op, c.topo, c.rank);
                 }
                 assert!(

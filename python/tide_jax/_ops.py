@@ -400,9 +400,9 @@ def _impl(backend: str | None):
         raise ValueError(f"tide: unknown backend {backend!r}: expected one of {BACKENDS}")
     if backend == "tide":
         return _tide_all_gather, _tide_reduce_scatter
-    from . import reference
+    from . import _twins
 
-    return reference._all_gather_leaves, reference._reduce_scatter_leaves
+    return _twins.all_gather_leaves, _twins.reduce_scatter_leaves
 
 
 # ----- public ops -----

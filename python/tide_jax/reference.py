@@ -8,32 +8,12 @@ Same signatures, same validation, same results as the native ops:
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from . import _ops
 from ._layout import Layout
 
 __all__ = ["all_gather", "reduce_scatter", "gather_params"]
-
-
-def _all_gather_leaves(leaves: list, lay: Layout) -> list:
-    outs = []
-    for p, x in zip(lay.params, leaves):
-        full = jax.lax.all_gather(x, lay.axis, axis=0, tiled=True)  # (world * shard_rows, *rest)
-        outs.append(jnp.reshape(full[: p.rows], p.shape))
-    return outs
-
-
-def _reduce_scatter_leaves(leaves: list, lay: Layout) -> list:
-    outs = []
-    for p, g in zip(lay.params, leaves):
-        g = jnp.reshape(g, (p.rows, *p.rest)).astype(jnp.float32)
-        pad_rows = p.padded_rows - p.rows
-        if pad_rows:
-            g = jnp.pad(g, [(0, pad_rows)] + [(0, 0)] * len(p.rest))
-        outs.append(jax.lax.psum_scatter(g, lay.axis, scatter_dimension=0, tiled=True))
-    return outs
 
 
 def all_gather(shards, lay: Layout, dtype=None):

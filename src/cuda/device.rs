@@ -1,23 +1,23 @@
-//! Per-device state of the CUDA engine, created on the first call for a device and kept for the
+//! Device resources of the CUDA engine, created on the first call for a device and kept for the
 //! life of the process (keyed by XLA's device ordinal): the retained primary context (the one XLA
-//! uses), compute capability, the NVRTC-compiled kernel module, side copy streams, events, the
-//! bounded stage buffer, the set of peers with access enabled, and prepared plans/schedules per call
-//! site. Each device's state sits behind its own mutex, held by the device's host thread for the
-//! whole call (XLA runs one device's program on one thread; see the `cuda` module header).
+//! uses), compute capability, the NVRTC-compiled kernel module, the device-wide side copy streams,
+//! events and bounded stage buffer (the multi-process path), the in-flight slots (`Slot`: the
+//! start/done path's streams, events and staging per call in flight, owned through a `SlotLease`),
+//! the set of peers with access enabled, and the prepared plans (`prepare::PlanCache`). Each
+//! device's state sits behind its own mutex (`cuda` module header, "Concurrency").
 
-use super::driver::{
-    check, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUmodule, CUstream,
-};
+use super::driver::{self, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUmodule, CUstream};
 use super::kernels;
 use super::nvrtc;
-use super::schedule::Schedule;
+use super::prepare::PlanCache;
+use crate::call::CallInfo;
 use crate::error::{Result, TideError};
-use crate::layout::{DType, GroupLayout};
-use crate::plan::{Op, Plan};
-use crate::topology::Topology;
-use cudarc::driver::sys;
+use crate::layout::DType;
+use crate::plan::Op;
+use cudarc::driver::sys::CUdevice_attribute;
 use once_cell::sync::Lazy;
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// The loaded kernel module of one device.
@@ -68,41 +68,6 @@ impl Module {
     }
 }
 
-/// A plan and this rank's schedule of it, for one call site (rebuilt if the call's shape changes).
-pub struct Prepared {
-    pub op: Op,
-    pub rank: usize,
-    pub topology: Topology,
-    pub layout: GroupLayout,
-    pub plan: Plan,
-    pub schedule: Schedule,
-    /// The settings the plan and schedule were built under (rebuilt when they change).
-    pub settings: PlanSettings,
-}
-
-/// The configuration values a prepared plan and schedule depend on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PlanSettings {
-    pub stage_slots: usize,
-    pub slot_bytes: usize,
-    pub streams: usize,
-    pub local_copy: crate::config::LocalCopy,
-}
-
-impl PlanSettings {
-    pub fn of(op: Op, c: &crate::config::Config) -> PlanSettings {
-        PlanSettings {
-            stage_slots: c.rs_stage_slots,
-            slot_bytes: c.rs_slot_bytes,
-            streams: match op {
-                Op::AllGather => c.ag_streams,
-                Op::ReduceScatter => c.rs_copy_streams,
-            },
-            local_copy: c.local_copy,
-        }
-    }
-}
-
 pub struct DeviceState {
     pub ordinal: i64,
     pub dev: CUdevice,
@@ -118,8 +83,8 @@ pub struct DeviceState {
     stage: Option<(CUdeviceptr, usize)>,
     retired_stages: Vec<(CUdeviceptr, usize)>,
     peers: HashSet<i64>,
-    /// By (call site, op, rank): several ranks may share a device (tests; one GPU).
-    pub prepared: HashMap<(i64, Op, usize), Arc<Prepared>>,
+    /// Prepared plans by (call site, op, rank): several ranks may share a device (tests; one GPU).
+    pub plans: PlanCache,
     /// In-flight slots of the start/done driver, per op (index `slot_list`): each call between its
     /// start and its done owns one (`cuda` module header, "Start/done").
     slots: [Vec<Slot>; 2],
@@ -148,18 +113,68 @@ pub struct Slot {
     stage: Option<(CUdeviceptr, usize)>,
     retired_stages: Vec<(CUdeviceptr, usize)>,
     /// Set while a call owns the slot; cleared when its `SlotLease` drops (at done).
-    busy: Arc<std::sync::atomic::AtomicBool>,
+    busy: Arc<AtomicBool>,
 }
 
-/// Ownership of a slot by one call. Dropping it frees the slot (no lock needed: the drop may run
-/// on any thread, e.g. when `inflight` replaces the record of a start that never got its done).
+/// Ownership of a slot by one call, from its start until its done (the payload its
+/// `inflight::Record` carries): rule A4's event and the slot. Dropping it frees the slot (no lock
+/// needed: the drop may run on any thread, e.g. when `inflight` replaces the record of a start
+/// that never got its done).
 pub struct SlotLease {
-    busy: Arc<std::sync::atomic::AtomicBool>,
+    busy: Arc<AtomicBool>,
+    ctx: CUcontext,
+    ordinal: i64,
+    /// The slot's `released` event: everything the call enqueued, and every peer's reads of this
+    /// rank's inputs, precede it.
+    released: CUevent,
 }
+
+// SAFETY: raw CUDA handles (a retained primary context and an event that lives for the process),
+// valid in every thread of the process.
+unsafe impl Send for SlotLease {}
 
 impl Drop for SlotLease {
     fn drop(&mut self) {
-        self.busy.store(false, std::sync::atomic::Ordering::Release);
+        self.busy.store(false, Ordering::Release);
+    }
+}
+
+impl SlotLease {
+    /// Rule A4: XLA's `stream` waits on the slot's `released` event.
+    ///
+    /// # Safety
+    /// `stream` is a valid stream of the slot's device (XLA's, valid for the call).
+    pub unsafe fn join_into(&self, stream: CUstream) -> Result<()> {
+        let device = self.ordinal;
+        let _ctx = driver::CtxGuard::set(self.ctx, device)?;
+        // SAFETY: XLA's stream (valid for the call) and the slot's event.
+        unsafe {
+            driver::stream_wait_event(stream, self.released, || {
+                format!("device {device}: XLA's stream on the call's released event")
+            })
+        }
+    }
+
+    /// The end of a start on both paths: on an error, XLA's stream is still ordered after whatever
+    /// was enqueued on tide's stream (which recorded `released` after joining its side streams),
+    /// and the slot is freed.
+    pub fn end_start(self, call: &CallInfo, result: Result<()>) -> Result<SlotLease> {
+        match result {
+            Ok(()) => Ok(self),
+            Err(e) => {
+                if call.stream != 0 {
+                    // SAFETY: XLA's stream of the call.
+                    if let Err(j) = unsafe { self.join_into(call.stream as CUstream) } {
+                        log::warn!(
+                            "tide: rank {} device {}: joining tide's stream after an error failed: {j}",
+                            call.rank,
+                            call.device_ordinal
+                        );
+                    }
+                }
+                Err(e)
+            }
+        }
     }
 }
 
@@ -194,76 +209,29 @@ pub fn get(ordinal: i64) -> Result<Arc<Mutex<DeviceState>>> {
 }
 
 fn event_create(device: i64, what: &str) -> Result<CUevent> {
-    let mut e: CUevent = std::ptr::null_mut();
-    // SAFETY: the device's context is current (callers hold a CtxGuard); valid out-pointer.
-    check(
-        unsafe { sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) },
-        "cuEventCreate",
-        || format!("device {device}, {what} event"),
-    )?;
-    Ok(e)
+    driver::event_create(|| format!("device {device}, {what} event"))
 }
 
 fn device_handle(ordinal: i64) -> Result<CUdevice> {
     let ord = i32::try_from(ordinal).map_err(|_| {
         TideError::InvalidArgument(format!("device ordinal {ordinal} out of range"))
     })?;
-    let mut count = 0;
-    // SAFETY: valid out-pointer; driver initialized by the caller.
-    check(
-        unsafe { sys::cuDeviceGetCount(&mut count) },
-        "cuDeviceGetCount",
-        String::new,
-    )?;
+    let count = driver::device_count()?;
     if ord < 0 || ord >= count {
         return Err(TideError::InvalidArgument(format!(
             "device ordinal {ordinal} not among the {count} CUDA devices visible to this process"
         )));
     }
-    let mut dev: CUdevice = 0;
-    // SAFETY: valid out-pointer, ordinal checked.
-    check(
-        unsafe { sys::cuDeviceGet(&mut dev, ord) },
-        "cuDeviceGet",
-        || format!("ordinal {ordinal}"),
-    )?;
-    Ok(dev)
-}
-
-fn primary_ctx(dev: CUdevice, ordinal: i64) -> Result<CUcontext> {
-    let mut ctx: CUcontext = std::ptr::null_mut();
-    // SAFETY: valid device and out-pointer. Retained for the life of the process (never released):
-    // XLA uses the same primary context.
-    check(
-        unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) },
-        "cuDevicePrimaryCtxRetain",
-        || format!("device {ordinal}"),
-    )?;
-    Ok(ctx)
-}
-
-fn attribute(
-    dev: CUdevice,
-    ordinal: i64,
-    attr: sys::CUdevice_attribute,
-    name: &str,
-) -> Result<i32> {
-    let mut v = 0;
-    // SAFETY: valid device and out-pointer.
-    check(
-        unsafe { sys::cuDeviceGetAttribute(&mut v, attr, dev) },
-        "cuDeviceGetAttribute",
-        || format!("device {ordinal}, {name}"),
-    )?;
-    Ok(v)
+    driver::device_get(ord)
 }
 
 impl DeviceState {
     fn new(ordinal: i64) -> Result<DeviceState> {
         let dev = device_handle(ordinal)?;
-        let ctx = primary_ctx(dev, ordinal)?;
-        let _g = super::driver::CtxGuard::set(ctx, ordinal)?;
-        use sys::CUdevice_attribute as A;
+        let ctx = driver::primary_ctx_retain(dev, ordinal)?;
+        let _g = driver::CtxGuard::set(ctx, ordinal)?;
+        use CUdevice_attribute as A;
+        let attribute = driver::device_attribute;
         let major = attribute(
             dev,
             ordinal,
@@ -307,7 +275,7 @@ impl DeviceState {
             stage: None,
             retired_stages: Vec::new(),
             peers: HashSet::new(),
-            prepared: HashMap::new(),
+            plans: PlanCache::default(),
             slots: [Vec::new(), Vec::new()],
         })
     }
@@ -316,7 +284,6 @@ impl DeviceState {
     /// its lease. Fails, never waits, when `max` calls of `op` are in flight on this device: the
     /// dones that would free them run later on this very thread.
     pub fn acquire_slot(&mut self, op: Op, max: usize) -> Result<(usize, SlotLease)> {
-        use std::sync::atomic::Ordering;
         let ord = self.ordinal;
         let list = slot_list(op);
         // The bound counts calls in flight, not slots (more may exist from a larger setting).
@@ -338,18 +305,13 @@ impl DeviceState {
                 .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
                 .is_ok()
             {
-                return Ok((i, SlotLease { busy: s.busy.clone() }));
+                return Ok((i, self.lease(s)));
             }
         }
         let have = self.slots[list].len();
         let what = |e: &str| format!("in-flight slot {have}, {e}");
-        let mut tide: CUstream = std::ptr::null_mut();
-        // SAFETY: context current (CtxGuard held by the caller); valid out-pointer.
-        check(
-            unsafe { sys::cuStreamCreate(&mut tide, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
-            "cuStreamCreate",
-            || format!("device {ord}, {}", what("tide stream")),
-        )?;
+        // Context current (CtxGuard held by the caller).
+        let tide = driver::stream_create(|| format!("device {ord}, {}", what("tide stream")))?;
         let slot = Slot {
             tide,
             side: Vec::new(),
@@ -361,11 +323,20 @@ impl DeviceState {
             phase: Vec::new(),
             stage: None,
             retired_stages: Vec::new(),
-            busy: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+            busy: Arc::new(AtomicBool::new(true)),
         };
-        let lease = SlotLease { busy: slot.busy.clone() };
+        let lease = self.lease(&slot);
         self.slots[list].push(slot);
         Ok((have, lease))
+    }
+
+    fn lease(&self, slot: &Slot) -> SlotLease {
+        SlotLease {
+            busy: slot.busy.clone(),
+            ctx: self.ctx,
+            ordinal: self.ordinal,
+            released: slot.released,
+        }
     }
 
     pub fn slot(&self, op: Op, index: usize) -> Result<&Slot> {
@@ -383,17 +354,10 @@ impl DeviceState {
     /// At least `n` side copy streams (non-blocking: no implicit sync with the legacy stream).
     pub fn ensure_side_streams(&mut self, n: usize) -> Result<()> {
         while self.side.len() < n {
-            let mut s: CUstream = std::ptr::null_mut();
             let ord = self.ordinal;
             let idx = self.side.len();
-            // SAFETY: context current (CtxGuard held by the caller); valid out-pointer.
-            check(
-                unsafe {
-                    sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
-                },
-                "cuStreamCreate",
-                || format!("device {ord}, side copy stream {idx}"),
-            )?;
+            // Context current (CtxGuard held by the caller).
+            let s = driver::stream_create(|| format!("device {ord}, side copy stream {idx}"))?;
             self.side.push(s);
         }
         Ok(())
@@ -434,6 +398,38 @@ impl DeviceState {
             floor_bytes,
         )
     }
+    /// Frees the device-wide stage buffers (the current one and the retired ones: the
+    /// multi-process path's) and returns their bytes; a later call allocates new ones. The caller
+    /// knows no pending work, here or in a peer process, uses them (`multiproc`'s release after a
+    /// failure) and holds the context.
+    pub fn release_stage(&mut self) -> usize {
+        let ord = self.ordinal;
+        let mut freed = 0;
+        for (ptr, bytes) in self.stage.take().into_iter().chain(self.retired_stages.drain(..)) {
+            // SAFETY: our own allocation from `mem_alloc`; the caller guarantees nothing uses it.
+            match unsafe { driver::mem_free(ptr, || format!("device {ord}, {bytes} bytes of staging")) } {
+                Ok(()) => freed += bytes,
+                Err(e) => log::warn!("tide: {e}"),
+            }
+        }
+        freed
+    }
+
+    /// Device memory tide allocated on this device for staging, in bytes: the device-wide stage
+    /// buffers and every in-flight slot's (retired ones included).
+    pub fn staging_bytes(&self) -> usize {
+        let sum = |stage: &Option<(CUdeviceptr, usize)>, retired: &[(CUdeviceptr, usize)]| {
+            stage.map_or(0, |s| s.1) + retired.iter().map(|s| s.1).sum::<usize>()
+        };
+        sum(&self.stage, &self.retired_stages)
+            + self
+                .slots
+                .iter()
+                .flatten()
+                .map(|s| sum(&s.stage, &s.retired_stages))
+                .sum::<usize>()
+    }
+
     /// The kernel module, compiled by NVRTC for this device's arch on first use (once per arch).
     pub fn ensure_module(&mut self) -> Result<&Module> {
         if self.module.is_none() {
@@ -462,23 +458,11 @@ impl DeviceState {
                 }
             };
             let ord = self.ordinal;
-            let mut module: CUmodule = std::ptr::null_mut();
-            // SAFETY: context current; the cubin image outlives the call (the driver copies it).
-            check(
-                unsafe { sys::cuModuleLoadData(&mut module, cubin.as_ptr() as *const _) },
-                "cuModuleLoadData",
-                || format!("device {ord}, tide kernels for {arch}"),
-            )?;
+            // Context current.
+            let module: CUmodule = driver::module_load_data(&cubin, || format!("device {ord}, tide kernels for {arch}"))?;
             let get = |name: &str| -> Result<CUfunction> {
-                let c = std::ffi::CString::new(name).expect("kernel name without NUL");
-                let mut f: CUfunction = std::ptr::null_mut();
-                // SAFETY: module loaded above; valid out-pointer and name.
-                check(
-                    unsafe { sys::cuModuleGetFunction(&mut f, module, c.as_ptr()) },
-                    "cuModuleGetFunction",
-                    || format!("device {ord}, kernel {name}"),
-                )?;
-                Ok(f)
+                // SAFETY: module loaded above, never unloaded.
+                unsafe { driver::module_get_function(module, name, || format!("device {ord}, kernel {name}")) }
             };
             let m = Module {
                 _module: module,
@@ -507,14 +491,7 @@ impl DeviceState {
         }
         let ord = self.ordinal;
         let pdev = device_handle(peer)?;
-        let mut can = 0;
-        // SAFETY: valid devices and out-pointer.
-        check(
-            unsafe { sys::cuDeviceCanAccessPeer(&mut can, self.dev, pdev) },
-            "cuDeviceCanAccessPeer",
-            || format!("device {ord} -> device {peer}"),
-        )?;
-        if can == 0 {
+        if !driver::can_access_peer(self.dev, pdev, || format!("device {ord} -> device {peer}"))? {
             return Err(TideError::Cuda {
                 call: "cuDeviceCanAccessPeer".into(),
                 detail: format!(
@@ -523,16 +500,36 @@ impl DeviceState {
                 ),
             });
         }
-        let pctx = primary_ctx(pdev, peer)?;
+        let pctx = driver::primary_ctx_retain(pdev, peer)?;
         // SAFETY: this device's context is current (CtxGuard held by the caller); pctx is retained.
-        let r = unsafe { sys::cuCtxEnablePeerAccess(pctx, 0) };
-        if r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
-            check(r, "cuCtxEnablePeerAccess", || {
-                format!("device {ord} -> device {peer}")
-            })?;
-        }
+        unsafe { driver::enable_peer_access(pctx, || format!("device {ord} -> device {peer}"))? };
         self.peers.insert(peer);
         Ok(())
+    }
+}
+
+/// Waits until every stream in `streams` is idle and every event in `events` complete, polling
+/// (never blocking in the driver) for at most `wait`; `Ok(false)` if some work is still pending
+/// then. The device's context must be current.
+pub fn drain(streams: &[CUstream], events: &[CUevent], wait: std::time::Duration, who: &dyn Fn() -> String) -> Result<bool> {
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        let mut idle = true;
+        for &s in streams {
+            // SAFETY: streams of this process (tide's, or XLA's of the current call).
+            idle &= unsafe { driver::stream_idle(s, || format!("{}: draining tide's streams", who()))? };
+        }
+        for &e in events {
+            // SAFETY: tide's own events, never destroyed.
+            idle &= unsafe { driver::event_complete(e, || format!("{}: draining tide's events", who()))? };
+        }
+        if idle {
+            return Ok(true);
+        }
+        if std::time::Instant::now() >= deadline {
+            return Ok(false);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }
 
@@ -558,16 +555,11 @@ fn ensure_stage_in(
     let have = stage.map(|s| s.1).unwrap_or(0);
     if have < total {
         let bytes = total.max(floor_bytes);
-        let mut ptr: CUdeviceptr = 0;
         let ord = ordinal;
-        // SAFETY: context current; valid out-pointer.
-        check(
-            unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) },
-            "cuMemAlloc",
-            || {
-                format!("device {ord}, {bytes} bytes of reduce-scatter staging (TIDE_RS_STAGE_SLOTS x TIDE_RS_SLOT_BYTES)")
-            },
-        )?;
+        // Context current.
+        let ptr = driver::mem_alloc(bytes, || {
+            format!("device {ord}, {bytes} bytes of reduce-scatter staging (TIDE_RS_STAGE_SLOTS x TIDE_RS_SLOT_BYTES)")
+        })?;
         if let Some(old) = stage.take() {
             log::warn!(
                 "tide: device {ord}: stage buffer grown from {} to {bytes} bytes; the old one stays allocated",
@@ -589,14 +581,9 @@ impl Slot {
     /// At least `n` side copy streams (non-blocking).
     pub fn ensure_side_streams(&mut self, ordinal: i64, n: usize) -> Result<()> {
         while self.side.len() < n {
-            let mut s: CUstream = std::ptr::null_mut();
             let idx = self.side.len();
-            // SAFETY: context current (CtxGuard held by the caller); valid out-pointer.
-            check(
-                unsafe { sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
-                "cuStreamCreate",
-                || format!("device {ordinal}, in-flight side copy stream {idx}"),
-            )?;
+            // Context current (CtxGuard held by the caller).
+            let s = driver::stream_create(|| format!("device {ordinal}, in-flight side copy stream {idx}"))?;
             self.side.push(s);
         }
         Ok(())

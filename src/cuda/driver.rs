@@ -1,8 +1,18 @@
-//! The CUDA driver as tide uses it: cudarc's `driver::sys` (loaded lazily from libcuda.so.1), with
-//! every call checked and turned into a `TideError::Cuda` that names the API call and what it acted
-//! on (device, rank, parameter). cudarc panics when libcuda is absent or a symbol is missing, so
-//! `init` checks for the library first and the engine's entry point also catches panics.
-//! Nothing here runs at library load time.
+//! The CUDA driver as tide uses it, in cudarc's layering: `cudarc::driver::sys` (raw bindings,
+//! loaded lazily from libcuda.so.1) below, this module (the `result` layer: one thin function per
+//! driver call tide makes, each checked and turned into a `TideError::Cuda` that names the API call
+//! and what it acted on: device, rank, parameter), and the owning types above it (`device`'s
+//! `DeviceState`/`Slot`, `ipc`'s `Exporter`/`Importer`). No other module of the engine calls
+//! `sys::cu*` itself.
+//!
+//! Conventions: `what` is a closure, so the hot path formats nothing unless a call failed. A
+//! function taking raw handles or device addresses is `unsafe`: its `# Safety` section says what
+//! the caller guarantees; the driver checks the rest. The context of the device must be current
+//! (`CtxGuard`) for every call that creates, maps or enqueues.
+//!
+//! cudarc panics when libcuda is absent or a symbol is missing, so `init` checks for the library
+//! first, `batch_copy_supported` looks the one optional symbol up, and the engine's entry points
+//! also catch panics. Nothing here runs at library load time.
 
 use crate::error::{Result, TideError};
 use cudarc::driver::sys;
@@ -10,7 +20,8 @@ use std::ffi::CStr;
 use std::sync::OnceLock;
 
 pub use sys::{
-    CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUmodule, CUresult, CUstream,
+    CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUipcEventHandle, CUipcMemHandle,
+    CUmemGenericAllocationHandle, CUmodule, CUresult, CUstream,
 };
 
 /// "CUDA_ERROR_INVALID_VALUE (invalid argument)" for a result code.
@@ -125,4 +136,621 @@ impl Drop for CtxGuard {
             }
         }
     }
+}
+
+// ----- devices and contexts -----
+
+/// The number of CUDA devices visible to this process.
+pub fn device_count() -> Result<i32> {
+    let mut count = 0;
+    // SAFETY: valid out-pointer; the driver is initialized by the caller (`init`).
+    check(unsafe { sys::cuDeviceGetCount(&mut count) }, "cuDeviceGetCount", String::new)?;
+    Ok(count)
+}
+
+/// The device handle of `ordinal` (in range: the caller checked it against `device_count`).
+pub fn device_get(ordinal: i32) -> Result<CUdevice> {
+    let mut dev: CUdevice = 0;
+    // SAFETY: valid out-pointer.
+    check(unsafe { sys::cuDeviceGet(&mut dev, ordinal) }, "cuDeviceGet", || {
+        format!("ordinal {ordinal}")
+    })?;
+    Ok(dev)
+}
+
+/// Device attribute `attr` of `dev` (`name` and `ordinal` for errors).
+pub fn device_attribute(dev: CUdevice, ordinal: i64, attr: sys::CUdevice_attribute, name: &str) -> Result<i32> {
+    let mut v = 0;
+    // SAFETY: valid device handle and out-pointer.
+    check(unsafe { sys::cuDeviceGetAttribute(&mut v, attr, dev) }, "cuDeviceGetAttribute", || {
+        format!("device {ordinal}, {name}")
+    })?;
+    Ok(v)
+}
+
+/// Retains `dev`'s primary context (the one XLA uses). Never released: kept for the process.
+pub fn primary_ctx_retain(dev: CUdevice, ordinal: i64) -> Result<CUcontext> {
+    let mut ctx: CUcontext = std::ptr::null_mut();
+    // SAFETY: valid device handle and out-pointer.
+    check(unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) }, "cuDevicePrimaryCtxRetain", || {
+        format!("device {ordinal}")
+    })?;
+    Ok(ctx)
+}
+
+/// Whether `dev` can access `peer`'s memory.
+pub fn can_access_peer(dev: CUdevice, peer: CUdevice, what: impl FnOnce() -> String) -> Result<bool> {
+    let mut can = 0;
+    // SAFETY: valid device handles and out-pointer.
+    check(unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev, peer) }, "cuDeviceCanAccessPeer", what)?;
+    Ok(can != 0)
+}
+
+/// Enables the current context to access `peer_ctx`'s memory; "already enabled" is success.
+///
+/// # Safety
+/// `peer_ctx` is a retained context; the accessing device's context is current.
+pub unsafe fn enable_peer_access(peer_ctx: CUcontext, what: impl FnOnce() -> String) -> Result<()> {
+    let r = unsafe { sys::cuCtxEnablePeerAccess(peer_ctx, 0) };
+    if r == CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+        return Ok(());
+    }
+    check(r, "cuCtxEnablePeerAccess", what)
+}
+
+/// (free, total) bytes of the current context's device (`cuMemGetInfo`).
+pub fn mem_get_info(what: impl FnOnce() -> String) -> Result<(usize, usize)> {
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: valid out-pointers; a context is current (else the driver returns an error).
+    check(unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) }, "cuMemGetInfo", what)?;
+    Ok((free, total))
+}
+
+// ----- streams and events -----
+
+/// A new non-blocking stream (no implicit synchronization with the legacy stream).
+pub fn stream_create(what: impl FnOnce() -> String) -> Result<CUstream> {
+    let mut s: CUstream = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; the device's context is current (callers hold a CtxGuard).
+    check(
+        unsafe { sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
+        "cuStreamCreate",
+        what,
+    )?;
+    Ok(s)
+}
+
+/// A new event without timing (the only kind tide records; cheaper to record and wait on).
+pub fn event_create(what: impl FnOnce() -> String) -> Result<CUevent> {
+    let mut e: CUevent = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; the device's context is current (callers hold a CtxGuard).
+    check(
+        unsafe { sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) },
+        "cuEventCreate",
+        what,
+    )?;
+    Ok(e)
+}
+
+/// A new event peers in other processes can wait on (`CU_EVENT_INTERPROCESS` needs DISABLE_TIMING).
+pub fn event_create_interprocess(what: impl FnOnce() -> String) -> Result<CUevent> {
+    let mut e: CUevent = std::ptr::null_mut();
+    let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32 | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+    // SAFETY: valid out-pointer; the device's context is current.
+    check(unsafe { sys::cuEventCreate(&mut e, flags) }, "cuEventCreate(INTERPROCESS)", what)?;
+    Ok(e)
+}
+
+/// Records `event` on `stream`.
+///
+/// # Safety
+/// Both handles are valid (created in this process, or opened from a peer) and not destroyed.
+#[inline]
+pub unsafe fn event_record(event: CUevent, stream: CUstream, what: impl FnOnce() -> String) -> Result<()> {
+    check(unsafe { sys::cuEventRecord(event, stream) }, "cuEventRecord", what)
+}
+
+/// Makes `stream` wait on the most recent record of `event` (captured now: a later re-record is
+/// never waited on).
+///
+/// # Safety
+/// As `event_record`.
+#[inline]
+pub unsafe fn stream_wait_event(stream: CUstream, event: CUevent, what: impl FnOnce() -> String) -> Result<()> {
+    check(unsafe { sys::cuStreamWaitEvent(stream, event, 0) }, "cuStreamWaitEvent", what)
+}
+
+/// Whether everything enqueued on `stream` so far has completed (never blocks).
+///
+/// # Safety
+/// `stream` is a valid stream of this process.
+pub unsafe fn stream_idle(stream: CUstream, what: impl FnOnce() -> String) -> Result<bool> {
+    match unsafe { sys::cuStreamQuery(stream) } {
+        CUresult::CUDA_SUCCESS => Ok(true),
+        CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        r => check(r, "cuStreamQuery", what).map(|()| false),
+    }
+}
+
+/// Whether the work before `event`'s most recent record has completed (an event never recorded
+/// has). Never blocks.
+///
+/// # Safety
+/// `event` is a valid event of this process.
+pub unsafe fn event_complete(event: CUevent, what: impl FnOnce() -> String) -> Result<bool> {
+    match unsafe { sys::cuEventQuery(event) } {
+        CUresult::CUDA_SUCCESS => Ok(true),
+        CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        r => check(r, "cuEventQuery", what).map(|()| false),
+    }
+}
+
+/// Destroys an event (pending work that records or waits on it is unaffected).
+///
+/// # Safety
+/// `event` is a valid event of this process (created, or opened from a peer) that nothing uses
+/// afterwards.
+pub unsafe fn event_destroy(event: CUevent, what: impl FnOnce() -> String) -> Result<()> {
+    check(unsafe { sys::cuEventDestroy_v2(event) }, "cuEventDestroy", what)
+}
+
+/// The context `stream` belongs to.
+///
+/// # Safety
+/// `stream` is a valid stream (XLA's, valid for the call).
+pub unsafe fn stream_context(stream: CUstream, what: impl FnOnce() -> String) -> Result<CUcontext> {
+    let mut ctx: CUcontext = std::ptr::null_mut();
+    check(unsafe { sys::cuStreamGetCtx(stream, &mut ctx) }, "cuStreamGetCtx", what)?;
+    Ok(ctx)
+}
+
+/// Whether `stream` is being captured into a CUDA graph.
+///
+/// # Safety
+/// As `stream_context`.
+pub unsafe fn stream_capturing(stream: CUstream, what: impl FnOnce() -> String) -> Result<bool> {
+    let mut cap = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    check(unsafe { sys::cuStreamIsCapturing(stream, &mut cap) }, "cuStreamIsCapturing", what)?;
+    Ok(cap != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
+// ----- copies, fills, launches -----
+
+/// `bytes` from `src` to `dst` on `stream` (copy engines; unified addresses).
+///
+/// # Safety
+/// Both ranges are valid device memory for `bytes` bytes (local, or peer memory with access
+/// enabled or mapped) until the copy completes, ordered by the caller's stream rules.
+#[inline]
+pub unsafe fn memcpy_async(dst: u64, src: u64, bytes: usize, stream: CUstream, what: impl FnOnce() -> String) -> Result<()> {
+    check(unsafe { sys::cuMemcpyAsync(dst, src, bytes, stream) }, "cuMemcpyAsync", what)
+}
+
+/// Sets `bytes` at `dst` to zero on `stream`.
+///
+/// # Safety
+/// `dst` is valid device memory for `bytes` bytes until the fill completes.
+#[inline]
+pub unsafe fn memset_zero_async(dst: u64, bytes: usize, stream: CUstream, what: impl FnOnce() -> String) -> Result<()> {
+    check(unsafe { sys::cuMemsetD8Async(dst, 0, bytes, stream) }, "cuMemsetD8Async", what)
+}
+
+/// One copy of a batch: destination, source, bytes, and the devices holding either end (location
+/// hints; ignored for non-managed memory, but they must name devices of this process).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchCopy {
+    pub dst: u64,
+    pub src: u64,
+    pub bytes: usize,
+    pub dst_dev: i64,
+    pub src_dev: i64,
+}
+
+/// The copies as one `cuMemcpyBatchAsync` on `stream` (source order: the stream's; each copy its
+/// own attributes). Only where `batch_copy_supported`.
+///
+/// # Safety
+/// As `memcpy_async`, for every copy.
+pub unsafe fn memcpy_batch_async(copies: &[BatchCopy], stream: CUstream, what: impl FnOnce() -> String) -> Result<()> {
+    let loc = |dev: i64| sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: dev as i32,
+    };
+    let mut dsts: Vec<sys::CUdeviceptr> = copies.iter().map(|c| c.dst).collect();
+    let mut srcs: Vec<sys::CUdeviceptr> = copies.iter().map(|c| c.src).collect();
+    let mut sizes: Vec<usize> = copies.iter().map(|c| c.bytes).collect();
+    let mut attrs: Vec<sys::CUmemcpyAttributes> = copies
+        .iter()
+        .map(|c| sys::CUmemcpyAttributes {
+            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            srcLocHint: loc(c.src_dev),
+            dstLocHint: loc(c.dst_dev),
+            flags: sys::CUmemcpyFlags::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32,
+        })
+        .collect();
+    let mut idxs: Vec<usize> = (0..copies.len()).collect();
+    // SAFETY: five arrays of `copies.len()` entries, alive across the call; ranges per the caller.
+    check(
+        unsafe {
+            sys::cuMemcpyBatchAsync_v2(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                copies.len(),
+                attrs.as_mut_ptr(),
+                idxs.as_mut_ptr(),
+                copies.len(),
+                stream,
+            )
+        },
+        "cuMemcpyBatchAsync",
+        what,
+    )
+}
+
+/// Whether the driver exports cuMemcpyBatchAsync_v2 (CUDA 12.8+ drivers); older drivers get one
+/// cuMemcpyAsync per copy instead of failing (cudarc's lazy loader would panic on the call).
+pub fn batch_copy_supported() -> bool {
+    static SUPPORTED: OnceLock<bool> = OnceLock::new();
+    *SUPPORTED.get_or_init(|| {
+        // SAFETY: only looks the symbol up; the library is the one the engine already loaded.
+        std::panic::catch_unwind(|| unsafe {
+            sys::culib()
+                .get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync_v2\0")
+                .is_ok()
+        })
+        .unwrap_or(false)
+    })
+}
+
+/// Launches `f` on `stream` with `grid` CTAs of `threads` threads (1-D, no shared memory).
+/// `kernel` names it in errors ("cuLaunchKernel(tide_copy)").
+///
+/// # Safety
+/// `params` points to one pointer per kernel parameter, each to a value of the parameter's type,
+/// alive across the call (the driver copies them at launch); every address they carry is valid
+/// for what the kernel does with it until it completes.
+#[inline]
+pub unsafe fn launch_kernel(
+    f: CUfunction,
+    grid: u32,
+    threads: u32,
+    stream: CUstream,
+    params: &mut [*mut std::ffi::c_void],
+    kernel: &str,
+    what: impl FnOnce() -> String,
+) -> Result<()> {
+    check(
+        unsafe { sys::cuLaunchKernel(f, grid, 1, 1, threads, 1, 1, 0, stream, params.as_mut_ptr(), std::ptr::null_mut()) },
+        kernel,
+        what,
+    )
+}
+
+// ----- modules -----
+
+/// Loads a cubin image into the current context.
+pub fn module_load_data(image: &[u8], what: impl FnOnce() -> String) -> Result<CUmodule> {
+    let mut module: CUmodule = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; the image outlives the call (the driver copies it); the device's
+    // context is current.
+    check(
+        unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr() as *const _) },
+        "cuModuleLoadData",
+        what,
+    )?;
+    Ok(module)
+}
+
+/// Kernel `name` of a loaded module.
+///
+/// # Safety
+/// `module` is a loaded module of this process (never unloaded).
+pub unsafe fn module_get_function(module: CUmodule, name: &str, what: impl FnOnce() -> String) -> Result<CUfunction> {
+    let c = std::ffi::CString::new(name).map_err(|_| TideError::Internal(format!("kernel name {name:?} has a NUL")))?;
+    let mut f: CUfunction = std::ptr::null_mut();
+    check(unsafe { sys::cuModuleGetFunction(&mut f, module, c.as_ptr()) }, "cuModuleGetFunction", what)?;
+    Ok(f)
+}
+
+// ----- memory: allocations -----
+
+/// `bytes` of device memory (`cuMemAlloc`) in the current context.
+pub fn mem_alloc(bytes: usize, what: impl FnOnce() -> String) -> Result<CUdeviceptr> {
+    let mut ptr: CUdeviceptr = 0;
+    // SAFETY: valid out-pointer; the device's context is current.
+    check(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }, "cuMemAlloc", what)?;
+    Ok(ptr)
+}
+
+/// Frees a `mem_alloc` allocation.
+///
+/// # Safety
+/// `ptr` came from `mem_alloc` and no work that uses it is pending.
+pub unsafe fn mem_free(ptr: CUdeviceptr, what: impl FnOnce() -> String) -> Result<()> {
+    check(unsafe { sys::cuMemFree_v2(ptr) }, "cuMemFree", what)
+}
+
+/// (base, size) of the allocation holding device address `ptr`.
+///
+/// # Safety
+/// `ptr` is a device address of this process (the driver fails on others).
+pub unsafe fn mem_address_range(ptr: u64, what: impl FnOnce() -> String) -> Result<(CUdeviceptr, usize)> {
+    let mut base: CUdeviceptr = 0;
+    let mut size: usize = 0;
+    check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }, "cuMemGetAddressRange", what)?;
+    Ok((base, size))
+}
+
+/// The VMM allocation handle of the mapping at `base`, retained (release with `mem_release`);
+/// `None` when the memory is not VMM (`cuMemAlloc`'d).
+///
+/// # Safety
+/// `base` is a mapped device address of this process.
+pub unsafe fn mem_retain_allocation_handle(base: CUdeviceptr) -> Option<CUmemGenericAllocationHandle> {
+    let mut h: CUmemGenericAllocationHandle = 0;
+    let r = unsafe { sys::cuMemRetainAllocationHandle(&mut h, base as *mut std::ffi::c_void) };
+    (r == CUresult::CUDA_SUCCESS).then_some(h)
+}
+
+/// Drops one reference to a VMM allocation handle.
+///
+/// # Safety
+/// `h` holds a reference this caller owns (retained, imported or created).
+pub unsafe fn mem_release(h: CUmemGenericAllocationHandle, what: impl FnOnce() -> String) -> Result<()> {
+    check(unsafe { sys::cuMemRelease(h) }, "cuMemRelease", what)
+}
+
+/// A new physical allocation of `size` bytes on device `ordinal` (pinned device memory).
+pub fn mem_create(size: usize, ordinal: i64, what: impl FnOnce() -> String) -> Result<CUmemGenericAllocationHandle> {
+    let prop = device_allocation_prop(ordinal);
+    let mut h: CUmemGenericAllocationHandle = 0;
+    // SAFETY: valid pointers; size is a multiple of the allocation granularity (the caller's).
+    check(unsafe { sys::cuMemCreate(&mut h, size, &prop, 0) }, "cuMemCreate", what)?;
+    Ok(h)
+}
+
+/// Pinned device memory on device `ordinal`, as VMM allocations describe it.
+fn device_allocation_prop(ordinal: i64) -> sys::CUmemAllocationProp {
+    // SAFETY: plain C struct; all-zero is a valid starting value.
+    let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    p.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    p.location = sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: ordinal as i32,
+    };
+    p
+}
+
+/// The recommended granularity of VMM allocations on device `ordinal`.
+pub fn mem_allocation_granularity(ordinal: i64) -> Result<usize> {
+    let prop = device_allocation_prop(ordinal);
+    let mut g = 0usize;
+    // SAFETY: valid pointers.
+    check(
+        unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut g,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+            )
+        },
+        "cuMemGetAllocationGranularity",
+        || format!("device {ordinal}"),
+    )?;
+    Ok(g)
+}
+
+// ----- memory: virtual address ranges and mappings -----
+
+/// A fresh virtual address range of `size` bytes.
+pub fn mem_address_reserve(size: usize, what: impl FnOnce() -> String) -> Result<CUdeviceptr> {
+    let mut p: CUdeviceptr = 0;
+    // SAFETY: valid out-pointer.
+    check(unsafe { sys::cuMemAddressReserve(&mut p, size, 0, 0, 0) }, "cuMemAddressReserve", what)?;
+    Ok(p)
+}
+
+/// Frees a reserved range.
+///
+/// # Safety
+/// `va..va+size` was reserved by `mem_address_reserve` and nothing is mapped in it.
+pub unsafe fn mem_address_free(va: CUdeviceptr, size: usize, what: impl FnOnce() -> String) -> Result<()> {
+    check(unsafe { sys::cuMemAddressFree(va, size) }, "cuMemAddressFree", what)
+}
+
+/// Maps allocation `h` (`size` bytes) at `va`.
+///
+/// # Safety
+/// `va..va+size` is reserved and unmapped; `h` is a live allocation handle of at least `size` bytes.
+pub unsafe fn mem_map(va: CUdeviceptr, size: usize, h: CUmemGenericAllocationHandle, what: impl FnOnce() -> String) -> Result<()> {
+    check(unsafe { sys::cuMemMap(va, size, 0, h, 0) }, "cuMemMap", what)
+}
+
+/// Unmaps `va..va+size`.
+///
+/// # Safety
+/// The range is mapped and no pending work uses it.
+pub unsafe fn mem_unmap(va: CUdeviceptr, size: usize, what: impl FnOnce() -> String) -> Result<()> {
+    check(unsafe { sys::cuMemUnmap(va, size) }, "cuMemUnmap", what)
+}
+
+/// Grants device `ordinal` read/write access to the mapped range `va..va+size`.
+///
+/// # Safety
+/// The range is mapped in this process.
+pub unsafe fn mem_set_access(va: CUdeviceptr, size: usize, ordinal: i64, what: impl FnOnce() -> String) -> Result<()> {
+    let desc = sys::CUmemAccessDesc {
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: ordinal as i32,
+        },
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    check(unsafe { sys::cuMemSetAccess(va, size, &desc, 1) }, "cuMemSetAccess", what)
+}
+
+// ----- memory and events across processes -----
+
+/// Exports allocation `h` as a POSIX file descriptor (a new fd the caller owns). The error says
+/// how the allocation must have been created.
+///
+/// # Safety
+/// `h` is a live (retained) VMM allocation handle.
+pub unsafe fn mem_export_fd(h: CUmemGenericAllocationHandle, what: impl FnOnce() -> String) -> Result<i32> {
+    let mut fd: i32 = -1;
+    // Out-pointer to an int, as the POSIX fd handle type wants.
+    check(
+        unsafe {
+            sys::cuMemExportToShareableHandle(
+                &mut fd as *mut i32 as *mut std::ffi::c_void,
+                h,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        },
+        "cuMemExportToShareableHandle(POSIX fd)",
+        what,
+    )?;
+    Ok(fd)
+}
+
+/// Imports an allocation exported as POSIX fd `fd` (the fd stays the caller's).
+pub fn mem_import_fd(fd: i32, what: impl FnOnce() -> String) -> Result<CUmemGenericAllocationHandle> {
+    let mut h: CUmemGenericAllocationHandle = 0;
+    // SAFETY: valid out-pointer; for POSIX fds the "os handle" is the fd value itself.
+    check(
+        unsafe {
+            sys::cuMemImportFromShareableHandle(
+                &mut h,
+                fd as usize as *mut std::ffi::c_void,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        },
+        "cuMemImportFromShareableHandle",
+        what,
+    )?;
+    Ok(h)
+}
+
+/// The legacy IPC handle bytes of the `cuMemAlloc` allocation starting at `base`.
+///
+/// # Safety
+/// `base` is the start of a `cuMemAlloc` allocation of this process.
+pub unsafe fn ipc_mem_handle(base: CUdeviceptr, what: impl FnOnce() -> String) -> Result<[u8; 64]> {
+    let mut mh: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+    check(unsafe { sys::cuIpcGetMemHandle(&mut mh, base) }, "cuIpcGetMemHandle", what)?;
+    let mut bytes = [0u8; 64];
+    for (d, s) in bytes.iter_mut().zip(mh.reserved.iter()) {
+        *d = *s as u8;
+    }
+    Ok(bytes)
+}
+
+/// Opens a peer's legacy IPC allocation (lazy peer access); close with `ipc_close_mem_handle`.
+pub fn ipc_open_mem_handle(handle: &[u8; 64], what: impl FnOnce() -> String) -> Result<CUdeviceptr> {
+    // SAFETY: all-zero is a valid handle value to fill in.
+    let mut mh: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+    for (d, s) in mh.reserved.iter_mut().zip(handle.iter()) {
+        *d = *s as std::ffi::c_char;
+    }
+    let mut p: CUdeviceptr = 0;
+    // SAFETY: valid out-pointer; handle bytes from the peer's cuIpcGetMemHandle.
+    check(
+        unsafe { sys::cuIpcOpenMemHandle_v2(&mut p, mh, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32) },
+        "cuIpcOpenMemHandle",
+        what,
+    )?;
+    Ok(p)
+}
+
+/// Closes an `ipc_open_mem_handle` mapping.
+///
+/// # Safety
+/// `p` came from `ipc_open_mem_handle` and no pending work uses it.
+pub unsafe fn ipc_close_mem_handle(p: CUdeviceptr, what: impl FnOnce() -> String) -> Result<()> {
+    check(unsafe { sys::cuIpcCloseMemHandle(p) }, "cuIpcCloseMemHandle", what)
+}
+
+/// The IPC handle bytes of an interprocess event.
+///
+/// # Safety
+/// `ev` was created with `event_create_interprocess`.
+pub unsafe fn ipc_event_handle(ev: CUevent, what: impl FnOnce() -> String) -> Result<[u8; 64]> {
+    let mut eh: sys::CUipcEventHandle = unsafe { std::mem::zeroed() };
+    check(unsafe { sys::cuIpcGetEventHandle(&mut eh, ev) }, "cuIpcGetEventHandle", what)?;
+    let mut h = [0u8; 64];
+    for (d, s) in h.iter_mut().zip(eh.reserved.iter()) {
+        *d = *s as u8;
+    }
+    Ok(h)
+}
+
+/// Opens a peer's interprocess event.
+pub fn ipc_open_event_handle(handle: &[u8; 64], what: impl FnOnce() -> String) -> Result<CUevent> {
+    // SAFETY: all-zero is a valid handle value to fill in.
+    let mut eh: sys::CUipcEventHandle = unsafe { std::mem::zeroed() };
+    for (d, s) in eh.reserved.iter_mut().zip(handle.iter()) {
+        *d = *s as std::ffi::c_char;
+    }
+    let mut e: CUevent = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; handle bytes from the peer's cuIpcGetEventHandle.
+    check(unsafe { sys::cuIpcOpenEventHandle(&mut e, eh) }, "cuIpcOpenEventHandle", what)?;
+    Ok(e)
+}
+
+// ----- multicast (the opt-in NVLink multicast all-gather; `multicast` gates every call) -----
+
+/// The recommended granularity of a multicast object for `world` devices and `size` bytes.
+pub fn multicast_granularity(world: usize, size: usize, what: impl FnOnce() -> String) -> Result<usize> {
+    let prop = multicast_prop(world, size);
+    let mut g = 0usize;
+    // SAFETY: valid pointers.
+    check(
+        unsafe {
+            sys::cuMulticastGetGranularity(&mut g, &prop, sys::CUmulticastGranularity_flags::CU_MULTICAST_GRANULARITY_RECOMMENDED)
+        },
+        "cuMulticastGetGranularity",
+        what,
+    )?;
+    Ok(g)
+}
+
+fn multicast_prop(world: usize, size: usize) -> sys::CUmulticastObjectProp {
+    sys::CUmulticastObjectProp {
+        numDevices: world as u32,
+        size,
+        handleTypes: 0,
+        flags: 0,
+    }
+}
+
+/// A multicast object for `world` devices of `size` bytes (a multiple of the granularities).
+pub fn multicast_create(world: usize, size: usize, what: impl FnOnce() -> String) -> Result<CUmemGenericAllocationHandle> {
+    let prop = multicast_prop(world, size);
+    let mut h: CUmemGenericAllocationHandle = 0;
+    // SAFETY: valid pointers.
+    check(unsafe { sys::cuMulticastCreate(&mut h, &prop) }, "cuMulticastCreate", what)?;
+    Ok(h)
+}
+
+/// Adds `dev` to multicast object `handle`.
+///
+/// # Safety
+/// `handle` came from `multicast_create`.
+pub unsafe fn multicast_add_device(handle: CUmemGenericAllocationHandle, dev: CUdevice, what: impl FnOnce() -> String) -> Result<()> {
+    check(unsafe { sys::cuMulticastAddDevice(handle, dev) }, "cuMulticastAddDevice", what)
+}
+
+/// Backs `size` bytes of multicast object `handle` with allocation `mem`.
+///
+/// # Safety
+/// Both handles are live; every device was added before.
+pub unsafe fn multicast_bind_mem(
+    handle: CUmemGenericAllocationHandle,
+    mem: CUmemGenericAllocationHandle,
+    size: usize,
+    what: impl FnOnce() -> String,
+) -> Result<()> {
+    check(unsafe { sys::cuMulticastBindMem(handle, 0, mem, 0, size, 0) }, "cuMulticastBindMem", what)
 }

@@ -13,21 +13,14 @@
 //! is one `cuLaunchKernel` with the descriptor struct as its parameter (`__grid_constant__`).
 
 use super::device::Module;
-use super::driver::{check, CUstream};
+use super::driver::{self, CUstream};
 use super::kernels::{self, CopyBatch, SumBatch, COPY_BATCH, MAX_SRCS, SUM_BATCH};
 use crate::error::{Result, TideError};
 use crate::layout::DType;
-use cudarc::driver::sys;
 
-/// A copy waiting to be issued (copy-engine or SM), with the devices holding its two ends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PendingCopy {
-    pub dst: u64,
-    pub src: u64,
-    pub bytes: usize,
-    pub dst_dev: i64,
-    pub src_dev: i64,
-}
+/// A copy waiting to be issued (copy-engine or SM), with the devices holding its two ends: the
+/// driver's batched copy.
+pub use super::driver::BatchCopy as PendingCopy;
 
 /// One `rs_sum` launch's worth of a Reduce (`nsrc <= MAX_SRCS` sources of one dtype).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,31 +117,17 @@ pub fn pack_sums(sums: &[SumSeg]) -> Result<(SumBatch, i32)> {
 }
 
 /// One batched launch: `f(batch, count)` on `stream` with `grid` CTAs.
-fn launch<T>(f: sys::CUfunction, batch: &mut T, count: i32, grid: u32, stream: CUstream, what: &dyn Fn() -> String) -> Result<()> {
+fn launch<T>(f: driver::CUfunction, batch: &mut T, count: i32, grid: u32, stream: CUstream, what: &dyn Fn() -> String) -> Result<()> {
     let mut count = count;
     let mut params: [*mut std::ffi::c_void; 2] = [batch as *mut T as *mut _, &mut count as *mut i32 as *mut _];
     // SAFETY: params match `(const __grid_constant__ Tide*Batch, int)` (T is the repr(C) twin of
     // the descriptor struct) and live across the call (the driver copies them at launch); the
     // caller bounds-checked every segment's range against its buffer.
-    check(
-        unsafe {
-            sys::cuLaunchKernel(
-                f,
-                grid,
-                1,
-                1,
-                kernels::THREADS,
-                1,
-                1,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        },
-        "cuLaunchKernel(batched)",
-        || format!("{}, {count} segments, grid {grid}", what()),
-    )
+    unsafe {
+        driver::launch_kernel(f, grid, kernels::THREADS, stream, &mut params, "cuLaunchKernel(batched)", || {
+            format!("{}, {count} segments, grid {grid}", what())
+        })
+    }
 }
 
 /// Issues `copies` (each range checked by the caller, pairwise independent) as batched copy launches.

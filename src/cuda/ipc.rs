@@ -20,16 +20,17 @@
 //!   `cuMemMap` + `cuMemSetAccess` (read/write for the local device), once per (peer rank, base,
 //!   size, generation); legacy handles through `cuIpcOpenMemHandle` (lazy peer access), once per
 //!   handle bytes. A peer address is `mapped base + offset`. Mappings are kept for the life of the
-//!   process (they pin the peer's physical memory; XLA's pool lives as long anyway).
+//!   job (they pin the peer's physical memory; XLA's pool lives as long anyway) and given back
+//!   after a failure (`Importer::release_all`, once the device finished tide's work: a dead
+//!   peer's memory is freed only when its last mapping goes).
 //! - **Events**: created by the owner with `CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING`
 //!   (`ipc_event`), exported with `cuIpcGetEventHandle` (cached), opened by peers with
 //!   `cuIpcOpenEventHandle` once per handle bytes.
 //!
 //! Every error names the driver call, this rank, the peer rank and its pid.
 
-use super::driver::{check, CUdeviceptr, CUevent};
+use super::driver::{self, CUevent, CUmemGenericAllocationHandle};
 use crate::error::{Result, TideError};
-use cudarc::driver::sys;
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -39,6 +40,8 @@ static VMM_EXPORTS: AtomicU64 = AtomicU64::new(0);
 static VMM_IMPORTS: AtomicU64 = AtomicU64::new(0);
 static LEGACY_OPENS: AtomicU64 = AtomicU64::new(0);
 static EVENT_OPENS: AtomicU64 = AtomicU64::new(0);
+/// Bytes of peers' allocations mapped in this process now (VMM imports and legacy opens).
+static MAPPED_BYTES: AtomicU64 = AtomicU64::new(0);
 
 /// What this process did so far (for tests and logs): VMM exports, VMM imports, legacy
 /// `cuIpcOpenMemHandle`s, `cuIpcOpenEventHandle`s. Each is once per allocation / event, not per call.
@@ -48,6 +51,8 @@ pub struct Stats {
     pub vmm_imports: u64,
     pub legacy_opens: u64,
     pub event_opens: u64,
+    /// Bytes of peers' allocations mapped now (not a count: goes down at `Importer::release_all`).
+    pub mapped_bytes: u64,
 }
 
 pub fn stats() -> Stats {
@@ -56,6 +61,7 @@ pub fn stats() -> Stats {
         vmm_imports: VMM_IMPORTS.load(Ordering::Relaxed),
         legacy_opens: LEGACY_OPENS.load(Ordering::Relaxed),
         event_opens: EVENT_OPENS.load(Ordering::Relaxed),
+        mapped_bytes: MAPPED_BYTES.load(Ordering::Relaxed),
     }
 }
 
@@ -106,7 +112,7 @@ struct Exported {
     gen: u64,
     kind: u32,
     /// VMM: the retained allocation handle and the exported fd (kept open).
-    handle: sys::CUmemGenericAllocationHandle,
+    handle: CUmemGenericAllocationHandle,
     fd: Option<OwnedFd>,
     legacy: [u8; 64],
     sent_to: HashSet<usize>,
@@ -127,87 +133,23 @@ impl Exporter {
     /// The allocation holding `ptr` (exporting it if new) and `ptr`'s offset in it. `who` names
     /// the rank and buffer for errors. The device's context must be current.
     pub fn describe(&mut self, ptr: u64, who: &dyn Fn() -> String) -> Result<(AllocDesc, u64)> {
-        let mut base: CUdeviceptr = 0;
-        let mut size: usize = 0;
-        // SAFETY: valid out-pointers; ptr is a device address the caller got from XLA.
-        check(
-            unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) },
-            "cuMemGetAddressRange",
-            || format!("{}: buffer at {ptr:#x}", who()),
-        )?;
+        // SAFETY: ptr is a device address the caller got from XLA (or tide's stage buffer).
+        let (base, size) = unsafe { driver::mem_address_range(ptr, || format!("{}: buffer at {ptr:#x}", who()))? };
         let offset = ptr - base;
-        let mut h: sys::CUmemGenericAllocationHandle = 0;
-        // SAFETY: valid out-pointer; base is a mapped device address. Fails on non-VMM memory.
-        let vmm =
-            unsafe { sys::cuMemRetainAllocationHandle(&mut h, base as *mut std::ffi::c_void) }
-                == sys::CUresult::CUDA_SUCCESS;
-        if vmm {
-            if let Some(e) = self.by_base.get(&base) {
-                if e.kind == KIND_VMM && e.size == size as u64 && e.handle == h {
-                    // SAFETY: drop the extra reference just taken; the cached one stays.
-                    unsafe { sys::cuMemRelease(h) };
-                    return Ok((e.desc(base), offset));
-                }
-            }
-            let mut fd: i32 = -1;
-            // SAFETY: out-pointer to an int, as the POSIX fd handle type wants; h is retained.
-            let r = unsafe {
-                sys::cuMemExportToShareableHandle(
-                    &mut fd as *mut i32 as *mut std::ffi::c_void,
-                    h,
-                    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                    0,
-                )
-            };
-            if let Err(e) = check(r, "cuMemExportToShareableHandle(POSIX fd)", || {
-                format!(
-                    "{}: VMM allocation {base:#x} ({size} bytes) holding {ptr:#x}; was it created with \
-                     requestedHandleTypes = POSIX_FILE_DESCRIPTOR?",
-                    who()
-                )
-            }) {
-                // SAFETY: release the reference taken above.
-                unsafe { sys::cuMemRelease(h) };
-                return Err(e);
-            }
-            self.next_gen += 1;
-            VMM_EXPORTS.fetch_add(1, Ordering::Relaxed);
-            let e = Exported {
-                size: size as u64,
-                gen: self.next_gen,
-                kind: KIND_VMM,
-                handle: h,
-                // SAFETY: the driver returned a new fd that we own.
-                fd: Some(unsafe { OwnedFd::from_raw_fd(fd) }),
-                legacy: [0; 64],
-                sent_to: HashSet::new(),
-            };
-            let d = e.desc(base);
-            if let Some(old) = self.by_base.insert(base, e) {
-                if old.kind == KIND_VMM {
-                    // SAFETY: the old export's reference; peers hold their own imports.
-                    unsafe { sys::cuMemRelease(old.handle) };
-                }
-            }
-            return Ok((d, offset));
+        // SAFETY: base is a mapped device address. None on non-VMM memory.
+        if let Some(h) = unsafe { driver::mem_retain_allocation_handle(base) } {
+            return self.describe_vmm(ptr, base, size, h, who).map(|d| (d, offset));
         }
-        let mut mh: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
-        // SAFETY: valid out-pointer; base is the start of a cuMemAlloc allocation.
-        check(
-            unsafe { sys::cuIpcGetMemHandle(&mut mh, base) },
-            "cuIpcGetMemHandle",
-            || {
+        // SAFETY: base is the start of a cuMemAlloc allocation (not VMM, checked above).
+        let legacy = unsafe {
+            driver::ipc_mem_handle(base, || {
                 format!(
                     "{}: allocation {base:#x} ({size} bytes) holding {ptr:#x} is neither VMM-exportable \
                      (cuMemRetainAllocationHandle failed) nor legacy-IPC capable",
                     who()
                 )
-            },
-        )?;
-        let mut legacy = [0u8; 64];
-        for (d, s) in legacy.iter_mut().zip(mh.reserved.iter()) {
-            *d = *s as u8;
-        }
+            })?
+        };
         let e = self.by_base.entry(base).or_insert_with(|| Exported {
             size: size as u64,
             gen: 0,
@@ -220,7 +162,7 @@ impl Exporter {
         if e.kind != KIND_LEGACY || e.legacy != legacy || e.size != size as u64 {
             if e.kind == KIND_VMM {
                 // SAFETY: the stale VMM export's reference.
-                unsafe { sys::cuMemRelease(e.handle) };
+                let _ = unsafe { driver::mem_release(e.handle, String::new) };
             }
             *e = Exported {
                 size: size as u64,
@@ -233,6 +175,73 @@ impl Exporter {
             };
         }
         Ok((e.desc(base), offset))
+    }
+
+    /// `describe` of VMM memory: `h` is a new reference on the allocation at `base`, kept (as the
+    /// export's) or dropped (the allocation was exported before).
+    fn describe_vmm(&mut self, ptr: u64, base: u64, size: usize, h: CUmemGenericAllocationHandle, who: &dyn Fn() -> String) -> Result<AllocDesc> {
+        if let Some(e) = self.by_base.get(&base) {
+            if e.kind == KIND_VMM && e.size == size as u64 && e.handle == h {
+                // SAFETY: drop the extra reference just taken; the cached one stays.
+                let _ = unsafe { driver::mem_release(h, String::new) };
+                return Ok(e.desc(base));
+            }
+        }
+        // SAFETY: h is retained.
+        let fd = unsafe {
+            driver::mem_export_fd(h, || {
+                format!(
+                    "{}: VMM allocation {base:#x} ({size} bytes) holding {ptr:#x}; was it created with \
+                     requestedHandleTypes = POSIX_FILE_DESCRIPTOR?",
+                    who()
+                )
+            })
+        };
+        let fd = match fd {
+            Ok(fd) => fd,
+            Err(e) => {
+                // SAFETY: release the reference taken above.
+                let _ = unsafe { driver::mem_release(h, String::new) };
+                return Err(e);
+            }
+        };
+        self.next_gen += 1;
+        VMM_EXPORTS.fetch_add(1, Ordering::Relaxed);
+        let e = Exported {
+            size: size as u64,
+            gen: self.next_gen,
+            kind: KIND_VMM,
+            handle: h,
+            // SAFETY: the driver returned a new fd that we own.
+            fd: Some(unsafe { OwnedFd::from_raw_fd(fd) }),
+            legacy: [0; 64],
+            sent_to: HashSet::new(),
+        };
+        let d = e.desc(base);
+        if let Some(old) = self.by_base.insert(base, e) {
+            if old.kind == KIND_VMM {
+                // SAFETY: the old export's reference; peers hold their own imports.
+                let _ = unsafe { driver::mem_release(old.handle, String::new) };
+            }
+        }
+        Ok(d)
+    }
+
+    /// Drops every export (after a failure: the job will not publish again): the references on
+    /// the VMM allocations and the exported fds. Returns how many VMM exports it dropped.
+    pub fn release_all(&mut self, me: usize) -> usize {
+        let mut n = 0;
+        for (base, e) in self.by_base.drain() {
+            if e.kind == KIND_VMM {
+                // SAFETY: the export's own reference; peers hold their own imports.
+                match unsafe { driver::mem_release(e.handle, || format!("rank {me}: export of {base:#x}")) } {
+                    Ok(()) => n += 1,
+                    Err(err) => log::warn!("tide: {err}"),
+                }
+            }
+        }
+        self.events.clear();
+        n
     }
 
     /// Sends to peer `q` (through `chan`, to `peer_addr`) every VMM export in `allocs` it has not
@@ -272,17 +281,8 @@ impl Exporter {
         if let Some(h) = self.events.get(&ev) {
             return Ok(*h);
         }
-        let mut eh: sys::CUipcEventHandle = unsafe { std::mem::zeroed() };
-        // SAFETY: valid out-pointer; ev was created with CU_EVENT_INTERPROCESS.
-        check(
-            unsafe { sys::cuIpcGetEventHandle(&mut eh, ev as CUevent) },
-            "cuIpcGetEventHandle",
-            who,
-        )?;
-        let mut h = [0u8; 64];
-        for (d, s) in h.iter_mut().zip(eh.reserved.iter()) {
-            *d = *s as u8;
-        }
+        // SAFETY: ev was created with CU_EVENT_INTERPROCESS (`ipc_event`).
+        let h = unsafe { driver::ipc_event_handle(ev as CUevent, who)? };
         self.events.insert(ev, h);
         Ok(h)
     }
@@ -303,23 +303,16 @@ impl Exported {
 /// An event peers in other processes can wait on (`CU_EVENT_INTERPROCESS` needs DISABLE_TIMING).
 /// The device's context must be current.
 pub fn ipc_event(device: i64, what: &str) -> Result<CUevent> {
-    let mut e: CUevent = std::ptr::null_mut();
-    let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
-        | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-    // SAFETY: valid out-pointer; context current.
-    check(
-        unsafe { sys::cuEventCreate(&mut e, flags) },
-        "cuEventCreate(INTERPROCESS)",
-        || format!("device {device}, {what} event"),
-    )?;
-    Ok(e)
+    driver::event_create_interprocess(|| format!("device {device}, {what} event"))
 }
 
 /// The reader's side: peers' allocations and events opened in this process, for one local device.
 pub struct Importer {
     device: i64,
+    /// Mapped base by (peer rank, base, size, generation).
     vmm: HashMap<(usize, u64, u64, u64), u64>,
-    legacy: HashMap<[u8; 64], u64>,
+    /// Opened address and size by handle bytes.
+    legacy: HashMap<[u8; 64], (u64, u64)>,
     events: HashMap<[u8; 64], CUevent>,
     /// fds received but not imported yet, by (rank, base, size, gen).
     pending: HashMap<(usize, u64, u64, u64), OwnedFd>,
@@ -350,21 +343,17 @@ impl Importer {
         if a.kind != KIND_VMM || a.size == 0 || !self.granted.insert((a.base, a.size, a.gen)) {
             return Ok(());
         }
-        let desc = sys::CUmemAccessDesc {
-            location: sys::CUmemLocation {
-                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                id: self.device as i32,
-            },
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        let device = self.device;
+        // SAFETY: a mapped range of this process (the peer rank's allocation).
+        let r = unsafe {
+            driver::mem_set_access(a.base, a.size as usize, device, || {
+                format!(
+                    "rank {me} (device {device}): granting access to rank {q}'s VMM allocation {:#x} ({} bytes) in this process",
+                    a.base, a.size
+                )
+            })
         };
-        // SAFETY: a mapped range of this process (the peer rank's allocation); one descriptor.
-        let r = unsafe { sys::cuMemSetAccess(a.base, a.size as usize, &desc, 1) };
-        if let Err(e) = check(r, "cuMemSetAccess", || {
-            format!(
-                "rank {me} (device {}): granting access to rank {q}'s VMM allocation {:#x} ({} bytes) in this process",
-                self.device, a.base, a.size
-            )
-        }) {
+        if let Err(e) = r {
             self.granted.remove(&(a.base, a.size, a.gen));
             return Err(e);
         }
@@ -388,28 +377,13 @@ impl Importer {
         };
         match a.kind {
             KIND_LEGACY => {
-                if let Some(&p) = self.legacy.get(&a.legacy) {
+                if let Some(&(p, _)) = self.legacy.get(&a.legacy) {
                     return Ok(p);
                 }
-                let mut mh: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
-                for (d, s) in mh.reserved.iter_mut().zip(a.legacy.iter()) {
-                    *d = *s as std::ffi::c_char;
-                }
-                let mut p: CUdeviceptr = 0;
-                // SAFETY: valid out-pointer; handle bytes from the peer's cuIpcGetMemHandle.
-                check(
-                    unsafe {
-                        sys::cuIpcOpenMemHandle_v2(
-                            &mut p,
-                            mh,
-                            sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-                        )
-                    },
-                    "cuIpcOpenMemHandle",
-                    || who("legacy IPC"),
-                )?;
-                self.legacy.insert(a.legacy, p);
+                let p = driver::ipc_open_mem_handle(&a.legacy, || who("legacy IPC"))?;
+                self.legacy.insert(a.legacy, (p, a.size));
                 LEGACY_OPENS.fetch_add(1, Ordering::Relaxed);
+                MAPPED_BYTES.fetch_add(a.size, Ordering::Relaxed);
                 Ok(p)
             }
             KIND_VMM => {
@@ -420,58 +394,10 @@ impl Importer {
                 let fd = self
                     .take_fd(key, chan, wait)
                     .map_err(|e| TideError::Rendezvous(format!("{}: {e}", who("fd"))))?;
-                let mut h: sys::CUmemGenericAllocationHandle = 0;
-                // SAFETY: valid out-pointer; for POSIX fds the "os handle" is the fd value itself.
-                check(
-                    unsafe {
-                        sys::cuMemImportFromShareableHandle(
-                            &mut h,
-                            fd.as_raw_fd() as usize as *mut std::ffi::c_void,
-                            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                        )
-                    },
-                    "cuMemImportFromShareableHandle",
-                    || who("VMM"),
-                )?;
-                drop(fd);
-                let size = a.size as usize;
-                let mut p: CUdeviceptr = 0;
-                // SAFETY: valid out-pointer; fresh VA range of the allocation's size.
-                let r = unsafe { sys::cuMemAddressReserve(&mut p, size, 0, 0, 0) };
-                if let Err(e) = check(r, "cuMemAddressReserve", || who("VMM")) {
-                    unsafe { sys::cuMemRelease(h) };
-                    return Err(e);
-                }
-                // SAFETY: p..p+size reserved above; h is the imported allocation of that size.
-                let r = unsafe { sys::cuMemMap(p, size, 0, h, 0) };
-                if let Err(e) = check(r, "cuMemMap", || who("VMM")) {
-                    unsafe {
-                        sys::cuMemAddressFree(p, size);
-                        sys::cuMemRelease(h);
-                    }
-                    return Err(e);
-                }
-                // The mapping holds the allocation now.
-                // SAFETY: h imported above.
-                unsafe { sys::cuMemRelease(h) };
-                let desc = sys::CUmemAccessDesc {
-                    location: sys::CUmemLocation {
-                        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                        id: self.device as i32,
-                    },
-                    flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-                };
-                // SAFETY: p..p+size mapped; one access descriptor.
-                let r = unsafe { sys::cuMemSetAccess(p, size, &desc, 1) };
-                if let Err(e) = check(r, "cuMemSetAccess", || who("VMM")) {
-                    unsafe {
-                        sys::cuMemUnmap(p, size);
-                        sys::cuMemAddressFree(p, size);
-                    }
-                    return Err(e);
-                }
+                let p = map_vmm(device, fd, a.size as usize, &|| who("VMM"))?;
                 self.vmm.insert(key, p);
                 VMM_IMPORTS.fetch_add(1, Ordering::Relaxed);
+                MAPPED_BYTES.fetch_add(a.size, Ordering::Relaxed);
                 log::info!("tide: rank {me} mapped rank {q}'s (pid {pid}) VMM allocation {:#x} ({} bytes) at {p:#x}", a.base, a.size);
                 Ok(p)
             }
@@ -480,6 +406,39 @@ impl Importer {
                 who("describe")
             ))),
         }
+    }
+
+    /// Unmaps every peer allocation and closes every opened event and pending fd (after a failure,
+    /// once nothing enqueued uses them: the caller drained the device). Returns the bytes unmapped.
+    pub fn release_all(&mut self, me: usize) -> u64 {
+        let device = self.device;
+        let mut bytes = 0;
+        for ((q, base, size, _), p) in self.vmm.drain() {
+            let what = || format!("rank {me} (device {device}): rank {q}'s VMM allocation {base:#x} mapped at {p:#x}");
+            // SAFETY: our mapping of `size` bytes at `p` (from `map_vmm`); nothing uses it any more.
+            let r = unsafe { driver::mem_unmap(p, size as usize, what).and_then(|()| driver::mem_address_free(p, size as usize, what)) };
+            match r {
+                Ok(()) => bytes += size,
+                Err(e) => log::warn!("tide: {e}"),
+            }
+        }
+        for (_, (p, size)) in self.legacy.drain() {
+            // SAFETY: opened by `ipc_open_mem_handle`; nothing uses it any more.
+            match unsafe { driver::ipc_close_mem_handle(p, || format!("rank {me} (device {device}): legacy IPC mapping at {p:#x}")) } {
+                Ok(()) => bytes += size,
+                Err(e) => log::warn!("tide: {e}"),
+            }
+        }
+        for (_, e) in self.events.drain() {
+            // SAFETY: opened by `ipc_open_event_handle`; no later call waits on it.
+            if let Err(err) = unsafe { driver::event_destroy(e, || format!("rank {me} (device {device}): a peer's event")) } {
+                log::warn!("tide: {err}");
+            }
+        }
+        self.pending.clear();
+        self.granted.clear();
+        MAPPED_BYTES.fetch_sub(bytes.min(MAPPED_BYTES.load(Ordering::Relaxed)), Ordering::Relaxed);
+        bytes
     }
 
     fn take_fd(
@@ -524,26 +483,51 @@ impl Importer {
         if let Some(&e) = self.events.get(handle) {
             return Ok(e);
         }
-        let mut eh: sys::CUipcEventHandle = unsafe { std::mem::zeroed() };
-        for (d, s) in eh.reserved.iter_mut().zip(handle.iter()) {
-            *d = *s as std::ffi::c_char;
-        }
-        let mut e: CUevent = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; handle bytes from the peer's cuIpcGetEventHandle.
-        check(
-            unsafe { sys::cuIpcOpenEventHandle(&mut e, eh) },
-            "cuIpcOpenEventHandle",
-            || {
-                format!(
-                    "rank {me} (device {}) opening rank {q}'s (pid {pid}) {what} event",
-                    self.device
-                )
-            },
-        )?;
+        let device = self.device;
+        let e = driver::ipc_open_event_handle(handle, || {
+            format!("rank {me} (device {device}) opening rank {q}'s (pid {pid}) {what} event")
+        })?;
         self.events.insert(*handle, e);
         EVENT_OPENS.fetch_add(1, Ordering::Relaxed);
         Ok(e)
     }
+}
+
+/// Imports the VMM allocation exported as `fd` (`size` bytes), maps it at a fresh address and
+/// grants device `device` read/write access; on an error, whatever was done is undone.
+fn map_vmm(device: i64, fd: OwnedFd, size: usize, who: &dyn Fn() -> String) -> Result<u64> {
+    let h = driver::mem_import_fd(fd.as_raw_fd(), who)?;
+    drop(fd);
+    let p = match driver::mem_address_reserve(size, who) {
+        Ok(p) => p,
+        Err(e) => {
+            // SAFETY: h imported above.
+            let _ = unsafe { driver::mem_release(h, String::new) };
+            return Err(e);
+        }
+    };
+    // SAFETY: p..p+size reserved above; h is the imported allocation of that size.
+    if let Err(e) = unsafe { driver::mem_map(p, size, h, who) } {
+        // SAFETY: reserved above, nothing mapped; h imported above.
+        unsafe {
+            let _ = driver::mem_address_free(p, size, String::new);
+            let _ = driver::mem_release(h, String::new);
+        }
+        return Err(e);
+    }
+    // The mapping holds the allocation now.
+    // SAFETY: h imported above.
+    let _ = unsafe { driver::mem_release(h, String::new) };
+    // SAFETY: p..p+size mapped.
+    if let Err(e) = unsafe { driver::mem_set_access(p, size, device, who) } {
+        // SAFETY: mapped above; nothing uses it yet.
+        unsafe {
+            let _ = driver::mem_unmap(p, size, String::new);
+            let _ = driver::mem_address_free(p, size, String::new);
+        }
+        return Err(e);
+    }
+    Ok(p)
 }
 
 /// The payload that travels with a file descriptor.

@@ -1,7 +1,7 @@
 //! The kernels of `kernels/rs_sum.cu` as the host sees them: embedded source, names, launch shapes
 //! and the host-side decisions (how a Reduce step becomes launches, when 16-byte vectors are
 //! allowed, the copy width). Pure; unit-tested here. Compilation is `cuda::nvrtc`, launching is
-//! `cuda::exec`.
+//! `cuda::issue` (through `cuda::driver`).
 
 use crate::error::{Result, TideError};
 use crate::layout::DType;

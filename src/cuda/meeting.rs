@@ -1,16 +1,18 @@
-//! How the ranks of one CUDA call meet: the one seam between the CUDA driver (`cuda::run_phases`,
+//! How the ranks of one CUDA call meet: the one seam between issuing a plan (`issue::run_phases`,
 //! the phase loop and end of call of both paths) and the two ways ranks find each other, as the
 //! CPU engine's `execute_rank_with(plan, rank, bufs, barrier, rail)` is over its `Barrier`/`Rail`.
+//! Also what the ranks exchange (`RankInfo`, this rank's side of it: `Local`) and the check of
+//! what peers published (`check_peers`).
 //!
 //! A `Meeting` is built *after* the exchange (each impl's constructor publishes this rank's
 //! `RankInfo` and gathers every rank's), and then serves the call until its end:
 //! - `InProcess` (this file): ranks are threads of one process meeting in a `rendezvous::Session`
 //!   (values exchanged by `Session::join`, barriers, `leave` when every rank issued its waits).
-//! - `multiproc::Mailbox`: ranks in several processes meeting in a `transport::ProcessGroup`
+//! - `multiproc::mailbox::Mailbox`: ranks in several processes meeting in a `transport::ProcessGroup`
 //!   (values through shared-memory mailboxes and IPC, barriers of the group, nothing to leave:
 //!   the group's exit barrier is the end), plus the hooks its NCCL rail needs.
 //!
-//! Contract of the hooks (`cuda::run_phases` calls them at these points, on MAIN = `main`):
+//! Contract of the hooks (`issue::run_phases` calls them at these points, on MAIN = `main`):
 //! 1. `phase_start(p, main)`: before phase `p`'s first command (the rail's NCCL group).
 //! 2. `rail_event(p, cmd)`: `Some(ev)` for a command whose place is taken by a wait on `ev`
 //!    (a cross-node copy done by the rail); `reaches(q)`: false for a rank whose events this rank
@@ -20,18 +22,77 @@
 //! 4. `phases_ended(main)`: after the last phase, on success and on error (MAIN after the rail).
 //! 5. `done_recorded(main)`: right after the driver recorded `done` on MAIN, before the exit barrier.
 //! 6. `fail(err)`: publish the failure so peers fail fast (every path that errs after the
-//!    exchange; `Mailbox` leaves it to `multiproc::execute_inner`, which publishes after aborting
+//!    exchange; `Mailbox` leaves it to `multiproc::execute`, which publishes after aborting
 //!    the rail); `leave()`: the end of the call on every path (`end_call`).
 //!
 //! The ordering rules these hooks implement are the `cuda` module header's (rules 1-5, A1-A4) and
 //! `schedule`'s model; the meeting adds none of its own.
 
-use super::driver::CUevent;
+use super::driver::{CUevent, CUstream};
+use super::multicast;
+use super::prepare::{op_name, Prepared};
 use super::schedule::Cmd;
-use super::RankInfo;
+use crate::call::CallInfo;
 use crate::error::{Result, TideError};
 use crate::rendezvous::Session;
 use std::sync::Arc;
+
+/// What each rank publishes when the ranks meet. Event handles are carried as integers (raw CUDA
+/// handles are valid in every thread of the process; a multi-process peer's are opened here).
+#[derive(Debug, Clone, Default)]
+pub struct RankInfo {
+    pub device: i64,
+    /// (device address, bytes) of each input, output and stage slot.
+    pub inputs: Vec<(u64, usize)>,
+    pub outputs: Vec<(u64, usize)>,
+    pub stages: Vec<(u64, usize)>,
+    pub ready: usize,
+    pub done: usize,
+    pub phases: Vec<usize>,
+    /// Whether this rank's multicast gate granted the NVLink multicast all-gather
+    /// (`multicast::decide`); the path runs only if every rank's did.
+    pub multicast: bool,
+    /// Set when the rank failed before the meeting.
+    pub error: Option<String>,
+}
+
+impl RankInfo {
+    /// What a rank publishes for a call of `plan` on device `device`: its buffers, its `ready` and
+    /// `done` events and the phase events the plan needs (at least one with multicast: "pushed").
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn published(
+        device: i64,
+        (inputs, outputs): (Vec<(u64, usize)>, Vec<(u64, usize)>),
+        stages: Vec<(u64, usize)>,
+        (ready, done, phase): (CUevent, CUevent, &[CUevent]),
+        plan: &crate::plan::Plan,
+        multicast: bool,
+    ) -> RankInfo {
+        RankInfo {
+            device,
+            inputs,
+            outputs,
+            stages,
+            ready: ready as usize,
+            done: done as usize,
+            phases: phase
+                .iter()
+                .take(plan.phases.len().saturating_sub(1).max(usize::from(multicast)))
+                .map(|e| *e as usize)
+                .collect(),
+            multicast,
+            error: None,
+        }
+    }
+}
+
+/// This rank's side of a meeting, from its preparation until the end of the call.
+pub(crate) struct Local {
+    pub(crate) prepared: Arc<Prepared>,
+    pub(crate) info: RankInfo,
+    /// This rank's multicast grant (all-gather, TIDE_MULTICAST=1 and the whole gate passed).
+    pub(crate) mc: Option<multicast::Granted>,
+}
 
 /// One call's meeting of its ranks, after the exchange (module header).
 pub(crate) trait Meeting {
@@ -47,19 +108,19 @@ pub(crate) trait Meeting {
     fn reaches(&self, _q: usize) -> bool {
         true
     }
-    fn phase_start(&self, _p: usize, _main: super::driver::CUstream) -> Result<()> {
+    fn phase_start(&self, _p: usize, _main: CUstream) -> Result<()> {
         Ok(())
     }
     fn rail_event(&self, _p: usize, _cmd: &Cmd) -> Option<CUevent> {
         None
     }
-    fn phase_recorded(&self, _p: usize, _main: super::driver::CUstream) -> Result<()> {
+    fn phase_recorded(&self, _p: usize, _main: CUstream) -> Result<()> {
         Ok(())
     }
-    fn phases_ended(&self, _main: super::driver::CUstream) -> Result<()> {
+    fn phases_ended(&self, _main: CUstream) -> Result<()> {
         Ok(())
     }
-    fn done_recorded(&self, _main: super::driver::CUstream) -> Result<()> {
+    fn done_recorded(&self, _main: CUstream) -> Result<()> {
         Ok(())
     }
 }
@@ -135,6 +196,78 @@ pub(crate) fn catch_panic<T>(
             Err(err)
         }
     }
+}
+
+/// Checks what the peers published against this rank's plan, on both paths: every rank of
+/// `meeting` that it `reaches` (the multi-process path reads ranks of other nodes only through the
+/// rail); their outputs only where `outputs_published` (multi-process peers publish none: plans
+/// pull). The multi-process path checks the mailboxes' contents before mapping them as well.
+pub(crate) fn check_peers(
+    call: &CallInfo,
+    prepared: &Prepared,
+    meeting: &dyn Meeting,
+    outputs_published: bool,
+) -> Result<()> {
+    let infos = meeting.infos();
+    let plan = &prepared.plan;
+    if infos.len() != call.world {
+        return Err(TideError::Internal(format!(
+            "rendezvous returned {} ranks, world is {}",
+            infos.len(),
+            call.world
+        )));
+    }
+    for (q, info) in infos.iter().enumerate() {
+        if let Some(e) = &info.error {
+            return Err(TideError::Rendezvous(format!(
+                "rank {q} (device {}) failed: {e}",
+                info.device
+            )));
+        }
+    }
+    for (q, info) in infos.iter().enumerate().filter(|(q, _)| meeting.reaches(*q)) {
+        let n = plan.layout.len();
+        let mismatch = |what: String| {
+            Err(TideError::InvalidArgument(format!(
+                "tide {} site {}: rank {q} (device {}) disagrees with rank {}: {what}; every rank must call with the same \
+                 parameter group",
+                op_name(call.op),
+                call.site,
+                info.device,
+                call.rank
+            )))
+        };
+        if info.inputs.len() != n || (outputs_published && info.outputs.len() != n) {
+            return mismatch(format!(
+                "{} operands / {} results, expected {n}",
+                info.inputs.len(),
+                info.outputs.len()
+            ));
+        }
+        for i in 0..n {
+            if info.inputs[i].1 != plan.input_bytes(i)
+                || (outputs_published && info.outputs[i].1 != plan.output_bytes(i))
+            {
+                return mismatch(format!(
+                    "{}: buffer sizes differ",
+                    plan.layout.params[i].describe()
+                ));
+            }
+        }
+        if info.stages.len() < plan.stage_slot_bytes.len()
+            || info
+                .stages
+                .iter()
+                .zip(&plan.stage_slot_bytes)
+                .any(|(s, &b)| s.1 < b)
+        {
+            return mismatch("stage slots differ (TIDE_RS_* settings must match)".into());
+        }
+        if info.ready == 0 || info.done == 0 || info.phases.len() + 1 < plan.phases.len() {
+            return mismatch("missing events".into());
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -44,10 +44,10 @@
 //!
 //! Status: not yet run on multicast-capable hardware.
 
-use super::driver::{check, CUdevice, CUfunction, CUmodule, CUstream};
+use super::driver::{self, CUdevice, CUfunction, CUstream};
 use crate::error::{Result, TideError};
 use crate::layout::GroupLayout;
-use cudarc::driver::sys;
+use cudarc::driver::sys::CUdevice_attribute;
 use once_cell::sync::Lazy;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -235,18 +235,11 @@ pub fn device_supports(dev: CUdevice, ordinal: i64) -> Result<bool> {
     if let Some(v) = CACHE.lock().ok().and_then(|c| c.get(&ordinal).copied()) {
         return Ok(v);
     }
-    let mut v = 0;
-    // SAFETY: valid device and out-pointer.
-    check(
-        unsafe {
-            sys::cuDeviceGetAttribute(
-                &mut v,
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED,
-                dev,
-            )
-        },
-        "cuDeviceGetAttribute",
-        || format!("device {ordinal}, multicast supported"),
+    let v = driver::device_attribute(
+        dev,
+        ordinal,
+        CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED,
+        "multicast supported",
     )?;
     if let Ok(mut c) = CACHE.lock() {
         c.insert(ordinal, v != 0);
@@ -346,129 +339,42 @@ pub fn shared(site: i64, group: usize, bytes: usize) -> Arc<McShared> {
         .clone()
 }
 
-fn mc_prop(world: usize, size: usize) -> sys::CUmulticastObjectProp {
-    sys::CUmulticastObjectProp {
-        numDevices: world as u32,
-        size,
-        handleTypes: 0,
-        flags: 0,
-    }
-}
-
-fn phys_prop(ordinal: i64) -> sys::CUmemAllocationProp {
-    // SAFETY: plain C struct; all-zero is a valid starting value.
-    let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
-    p.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-    p.location = sys::CUmemLocation {
-        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-        id: ordinal as i32,
-    };
-    p
-}
-
 /// Rank 0: creates the multicast object for `world` devices, at least `bytes` bytes. Returns
 /// (handle, size).
 pub fn create(_g: Granted, world: usize, bytes: usize, ordinal: i64) -> Result<(u64, usize)> {
-    let mut gran = 0usize;
-    let prop = mc_prop(world, bytes.max(1));
-    // SAFETY: valid pointers.
-    check(
-        unsafe {
-            sys::cuMulticastGetGranularity(
-                &mut gran,
-                &prop,
-                sys::CUmulticastGranularity_flags::CU_MULTICAST_GRANULARITY_RECOMMENDED,
-            )
-        },
-        "cuMulticastGetGranularity",
-        || format!("device {ordinal}"),
-    )?;
-    let mut pg = 0usize;
-    let pp = phys_prop(ordinal);
-    // SAFETY: valid pointers.
-    check(
-        unsafe {
-            sys::cuMemGetAllocationGranularity(
-                &mut pg,
-                &pp,
-                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
-            )
-        },
-        "cuMemGetAllocationGranularity",
-        || format!("device {ordinal}"),
-    )?;
+    let gran = driver::multicast_granularity(world, bytes.max(1), || format!("device {ordinal}"))?;
+    let pg = driver::mem_allocation_granularity(ordinal)?;
     let size = round_up(round_up(bytes.max(1), gran.max(1)), pg.max(1));
-    let prop = mc_prop(world, size);
-    let mut h: sys::CUmemGenericAllocationHandle = 0;
-    // SAFETY: valid pointers; the gate was passed (`Granted`).
-    check(
-        unsafe { sys::cuMulticastCreate(&mut h, &prop) },
-        "cuMulticastCreate",
-        || format!("device {ordinal}, {size} bytes for {world} devices"),
-    )?;
+    // The gate was passed (`Granted`).
+    let h = driver::multicast_create(world, size, || format!("device {ordinal}, {size} bytes for {world} devices"))?;
     Ok((h, size))
 }
 
 /// Every rank: adds its device to the object (all before anyone binds memory).
 pub fn add_device(_g: Granted, handle: u64, dev: CUdevice, ordinal: i64) -> Result<()> {
     // SAFETY: a multicast handle from `create`; the gate was passed.
-    check(
-        unsafe { sys::cuMulticastAddDevice(handle, dev) },
-        "cuMulticastAddDevice",
-        || format!("device {ordinal}"),
-    )
+    unsafe { driver::multicast_add_device(handle, dev, || format!("device {ordinal}")) }
 }
 
 fn map(va: u64, size: usize, handle: u64, ordinal: i64, what: &str) -> Result<()> {
-    // SAFETY: va reserved for `size` bytes; handle valid.
-    check(
-        unsafe { sys::cuMemMap(va, size, 0, handle, 0) },
-        "cuMemMap",
-        || format!("device {ordinal}, {what}"),
-    )?;
-    let desc = sys::CUmemAccessDesc {
-        location: sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: ordinal as i32,
-        },
-        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-    };
-    // SAFETY: mapped range; one descriptor.
-    check(
-        unsafe { sys::cuMemSetAccess(va, size, &desc, 1) },
-        "cuMemSetAccess",
-        || format!("device {ordinal}, {what}"),
-    )
+    // SAFETY: va reserved for `size` bytes; handle valid; then the mapped range.
+    unsafe {
+        driver::mem_map(va, size, handle, || format!("device {ordinal}, {what}"))?;
+        driver::mem_set_access(va, size, ordinal, || format!("device {ordinal}, {what}"))
+    }
 }
 
 fn reserve(size: usize, ordinal: i64) -> Result<u64> {
-    let mut va = 0;
-    // SAFETY: valid out-pointer.
-    check(
-        unsafe { sys::cuMemAddressReserve(&mut va, size, 0, 0, 0) },
-        "cuMemAddressReserve",
-        || format!("device {ordinal}, {size} bytes"),
-    )?;
-    Ok(va)
+    driver::mem_address_reserve(size, || format!("device {ordinal}, {size} bytes"))
 }
 
 /// Every rank, after all devices were added: backs the object with this device's memory and maps
 /// the multicast and unicast views. The device's context must be current.
 pub fn bind_and_map(_g: Granted, handle: u64, size: usize, ordinal: i64) -> Result<McRank> {
-    let pp = phys_prop(ordinal);
-    let mut mem: sys::CUmemGenericAllocationHandle = 0;
-    // SAFETY: valid pointers; size is a multiple of the allocation granularity.
-    check(
-        unsafe { sys::cuMemCreate(&mut mem, size, &pp, 0) },
-        "cuMemCreate",
-        || format!("device {ordinal}, {size} bytes of multicast backing"),
-    )?;
+    // Size is a multiple of the allocation granularity.
+    let mem = driver::mem_create(size, ordinal, || format!("device {ordinal}, {size} bytes of multicast backing"))?;
     // SAFETY: handles from cuMulticastCreate / cuMemCreate; the gate was passed.
-    check(
-        unsafe { sys::cuMulticastBindMem(handle, 0, mem, 0, size, 0) },
-        "cuMulticastBindMem",
-        || format!("device {ordinal}"),
-    )?;
+    unsafe { driver::multicast_bind_mem(handle, mem, size, || format!("device {ordinal}"))? };
     let mc = reserve(size, ordinal)?;
     map(mc, size, handle, ordinal, "multicast view")?;
     let uc = reserve(size, ordinal)?;
@@ -486,21 +392,10 @@ pub fn kernel(_g: Granted, ordinal: i64, cc: (i32, i32)) -> Result<CUfunction> {
     }
     let arch = super::kernels::arch(cc.0, cc.1);
     let cubin = super::nvrtc::compile(SOURCE, SOURCE_NAME, &arch, super::nvrtc::Output::Cubin)?;
-    let mut module: CUmodule = std::ptr::null_mut();
-    // SAFETY: context current; the image outlives the call.
-    check(
-        unsafe { sys::cuModuleLoadData(&mut module, cubin.as_ptr() as *const _) },
-        "cuModuleLoadData",
-        || format!("device {ordinal}, multicast kernel for {arch}"),
-    )?;
-    let name = std::ffi::CString::new(KERNEL).expect("no NUL");
-    let mut f: CUfunction = std::ptr::null_mut();
-    // SAFETY: module loaded above.
-    check(
-        unsafe { sys::cuModuleGetFunction(&mut f, module, name.as_ptr()) },
-        "cuModuleGetFunction",
-        || format!("device {ordinal}, {KERNEL}"),
-    )?;
+    // Context current.
+    let module = driver::module_load_data(&cubin, || format!("device {ordinal}, multicast kernel for {arch}"))?;
+    // SAFETY: module loaded above, never unloaded.
+    let f = unsafe { driver::module_get_function(module, KERNEL, || format!("device {ordinal}, {KERNEL}"))? };
     fns.insert(ordinal, f as usize);
     Ok(f)
 }
@@ -533,25 +428,11 @@ pub(crate) fn launch_store(
     ];
     // SAFETY: params match tide_mc_store(unsigned long long, const TideU4*, unsigned long long);
     // the gate was passed.
-    check(
-        unsafe {
-            sys::cuLaunchKernel(
-                f,
-                grid,
-                1,
-                1,
-                THREADS,
-                1,
-                1,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        },
-        "cuLaunchKernel(tide_mc_store)",
-        || format!("{bytes} bytes, grid {grid}"),
-    )
+    unsafe {
+        driver::launch_kernel(f, grid, THREADS, stream, &mut params, "cuLaunchKernel(tide_mc_store)", || {
+            format!("{bytes} bytes, grid {grid}")
+        })
+    }
 }
 
 #[cfg(test)]

@@ -3,9 +3,11 @@
 //! Input: a `Plan` and the executing rank. Output: per phase, the exact list of commands the CUDA
 //! engine issues, in host order: which stream each step (or piece of a step) goes on, and the event
 //! records and waits that order them. The engine translates each command into one driver call or
-//! kernel launch (`cuda::exec`), so everything about ordering is decided, and tested, here.
+//! kernel launch (`cuda::issue`), so everything about ordering is decided, and tested, here.
 //!
-//! Streams: index `MAIN` (0) is XLA's stream; `1..=copy_streams + 1` are tide's side copy streams.
+//! Streams: index `MAIN` (0) is the call's main stream (tide's stream of the call's in-flight slot;
+//! on the multi-process path XLA's stream or a slot's); `1..=copy_streams + 1` are tide's side
+//! copy streams.
 //! - Copy-engine copies with a peer end go on side streams `1..=copy_streams`. A maximal run of
 //!   consecutive copy-engine copies of this executor (a *segment*: the all-gather's whole phase; one
 //!   chunk of the reduce-scatter) has its peer copies split into contiguous pieces that balance
@@ -304,7 +306,9 @@ struct Unit {
     cmd: Cmd,
 }
 
-/// Builds rank `rank`'s schedule of `plan`.
+/// Builds rank `rank`'s schedule of `plan`: per phase, this rank's steps (`my_steps`) become
+/// units on streams (`assign_streams`), ordered by their dependencies and emitted in host order
+/// with the waits and events stream order needs (`Emitter`), then MAIN joins the side streams.
 pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> {
     let world = plan.topology.world();
     if rank >= world {
@@ -317,160 +321,22 @@ pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> 
     // of its own, the HBM-bound local copy runs concurrently with the NVLink-bound peer copies
     // instead of queueing behind them on the same streams.
     let peer_streams = opts.copy_streams.max(1);
-    let local_stream = peer_streams + 1;
-    let nstreams = 1 + peer_streams + 1;
-    // Bytes per peer stream so far (balanced by bytes).
-    let mut loads_peer = vec![0usize; peer_streams];
-    let mut loads_local = vec![0usize; 1];
+    let mut streams = Streams {
+        local_stream: peer_streams + 1,
+        nstreams: 1 + peer_streams + 1,
+        // Bytes per peer stream so far (balanced by bytes).
+        loads_peer: vec![0usize; peer_streams],
+        loads_local: vec![0usize; 1],
+    };
     let mut phases = Vec::with_capacity(plan.phases.len());
     let mut next_event = 0usize;
     let mut side_used_any = 0usize;
     let mut needs_kernels = false;
 
     for (p, phase) in plan.phases.iter().enumerate() {
-        // This executor's non-empty steps, validated.
-        let mut mine: Vec<(usize, &Action)> = Vec::new();
-        for (k, step) in phase.steps.iter().enumerate() {
-            if step.executor != rank {
-                continue;
-            }
-            let empty = match &step.action {
-                Action::Copy { bytes, .. } | Action::Zero { bytes, .. } => *bytes == 0,
-                Action::Reduce { elems, srcs, .. } => {
-                    if srcs.is_empty() && *elems > 0 {
-                        return Err(TideError::Internal(format!(
-                            "rank {rank}: phase {p} step {k}: reduce without sources"
-                        )));
-                    }
-                    *elems == 0
-                }
-            };
-            if empty {
-                continue;
-            }
-            for a in accesses(&step.action)? {
-                if a.rank >= world {
-                    return Err(TideError::Internal(format!(
-                        "phase {p} step {k} names rank {} outside world {world}",
-                        a.rank
-                    )));
-                }
-            }
-            mine.push((k, &step.action));
-        }
-
-        // Stream assignment: units (whole steps or copy pieces), grouped per step.
-        let mut units: Vec<Unit> = Vec::new();
-        let mut step_units: Vec<Vec<usize>> = vec![Vec::new(); mine.len()];
-        let mut i = 0;
-        while i < mine.len() {
-            let is_ce_copy = |a: &Action| match a {
-                Action::Copy { src, dst, .. } => {
-                    src.rank != rank || dst.rank != rank || opts.local_copy == LocalCopy::CopyEngine
-                }
-                _ => false,
-            };
-            if is_ce_copy(mine[i].1) {
-                let mut j = i;
-                while j < mine.len() && is_ce_copy(mine[j].1) {
-                    j += 1;
-                }
-                // Peer copies and local copies of the segment, balanced separately.
-                let mut pieces = Vec::new();
-                for local in [false, true] {
-                    let members: Vec<usize> = (i..j)
-                        .filter(|&m| match mine[m].1 {
-                            Action::Copy { src, dst, .. } => {
-                                (src.rank == rank && dst.rank == rank) == local
-                            }
-                            _ => false,
-                        })
-                        .collect();
-                    let sizes: Vec<usize> = members
-                        .iter()
-                        .map(|&m| {
-                            if let Action::Copy { bytes, .. } = mine[m].1 {
-                                *bytes
-                            } else {
-                                0
-                            }
-                        })
-                        .collect();
-                    let loads = if local {
-                        &mut loads_local
-                    } else {
-                        &mut loads_peer
-                    };
-                    for mut piece in balance(&sizes, loads, opts.min_piece_bytes, opts.split_align)
-                    {
-                        piece.item = members[piece.item] - i;
-                        if local {
-                            piece.stream = local_stream;
-                        }
-                        pieces.push(piece);
-                    }
-                }
-                for piece in pieces {
-                    let mi = i + piece.item;
-                    let (k, a) = mine[mi];
-                    if let Action::Copy { src, dst, .. } = a {
-                        let mut s = *src;
-                        let mut d = *dst;
-                        s.offset += piece.offset;
-                        d.offset += piece.offset;
-                        step_units[mi].push(units.len());
-                        units.push(Unit {
-                            step: k,
-                            stream: piece.stream,
-                            cmd: Cmd::Copy {
-                                stream: piece.stream,
-                                step: k,
-                                src: s,
-                                dst: d,
-                                bytes: piece.bytes,
-                                via: CopyVia::CopyEngine,
-                            },
-                        });
-                    }
-                }
-                i = j;
-            } else {
-                let (k, a) = mine[i];
-                let cmd = match a {
-                    Action::Copy { src, dst, bytes } => Cmd::Copy {
-                        stream: MAIN,
-                        step: k,
-                        src: *src,
-                        dst: *dst,
-                        bytes: *bytes,
-                        via: CopyVia::Sm,
-                    },
-                    Action::Zero { dst, bytes } => Cmd::Zero {
-                        stream: MAIN,
-                        step: k,
-                        dst: *dst,
-                        bytes: *bytes,
-                    },
-                    Action::Reduce { dst, srcs, elems } => Cmd::Reduce {
-                        stream: MAIN,
-                        step: k,
-                        dst: *dst,
-                        srcs: srcs.clone(),
-                        elems: *elems,
-                    },
-                };
-                if matches!(cmd, Cmd::Reduce { .. } | Cmd::Copy { .. }) {
-                    needs_kernels = true;
-                }
-                step_units[i].push(units.len());
-                units.push(Unit {
-                    step: k,
-                    stream: MAIN,
-                    cmd,
-                });
-                i += 1;
-            }
-        }
+        let mine = my_steps(phase, p, rank, world)?;
+        let (units, step_units, kernels) = assign_streams(&mine, rank, opts, &mut streams);
+        needs_kernels |= kernels;
 
         // Dependencies between this executor's steps.
         let acc: Vec<Vec<Access>> = mine
@@ -478,143 +344,27 @@ pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> 
             .map(|(_, a)| accesses(a))
             .collect::<Result<_>>()?;
         let deps = dependencies(&acc);
-
-        // Ranks each stream touches; units that need an event recorded after them.
-        let mut touched: Vec<Vec<usize>> = vec![Vec::new(); nstreams];
-        for u in &units {
-            let ranks: Vec<usize> = match &u.cmd {
-                Cmd::Copy { src, dst, .. } => vec![src.rank, dst.rank],
-                Cmd::Zero { dst, .. } => vec![dst.rank],
-                Cmd::Reduce { dst, srcs, .. } => {
-                    let mut v: Vec<usize> = srcs.iter().map(|s| s.region.rank).collect();
-                    v.push(dst.rank);
-                    v
-                }
-                _ => vec![],
-            };
-            for r in ranks {
-                if !touched[u.stream].contains(&r) {
-                    touched[u.stream].push(r);
-                }
-            }
-        }
-        for t in &mut touched {
-            t.sort_unstable();
-        }
-        let mut needs_record = vec![false; units.len()];
-        for (mi, d) in deps.iter().enumerate() {
-            for &dep in d {
-                for &du in &step_units[dep] {
-                    if step_units[mi]
-                        .iter()
-                        .any(|&u| units[u].stream != units[du].stream)
-                    {
-                        needs_record[du] = true;
-                    }
-                }
-            }
-        }
+        let touched = touched_ranks(&units, streams.nstreams);
+        let needs_record = needs_record(&units, &step_units, &deps);
 
         // Emission in host order with vector clocks.
-        let mut cmds: Vec<Cmd> = Vec::new();
-        let mut clock: Vec<Vec<usize>> = vec![vec![0; nstreams]; nstreams];
-        let mut used = vec![false; nstreams];
-        let mut pos: Vec<usize> = vec![0; units.len()];
-        let mut event_of: HashMap<usize, (usize, Vec<usize>)> = HashMap::new();
+        let mut em = Emitter::new(streams.nstreams, units.len(), next_event);
         for (mi, unit_ids) in step_units.iter().enumerate() {
             for &u in unit_ids {
                 let s = units[u].stream;
-                if !used[s] {
-                    used[s] = true;
-                    if p == 0 {
-                        // A side stream that waits on this rank's own `ready` needs no wait on its
-                        // previous `done`: MAIN waited on that `done` before recording `ready`
-                        // (module header, rule 1). Pull plans always write the executor's memory,
-                        // so this only keeps the wait for a stream that touches peers alone.
-                        if s != MAIN && !touched[s].contains(&rank) {
-                            cmds.push(Cmd::WaitOwnPrevDone { stream: s });
-                        }
-                        for &r in &touched[s] {
-                            if s != MAIN || r != rank {
-                                cmds.push(Cmd::WaitRank {
-                                    stream: s,
-                                    rank: r,
-                                    event: RankEvent::Ready,
-                                });
-                            }
-                        }
-                    } else {
-                        for r in 0..world {
-                            if s != MAIN || r != rank {
-                                cmds.push(Cmd::WaitRank {
-                                    stream: s,
-                                    rank: r,
-                                    event: RankEvent::Phase(p - 1),
-                                });
-                            }
-                        }
-                    }
+                if !em.used[s] {
+                    em.used[s] = true;
+                    em.first_waits(s, p, rank, world, &touched[s]);
                 }
-                for &dep in &deps[mi] {
-                    for &du in &step_units[dep] {
-                        let ds = units[du].stream;
-                        if ds == s || clock[s][ds] >= pos[du] {
-                            continue;
-                        }
-                        let (ev, evclock) = event_of.get(&du).ok_or_else(|| {
-                            TideError::Internal(format!(
-                                "schedule: no event after unit {du} (phase {p} step {}) needed by step {}",
-                                units[du].step, units[u].step
-                            ))
-                        })?;
-                        cmds.push(Cmd::Wait {
-                            stream: s,
-                            event: *ev,
-                        });
-                        for x in 0..nstreams {
-                            clock[s][x] = clock[s][x].max(evclock[x]);
-                        }
-                    }
-                }
-                cmds.push(units[u].cmd.clone());
-                clock[s][s] += 1;
-                pos[u] = clock[s][s];
-                if needs_record[u] {
-                    let ev = next_event;
-                    next_event += 1;
-                    cmds.push(Cmd::Record {
-                        stream: s,
-                        event: ev,
-                    });
-                    event_of.insert(u, (ev, clock[s].clone()));
-                }
+                em.dependency_waits(s, p, u, &deps[mi], &units, &step_units)?;
+                em.push_unit(s, u, &units[u].cmd, needs_record[u]);
             }
         }
-        // Join: MAIN waits on every side stream used in this phase.
-        for s in 1..nstreams {
-            if used[s] {
-                side_used_any = side_used_any.max(s);
-                if clock[MAIN][s] < clock[s][s] {
-                    let ev = next_event;
-                    next_event += 1;
-                    cmds.push(Cmd::Record {
-                        stream: s,
-                        event: ev,
-                    });
-                    cmds.push(Cmd::Wait {
-                        stream: MAIN,
-                        event: ev,
-                    });
-                    let c = clock[s].clone();
-                    for x in 0..nstreams {
-                        clock[MAIN][x] = clock[MAIN][x].max(c[x]);
-                    }
-                }
-            }
-        }
+        side_used_any = side_used_any.max(em.join_side_streams());
+        next_event = em.next_event;
         phases.push(PhaseSchedule {
             name: phase.name.clone(),
-            cmds,
+            cmds: em.cmds,
         });
     }
     Ok(Schedule {
@@ -625,6 +375,349 @@ pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> 
         events: next_event,
         needs_kernels,
     })
+}
+
+/// The streams of a schedule and how many bytes each carries so far.
+struct Streams {
+    local_stream: usize,
+    nstreams: usize,
+    loads_peer: Vec<usize>,
+    loads_local: Vec<usize>,
+}
+
+/// Phase `p`'s non-empty steps executed by `rank`, validated (ranks in the world, reductions with
+/// sources), as (index in the phase, action).
+fn my_steps(phase: &crate::plan::Phase, p: usize, rank: usize, world: usize) -> Result<Vec<(usize, &Action)>> {
+    let mut mine: Vec<(usize, &Action)> = Vec::new();
+    for (k, step) in phase.steps.iter().enumerate() {
+        if step.executor != rank {
+            continue;
+        }
+        let empty = match &step.action {
+            Action::Copy { bytes, .. } | Action::Zero { bytes, .. } => *bytes == 0,
+            Action::Reduce { elems, srcs, .. } => {
+                if srcs.is_empty() && *elems > 0 {
+                    return Err(TideError::Internal(format!(
+                        "rank {rank}: phase {p} step {k}: reduce without sources"
+                    )));
+                }
+                *elems == 0
+            }
+        };
+        if empty {
+            continue;
+        }
+        for a in accesses(&step.action)? {
+            if a.rank >= world {
+                return Err(TideError::Internal(format!(
+                    "phase {p} step {k} names rank {} outside world {world}",
+                    a.rank
+                )));
+            }
+        }
+        mine.push((k, &step.action));
+    }
+    Ok(mine)
+}
+
+/// Stream assignment: units (whole steps or copy pieces), grouped per step (`step_units[i]`: the
+/// units of `mine[i]`), and whether any unit needs the kernel module. Runs of copy-engine copies
+/// are split and balanced by bytes over the peer streams (local copies on `local_stream`); every
+/// other step is one unit on MAIN.
+fn assign_streams(mine: &[(usize, &Action)], rank: usize, opts: &SchedOptions, streams: &mut Streams) -> (Vec<Unit>, Vec<Vec<usize>>, bool) {
+    let mut units: Vec<Unit> = Vec::new();
+    let mut step_units: Vec<Vec<usize>> = vec![Vec::new(); mine.len()];
+    let mut needs_kernels = false;
+    let mut i = 0;
+    while i < mine.len() {
+        let is_ce_copy = |a: &Action| match a {
+            Action::Copy { src, dst, .. } => {
+                src.rank != rank || dst.rank != rank || opts.local_copy == LocalCopy::CopyEngine
+            }
+            _ => false,
+        };
+        if is_ce_copy(mine[i].1) {
+            let mut j = i;
+            while j < mine.len() && is_ce_copy(mine[j].1) {
+                j += 1;
+            }
+            for piece in copy_pieces(&mine[i..j], rank, opts, streams) {
+                let mi = i + piece.item;
+                let (k, a) = mine[mi];
+                if let Action::Copy { src, dst, .. } = a {
+                    let mut s = *src;
+                    let mut d = *dst;
+                    s.offset += piece.offset;
+                    d.offset += piece.offset;
+                    step_units[mi].push(units.len());
+                    units.push(Unit {
+                        step: k,
+                        stream: piece.stream,
+                        cmd: Cmd::Copy {
+                            stream: piece.stream,
+                            step: k,
+                            src: s,
+                            dst: d,
+                            bytes: piece.bytes,
+                            via: CopyVia::CopyEngine,
+                        },
+                    });
+                }
+            }
+            i = j;
+        } else {
+            let (k, a) = mine[i];
+            let cmd = match a {
+                Action::Copy { src, dst, bytes } => Cmd::Copy {
+                    stream: MAIN,
+                    step: k,
+                    src: *src,
+                    dst: *dst,
+                    bytes: *bytes,
+                    via: CopyVia::Sm,
+                },
+                Action::Zero { dst, bytes } => Cmd::Zero {
+                    stream: MAIN,
+                    step: k,
+                    dst: *dst,
+                    bytes: *bytes,
+                },
+                Action::Reduce { dst, srcs, elems } => Cmd::Reduce {
+                    stream: MAIN,
+                    step: k,
+                    dst: *dst,
+                    srcs: srcs.clone(),
+                    elems: *elems,
+                },
+            };
+            if matches!(cmd, Cmd::Reduce { .. } | Cmd::Copy { .. }) {
+                needs_kernels = true;
+            }
+            step_units[i].push(units.len());
+            units.push(Unit {
+                step: k,
+                stream: MAIN,
+                cmd,
+            });
+            i += 1;
+        }
+    }
+    (units, step_units, needs_kernels)
+}
+
+/// The pieces of a run of copy-engine copies (`segment`): peer copies and local copies balanced
+/// separately (`balance`), local ones on `local_stream`; `item` is the index in the segment.
+fn copy_pieces(segment: &[(usize, &Action)], rank: usize, opts: &SchedOptions, streams: &mut Streams) -> Vec<Piece> {
+    let mut pieces = Vec::new();
+    for local in [false, true] {
+        let members: Vec<usize> = (0..segment.len())
+            .filter(|&m| match segment[m].1 {
+                Action::Copy { src, dst, .. } => (src.rank == rank && dst.rank == rank) == local,
+                _ => false,
+            })
+            .collect();
+        let sizes: Vec<usize> = members
+            .iter()
+            .map(|&m| {
+                if let Action::Copy { bytes, .. } = segment[m].1 {
+                    *bytes
+                } else {
+                    0
+                }
+            })
+            .collect();
+        let loads = if local {
+            &mut streams.loads_local
+        } else {
+            &mut streams.loads_peer
+        };
+        for mut piece in balance(&sizes, loads, opts.min_piece_bytes, opts.split_align) {
+            piece.item = members[piece.item];
+            if local {
+                piece.stream = streams.local_stream;
+            }
+            pieces.push(piece);
+        }
+    }
+    pieces
+}
+
+/// The ranks whose memory each stream touches (sorted).
+fn touched_ranks(units: &[Unit], nstreams: usize) -> Vec<Vec<usize>> {
+    let mut touched: Vec<Vec<usize>> = vec![Vec::new(); nstreams];
+    for u in units {
+        let ranks: Vec<usize> = match &u.cmd {
+            Cmd::Copy { src, dst, .. } => vec![src.rank, dst.rank],
+            Cmd::Zero { dst, .. } => vec![dst.rank],
+            Cmd::Reduce { dst, srcs, .. } => {
+                let mut v: Vec<usize> = srcs.iter().map(|s| s.region.rank).collect();
+                v.push(dst.rank);
+                v
+            }
+            _ => vec![],
+        };
+        for r in ranks {
+            if !touched[u.stream].contains(&r) {
+                touched[u.stream].push(r);
+            }
+        }
+    }
+    for t in &mut touched {
+        t.sort_unstable();
+    }
+    touched
+}
+
+/// Units that need an event recorded after them: a dependency of a unit on another stream.
+fn needs_record(units: &[Unit], step_units: &[Vec<usize>], deps: &[Vec<usize>]) -> Vec<bool> {
+    let mut needs_record = vec![false; units.len()];
+    for (mi, d) in deps.iter().enumerate() {
+        for &dep in d {
+            for &du in &step_units[dep] {
+                if step_units[mi]
+                    .iter()
+                    .any(|&u| units[u].stream != units[du].stream)
+                {
+                    needs_record[du] = true;
+                }
+            }
+        }
+    }
+    needs_record
+}
+
+/// One phase's emission in host order: the commands, a vector clock per stream (`clock[s][x]`:
+/// how many units of stream x stream s is ordered after), each unit's position on its stream, and
+/// the events recorded after units (with the recording stream's clock then).
+struct Emitter {
+    cmds: Vec<Cmd>,
+    clock: Vec<Vec<usize>>,
+    used: Vec<bool>,
+    pos: Vec<usize>,
+    event_of: HashMap<usize, (usize, Vec<usize>)>,
+    next_event: usize,
+    nstreams: usize,
+}
+
+impl Emitter {
+    fn new(nstreams: usize, nunits: usize, next_event: usize) -> Emitter {
+        Emitter {
+            cmds: Vec::new(),
+            clock: vec![vec![0; nstreams]; nstreams],
+            used: vec![false; nstreams],
+            pos: vec![0; nunits],
+            event_of: HashMap::new(),
+            next_event,
+            nstreams,
+        }
+    }
+
+    /// Stream `s`'s waits before its first command of phase `p` (rules 3 and 4 of the `cuda`
+    /// module header): phase 0, the `ready` of every rank it touches; later phases, every rank's
+    /// previous phase event.
+    fn first_waits(&mut self, s: usize, p: usize, rank: usize, world: usize, touched: &[usize]) {
+        if p == 0 {
+            // A side stream that waits on this rank's own `ready` needs no wait on its
+            // previous `done`: MAIN waited on that `done` before recording `ready`
+            // (module header, rule 1). Pull plans always write the executor's memory,
+            // so this only keeps the wait for a stream that touches peers alone.
+            if s != MAIN && !touched.contains(&rank) {
+                self.cmds.push(Cmd::WaitOwnPrevDone { stream: s });
+            }
+            for &r in touched {
+                if s != MAIN || r != rank {
+                    self.cmds.push(Cmd::WaitRank {
+                        stream: s,
+                        rank: r,
+                        event: RankEvent::Ready,
+                    });
+                }
+            }
+        } else {
+            for r in 0..world {
+                if s != MAIN || r != rank {
+                    self.cmds.push(Cmd::WaitRank {
+                        stream: s,
+                        rank: r,
+                        event: RankEvent::Phase(p - 1),
+                    });
+                }
+            }
+        }
+    }
+
+    #[allow(clippy::needless_range_loop)] // x indexes two clocks
+    /// Waits of unit `u` (on stream `s`) on the units of its step's dependencies `deps` that are on
+    /// other streams and not yet ordered before it.
+    fn dependency_waits(&mut self, s: usize, p: usize, u: usize, deps: &[usize], units: &[Unit], step_units: &[Vec<usize>]) -> Result<()> {
+        for &dep in deps {
+            for &du in &step_units[dep] {
+                let ds = units[du].stream;
+                if ds == s || self.clock[s][ds] >= self.pos[du] {
+                    continue;
+                }
+                let (ev, evclock) = self.event_of.get(&du).ok_or_else(|| {
+                    TideError::Internal(format!(
+                        "schedule: no event after unit {du} (phase {p} step {}) needed by step {}",
+                        units[du].step, units[u].step
+                    ))
+                })?;
+                self.cmds.push(Cmd::Wait {
+                    stream: s,
+                    event: *ev,
+                });
+                for x in 0..self.nstreams {
+                    self.clock[s][x] = self.clock[s][x].max(evclock[x]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Unit `u`'s command on stream `s`, then its event if a unit on another stream depends on it.
+    fn push_unit(&mut self, s: usize, u: usize, cmd: &Cmd, record: bool) {
+        self.cmds.push(cmd.clone());
+        self.clock[s][s] += 1;
+        self.pos[u] = self.clock[s][s];
+        if record {
+            let ev = self.next_event;
+            self.next_event += 1;
+            self.cmds.push(Cmd::Record {
+                stream: s,
+                event: ev,
+            });
+            self.event_of.insert(u, (ev, self.clock[s].clone()));
+        }
+    }
+
+    #[allow(clippy::needless_range_loop)] // x indexes two clocks
+    /// Join: MAIN waits on every side stream used in this phase. Returns the highest side stream
+    /// used (0: none).
+    fn join_side_streams(&mut self) -> usize {
+        let mut side_used = 0;
+        for s in 1..self.nstreams {
+            if self.used[s] {
+                side_used = side_used.max(s);
+                if self.clock[MAIN][s] < self.clock[s][s] {
+                    let ev = self.next_event;
+                    self.next_event += 1;
+                    self.cmds.push(Cmd::Record {
+                        stream: s,
+                        event: ev,
+                    });
+                    self.cmds.push(Cmd::Wait {
+                        stream: MAIN,
+                        event: ev,
+                    });
+                    let c = self.clock[s].clone();
+                    for x in 0..self.nstreams {
+                        self.clock[MAIN][x] = self.clock[MAIN][x].max(c[x]);
+                    }
+                }
+            }
+        }
+        side_used
+    }
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@
 pub mod cpu;
 pub mod worker;
 
-use crate::call::{BufferView, CallInfo};
+use crate::call::{op_code, op_from_code, BufferView, CallInfo, Phase};
 use crate::error::{Result, TideError};
 use crate::layout::DType;
 use crate::plan::Op;
@@ -175,42 +175,6 @@ pub extern "C" fn tide_ffi_instance_type_info() -> *mut c_void {
     unsafe { tide_cxx_instance_type_info() }
 }
 
-/// Which half of a collective a target is (docs/design.md "Start/done").
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Phase {
-    /// The whole collective in one call (start and done back to back).
-    Sync,
-    /// Launch the collective and return; its results are valid only after the matching done.
-    Start,
-    /// Wait for the call its start launched (found by the buffers, `crate::inflight`).
-    Done,
-}
-
-fn op_of(code: u8) -> Result<Op> {
-    match code {
-        0 => Ok(Op::AllGather),
-        1 => Ok(Op::ReduceScatter),
-        _ => Err(TideError::Internal(format!("unknown op code {code}"))),
-    }
-}
-
-fn phase_of(code: u8) -> Result<Phase> {
-    match code {
-        0 => Ok(Phase::Sync),
-        1 => Ok(Phase::Start),
-        2 => Ok(Phase::Done),
-        _ => Err(TideError::Internal(format!("unknown phase code {code}"))),
-    }
-}
-
-/// The op code of the FFI bridge and `crate::inflight`.
-pub fn op_code(op: Op) -> u8 {
-    match op {
-        Op::AllGather => 0,
-        Op::ReduceScatter => 1,
-    }
-}
-
 /// Instance counters by (op, phase, site): the instantiate stage numbers each HLO instruction of a
 /// site (docs/design.md "Call sites and instances").
 type InstanceKey = (u8, u8, i64);
@@ -267,7 +231,7 @@ fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize
     };
     let (site, device) = (call.site, call.device_ordinal);
     let prepared = catch_unwind(AssertUnwindSafe(|| -> Result<_> {
-        let (op, phase) = (op_of(op)?, phase_of(phase)?);
+        let (op, phase) = (op_from_code(op)?, Phase::from_code(phase)?);
         let call = with_site_key(op, instance, call)?;
         if phase == Phase::Done {
             let info = decode_done(op, &call)?;
@@ -362,7 +326,7 @@ fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize
 /// split it: `crate::cuda::execute_phase`).
 fn tide_call_cuda(op: u8, phase: u8, instance: u64, call: &FfiCall) -> FfiStatus {
     let result = catch_unwind(AssertUnwindSafe(|| {
-        let (op, phase) = (op_of(op)?, phase_of(phase)?);
+        let (op, phase) = (op_from_code(op)?, Phase::from_code(phase)?);
         let site = site_key(op, call.site, instance)?;
         let info = match phase {
             Phase::Done => decode_done_as(op, call, site)?,
@@ -371,7 +335,7 @@ fn tide_call_cuda(op: u8, phase: u8, instance: u64, call: &FfiCall) -> FfiStatus
         };
         // The CUDA engine validates the layout itself, after taking its rendezvous sequence
         // number, so a rank that fails validation still tells its peers.
-        crate::cuda::execute_phase(&info, info.job, phase)
+        crate::cuda::execute_phase(&info, phase)
     }))
     .unwrap_or_else(|payload| {
         Err(internal_panic(

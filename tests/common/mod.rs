@@ -1,6 +1,9 @@
-//! Helpers shared by the GPU test binaries (`cuda_engine`, `cuda_mp`, `cuda_async`): each test file includes this
-//! module with `mod common;`, so not every binary uses every item.
+//! Helpers shared by the GPU test binaries (`cuda_engine`, `cuda_mp`, `cuda_async`, `cuda_failure`): each test
+//! file includes this module with `mod common;`, so not every binary uses every item. `gpu`: GPU 0,
+//! buffers, calls and what a process holds.
 #![allow(dead_code)]
+
+pub mod gpu;
 
 use std::io::Write;
 use tide::layout::{DType, ParamSpec};

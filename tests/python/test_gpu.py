@@ -1,7 +1,7 @@
 """GPU tests of tide's CUDA engine (issue #3), on 1 and 2 GPUs of one process.
 
 Marked `gpu`; skipped where JAX has no GPU backend or fewer GPUs than a test needs. Run on the GPU
-machine by scripts/gpu-check:  python3 -m pytest tests/python/test_gpu.py -m gpu
+machine by `scripts/gpu run OUT pytest`:  python3 -m pytest tests/python/test_gpu.py -m gpu
 Every test draws fresh random data (its seed is printed, so a failure can be replayed with
 TIDE_TEST_SEED=<seed>).
 
@@ -55,7 +55,7 @@ def rng(request):
 def tide():
     lib = os.environ.get("TIDE_LIBRARY")
     if not _gpus():
-        if os.environ.get("TIDE_REQUIRE_GPU") == "1":  # set by scripts/gpu-check: skipping would hide it
+        if os.environ.get("TIDE_REQUIRE_GPU") == "1":  # set by scripts/gpu: skipping would hide it
             pytest.fail("TIDE_REQUIRE_GPU=1 but JAX has no GPU backend")
         pytest.skip("no GPU backend in JAX")
     assert lib and os.path.exists(lib), f"TIDE_LIBRARY must name libtide.so (got {lib!r})"

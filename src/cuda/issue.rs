@@ -1,0 +1,665 @@
+//! Issuing a prepared plan's schedule on the streams, for both paths: the one phase loop and end
+//! of call (`run_phases`, rules 3-5 / A2-A3 of the `cuda` module header), each command
+//! (`Issuer::issue`), the batching of one stream's consecutive copies and small sums
+//! (TIDE_COPY_BATCH, TIDE_FUSE_BYTES: `fuse`) and the NVLink multicast all-gather
+//! (`issue_multicast`, `multicast` module header).
+//!
+//! What it is handed (`Issue`): MAIN and its side streams, the local, phase and `done` events
+//! (an in-flight slot's, in-process; the device's, multi-process), whether small work is fused,
+//! the multicast grant; and a `meeting::Meeting` whose hooks it calls at the points its contract
+//! names. Every driver call goes through `driver`'s checked wrappers; nothing here blocks the host
+//! on the device.
+
+use super::driver::{self, CUdevice, CUevent, CUstream};
+use super::fuse;
+use super::kernels;
+use super::meeting::{Meeting, RankInfo};
+use super::multicast;
+use super::prepare::{op_name, Prepared};
+use super::schedule::{Cmd, CopyVia, RankEvent, MAIN};
+use crate::call::CallInfo;
+use crate::config::Config;
+use crate::error::{Result, TideError};
+use crate::plan::{BufKind, Operand, Region};
+
+/// The streams and events one call issues on: the schedule's MAIN (`main`: tide's stream of the
+/// call's in-flight slot; XLA's stream or a slot's on the multi-process path), its side streams and
+/// local events, and the kernel module.
+pub(crate) struct Res<'a> {
+    pub module: Option<&'a super::device::Module>,
+    pub main: CUstream,
+    pub side: &'a [CUstream],
+    pub pool: &'a [CUevent],
+    /// The event `Cmd::WaitOwnPrevDone` waits on; `None` skips those waits (the start/done
+    /// driver: implied by rule A1, `ready` is recorded on the slot's own tide stream).
+    pub prev_done: Option<CUevent>,
+}
+
+impl Res<'_> {
+    fn stream(&self, s: usize) -> Result<CUstream> {
+        if s == MAIN {
+            Ok(self.main)
+        } else {
+            self.side
+                .get(s - 1)
+                .copied()
+                .ok_or_else(|| TideError::Internal(format!("side stream {s} not created")))
+        }
+    }
+
+    fn local_event(&self, event: usize) -> Result<CUevent> {
+        self.pool
+            .get(event)
+            .copied()
+            .ok_or_else(|| TideError::Internal(format!("local event {event} not created")))
+    }
+
+    fn module(&self) -> Result<&super::device::Module> {
+        self.module
+            .ok_or_else(|| TideError::Internal("kernel module not loaded".into()))
+    }
+}
+
+/// What `run_phases` issues with besides the schedule: the streams and local events (`res`), the
+/// events it records on MAIN at each phase boundary (`phase`) and at the end (`done`), whether
+/// small copies and sums may go as batched launches (`fuse`, with TIDE_FUSE_BYTES), the NVLink
+/// multicast grant of every rank (device, compute capability, grant), and the batched copies' hints.
+pub(crate) struct Issue<'a> {
+    pub res: Res<'a>,
+    pub phase: &'a [CUevent],
+    pub done: CUevent,
+    pub fuse: bool,
+    pub multicast: Option<(CUdevice, (i32, i32), multicast::Granted)>,
+    /// Whether batched copies name the devices of their ranks as location hints (in-process), or
+    /// this rank's device (multi-process: a peer's ordinal is its own process's numbering; the
+    /// hints are ignored for non-managed memory, but must still name a device of this process).
+    pub peer_hints: bool,
+}
+
+/// The one phase loop and end of call of both paths (rules 3-5 / A2-A3), over `meeting`
+/// (`meeting` module header, hooks 1-5): each phase's commands on their streams (`meeting`'s rail
+/// copies replaced by waits on its rail event, waits on ranks it does not reach skipped), phase
+/// event and barrier between phases; then `done` on MAIN, the exit barrier, and MAIN waits on
+/// every reached peer's `done`. Work is collected per stream and issued together: consecutive
+/// copy-engine copies as one cuMemcpyBatchAsync (TIDE_COPY_BATCH; CUDA 13 drivers); small copies
+/// and sums as batched kernel launches (TIDE_FUSE_BYTES, `fuse`, when `io.fuse`). A stream's
+/// pending work is issued before any other command on it. On an error after work was enqueued,
+/// MAIN still joins every side stream, so an event recorded on MAIN afterwards (`released`, or
+/// XLA's stream itself on the synchronous multi-process path) marks the end of all of it.
+pub(crate) fn run_phases(call: &CallInfo, io: &Issue, meeting: &dyn Meeting, prepared: &Prepared, cfg: &Config) -> Result<()> {
+    let fusing = io.fuse && cfg.fuse_bytes > 0 && io.res.module.is_some();
+    let issuer = Issuer {
+        call,
+        res: &io.res,
+        infos: meeting.infos(),
+        prepared,
+        cfg,
+        fusing,
+        batching: fusing || (cfg.copy_batch && driver::init().map(|v| v >= 13000).unwrap_or(false)),
+        peer_hints: io.peer_hints,
+    };
+    let phases_ok = issuer.all_phases(io, meeting);
+    let ended = meeting.phases_ended(io.res.main);
+    let res_ok = phases_ok.and(ended).and_then(|()| issuer.end_of_call(io, meeting));
+    if res_ok.is_err() {
+        issuer.join_side_streams();
+    }
+    res_ok
+}
+
+/// One call's issuing: what every command needs to find its streams, events and addresses.
+struct Issuer<'a> {
+    call: &'a CallInfo,
+    res: &'a Res<'a>,
+    infos: &'a [RankInfo],
+    prepared: &'a Prepared,
+    cfg: &'a Config,
+    /// Small copies and sums as batched launches (TIDE_FUSE_BYTES, in-process).
+    fusing: bool,
+    /// Consecutive copies of one stream collected (TIDE_COPY_BATCH, or `fusing`).
+    batching: bool,
+    peer_hints: bool,
+}
+
+/// Work collected per stream, issued before any other command on its stream (`fuse` header).
+struct Pending {
+    /// Copies per stream (MAIN first).
+    copies: Vec<Vec<fuse::PendingCopy>>,
+    /// Sums on MAIN.
+    sums: Vec<fuse::SumSeg>,
+}
+
+impl Issuer<'_> {
+    /// Every phase: the meeting's phase start, the commands, pending work, then (between phases)
+    /// the phase event, the meeting's hook and the phase barrier (rule 4). The multicast
+    /// all-gather instead, where every rank was granted it.
+    fn all_phases(&self, io: &Issue, meeting: &dyn Meeting) -> Result<()> {
+        let main = self.res.main;
+        if let Some((dev, cc, g)) = io.multicast {
+            let pushed = *io
+                .phase
+                .first()
+                .ok_or_else(|| TideError::Internal("no pushed event".into()))?;
+            return issue_multicast(self.call, dev, cc, self.res, pushed, self.prepared, self.infos, meeting, g, self.cfg);
+        }
+        let sched = &self.prepared.schedule;
+        let nphases = sched.phases.len();
+        let mut pending = Pending {
+            copies: vec![Vec::new(); self.res.side.len() + 1],
+            sums: Vec::new(),
+        };
+        for (p, phase) in sched.phases.iter().enumerate() {
+            meeting.phase_start(p, main)?;
+            for cmd in &phase.cmds {
+                self.route(&mut pending, meeting, p, cmd)?;
+            }
+            self.flush_sums(&mut pending.sums)?;
+            for s in 0..pending.copies.len() {
+                self.flush_copies(s, &mut pending.copies)?;
+            }
+            if p + 1 < nphases {
+                let ev = *io
+                    .phase
+                    .get(p)
+                    .ok_or_else(|| TideError::Internal(format!("phase event {p} not created")))?;
+                let (rank, ord) = (self.call.rank, self.call.device_ordinal);
+                // SAFETY: valid event and stream; context current.
+                unsafe { driver::event_record(ev, main, || format!("rank {rank} device {ord}: phase {p} event"))? };
+                meeting.phase_recorded(p, main)?;
+                meeting.barrier(&format!("phase {p} ({})", phase.name))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One command of phase `p`: skipped (a wait on a rank the meeting does not reach), collected
+    /// (a small sum, a batchable copy), replaced by a wait on the meeting's rail event, or issued.
+    /// A stream's pending work is flushed before anything else is issued on it.
+    fn route(&self, pending: &mut Pending, meeting: &dyn Meeting, p: usize, cmd: &Cmd) -> Result<()> {
+        let s = cmd.stream();
+        if let Cmd::WaitRank { rank: q, .. } = cmd {
+            if !meeting.reaches(*q) {
+                return Ok(());
+            }
+        }
+        let rail = meeting.rail_event(p, cmd);
+        if self.fusing && s == MAIN && rail.is_none() {
+            if let Cmd::Reduce { dst, srcs, elems, .. } = cmd {
+                if let Some(seg) = self.sum_segment(dst, srcs, *elems)? {
+                    self.flush_copies(MAIN, &mut pending.copies)?;
+                    if !fuse::sum_joins(&pending.sums, &seg, fuse::sum_batch_limit(self.cfg.rs_max_ctas)) {
+                        self.flush_sums(&mut pending.sums)?;
+                    }
+                    pending.sums.push(seg);
+                    return Ok(());
+                }
+            }
+        }
+        if s == MAIN {
+            self.flush_sums(&mut pending.sums)?;
+        }
+        if self.batching {
+            if let (Cmd::Copy { src, dst, bytes, via, .. }, None) = (cmd, rail) {
+                // Copy-engine copies join any batch; SM copies only batched launches.
+                if *via == CopyVia::CopyEngine || (self.fusing && *bytes < self.cfg.fuse_bytes) {
+                    let ord = self.call.device_ordinal;
+                    let c = fuse::PendingCopy {
+                        dst: address(self.infos, dst, *bytes)?,
+                        src: address(self.infos, src, *bytes)?,
+                        bytes: *bytes,
+                        dst_dev: if self.peer_hints { self.infos[dst.rank].device } else { ord },
+                        src_dev: if self.peer_hints { self.infos[src.rank].device } else { ord },
+                    };
+                    let list = pending
+                        .copies
+                        .get(s)
+                        .ok_or_else(|| TideError::Internal(format!("stream {s} out of range")))?;
+                    if !fuse::copy_joins(list, &c) {
+                        self.flush_copies(s, &mut pending.copies)?;
+                    }
+                    pending.copies[s].push(c);
+                    return Ok(());
+                }
+            }
+            self.flush_copies(s, &mut pending.copies)?;
+        }
+        match rail {
+            Some(ev) => {
+                let sx = self.res.stream(s)?;
+                let (rank, ord) = (self.call.rank, self.call.device_ordinal);
+                // SAFETY: the meeting's rail event, recorded at this phase's start.
+                unsafe {
+                    driver::stream_wait_event(sx, ev, || {
+                        format!("rank {rank} device {ord}: stream {s} on the rail transfers of phase {p}")
+                    })
+                }
+            }
+            None => self.issue(p, cmd),
+        }
+    }
+
+    /// Rule 5 / A3: done (this rank's reads of peers' memory are before it: the schedule joined
+    /// the side streams into MAIN), exit barrier, every reached peer's done.
+    fn end_of_call(&self, io: &Issue, meeting: &dyn Meeting) -> Result<()> {
+        let main = self.res.main;
+        let (rank, ord) = (self.call.rank, self.call.device_ordinal);
+        // SAFETY: valid event and stream.
+        unsafe { driver::event_record(io.done, main, || format!("rank {rank} device {ord}: done event"))? };
+        meeting.done_recorded(main)?;
+        meeting.barrier("exit")?;
+        for (q, info) in self.infos.iter().enumerate() {
+            if q != rank && meeting.reaches(q) {
+                // SAFETY: the peer's done event, recorded before the exit barrier; it is not
+                // recorded again before this rank left the meeting (the module header).
+                unsafe {
+                    driver::stream_wait_event(main, info.done as CUevent, || {
+                        format!("rank {rank} device {ord}: on rank {q}'s done event")
+                    })?
+                };
+            }
+        }
+        Ok(())
+    }
+
+    /// The error path: MAIN joins every side stream (one join event per side stream where there
+    /// are enough), best effort.
+    fn join_side_streams(&self) {
+        let res = self.res;
+        let events = self.prepared.schedule.events;
+        for (k, &s) in res.side.iter().enumerate() {
+            let ev = res.pool.get(events + k).or(res.pool.get(events)).copied();
+            if let Err(j) = record_wait(ev, s, res.main) {
+                log::warn!("tide: rank {}: joining side streams after an error failed: {j}", self.call.rank);
+            }
+        }
+    }
+
+    fn flush_sums(&self, sums: &mut Vec<fuse::SumSeg>) -> Result<()> {
+        if sums.is_empty() {
+            return Ok(());
+        }
+        let (call, rank, ord) = (self.call, self.call.rank, self.call.device_ordinal);
+        let r = fuse::issue_sums(self.res.module()?, self.res.main, sums, self.cfg.rs_max_ctas, &|| {
+            format!("tide {} site {} rank {rank} device {ord}: batched sums", op_name(call.op), call.site)
+        });
+        sums.clear();
+        r
+    }
+
+    /// Issues the copies pending on stream `s`: small ones as batched launches (TIDE_FUSE_BYTES),
+    /// the rest as one cuMemcpyAsync each, or one cuMemcpyBatchAsync for several (source order:
+    /// stream; hints: the devices holding source and destination).
+    fn flush_copies(&self, s: usize, pending: &mut [Vec<fuse::PendingCopy>]) -> Result<()> {
+        let Some(list) = pending.get_mut(s) else {
+            return Ok(());
+        };
+        if list.is_empty() {
+            return Ok(());
+        }
+        let (cfg, rank, ord) = (self.cfg, self.call.rank, self.call.device_ordinal);
+        let mut copies = std::mem::take(list);
+        let stream = self.res.stream(s)?;
+        // Small copies as batched launches (TIDE_FUSE_BYTES): all of them on MAIN (SM copies), two
+        // or more on a copy stream (one small copy stays on the copy engine). Pairwise independent
+        // (`fuse::copy_joins`), so they may run in any order.
+        if let Some(m) = self.res.module.filter(|_| self.fusing) {
+            let small = copies.iter().filter(|c| c.bytes < cfg.fuse_bytes).count();
+            if small > 0 && (s == MAIN || small >= 2) {
+                let (fused, rest): (Vec<_>, Vec<_>) = copies.into_iter().partition(|c| c.bytes < cfg.fuse_bytes);
+                fuse::issue_copies(m, stream, &fused, cfg.rs_max_ctas, &|| {
+                    format!("rank {rank} device {ord}: batched copies on stream {s}")
+                })?;
+                copies = rest;
+            }
+        }
+        if copies.is_empty() {
+            return Ok(());
+        }
+        if s == MAIN {
+            return Err(TideError::Internal(format!(
+                "rank {rank}: {} large SM copies pending on tide's stream",
+                copies.len()
+            )));
+        }
+        let api_batch = cfg.copy_batch && driver::init().map(|v| v >= 13000).unwrap_or(false);
+        let what = || {
+            format!(
+                "rank {rank} device {ord}: {} copies on stream {s}, {} bytes",
+                copies.len(),
+                copies.iter().map(|c| c.bytes).sum::<usize>()
+            )
+        };
+        if copies.len() == 1 || !api_batch || !driver::batch_copy_supported() {
+            for c in &copies {
+                // SAFETY: addresses bounds-checked by `address`; ordering per the module header.
+                unsafe { driver::memcpy_async(c.dst, c.src, c.bytes, stream, what)? };
+            }
+            return Ok(());
+        }
+        // SAFETY: as above, for every copy of the batch.
+        unsafe { driver::memcpy_batch_async(&copies, stream, what) }
+    }
+
+    /// A Reduce as one batched-sum segment, if it qualifies (TIDE_FUSE_BYTES): one launch's worth
+    /// of sources (at most `kernels::MAX_SRCS` of one dtype), output smaller than TIDE_FUSE_BYTES.
+    /// Ranges are bounds-checked here.
+    fn sum_segment(&self, dst: &Region, srcs: &[Operand], elems: usize) -> Result<Option<fuse::SumSeg>> {
+        if elems.saturating_mul(4) >= self.cfg.fuse_bytes
+            || srcs.is_empty()
+            || srcs.len() > kernels::MAX_SRCS
+            || srcs.iter().any(|o| o.dtype != srcs[0].dtype)
+        {
+            return Ok(None);
+        }
+        let dtype = srcs[0].dtype;
+        kernels::sum_kernel(dtype)?;
+        let da = address(self.infos, dst, elems * 4)?;
+        let mut p = [0u64; kernels::MAX_SRCS];
+        for (k, o) in srcs.iter().enumerate() {
+            p[k] = address(self.infos, &o.region, elems * o.dtype.size_bytes())?;
+        }
+        let vectorized = kernels::sum_vectorized(da, &p[..srcs.len()]);
+        Ok(Some(fuse::SumSeg {
+            dtype,
+            dst: da,
+            srcs: p,
+            nsrc: srcs.len(),
+            elems: elems as u64,
+            accumulate: false,
+            mode: kernels::sum_mode(vectorized),
+        }))
+    }
+
+    /// Issues one command of phase `p` on its stream.
+    fn issue(&self, p: usize, cmd: &Cmd) -> Result<()> {
+        let (rank, ord) = (self.call.rank, self.call.device_ordinal);
+        let s = self.res.stream(cmd.stream())?;
+        match cmd {
+            Cmd::WaitRank { rank: q, event, .. } => {
+                let info = &self.infos[*q];
+                let ev = match event {
+                    RankEvent::Ready => info.ready,
+                    RankEvent::Phase(ph) => *info.phases.get(*ph).ok_or_else(|| {
+                        TideError::Internal(format!("rank {q} published no phase {ph} event"))
+                    })?,
+                };
+                // SAFETY: a peer's event handle, created once for the life of the process.
+                unsafe {
+                    driver::stream_wait_event(s, ev as CUevent, || {
+                        format!("rank {rank} device {ord}: on rank {q}'s {event:?} event")
+                    })
+                }
+            }
+            Cmd::WaitOwnPrevDone { .. } => {
+                let Some(done) = self.res.prev_done else {
+                    return Ok(());
+                };
+                // SAFETY: our own event.
+                unsafe {
+                    driver::stream_wait_event(s, done, || {
+                        format!("rank {rank} device {ord}: side stream on the previous done event")
+                    })
+                }
+            }
+            Cmd::Record { event, .. } => {
+                let ev = self.res.local_event(*event)?;
+                // SAFETY: valid event and stream.
+                unsafe { driver::event_record(ev, s, || format!("rank {rank} device {ord}: local event {event}")) }
+            }
+            Cmd::Wait { event, .. } => {
+                let ev = self.res.local_event(*event)?;
+                // SAFETY: valid event and stream.
+                unsafe { driver::stream_wait_event(s, ev, || format!("rank {rank} device {ord}: local event {event}")) }
+            }
+            Cmd::Copy { step, src, dst, bytes, via, .. } => self.copy(s, p, *step, src, dst, *bytes, *via),
+            Cmd::Zero { step, dst, bytes, .. } => {
+                let da = address(self.infos, dst, *bytes)?;
+                // SAFETY: range bounds-checked; the buffer is this rank's output.
+                unsafe {
+                    driver::memset_zero_async(da, *bytes, s, || {
+                        format!("{}, {bytes} bytes", self.step_ctx(p, *step, dst))
+                    })
+                }
+            }
+            Cmd::Reduce { step, dst, srcs, elems, .. } => self.reduce(s, p, *step, dst, srcs, *elems),
+        }
+    }
+
+    /// A Copy step: on the copy engine (cuMemcpyAsync), or as a `tide_copy` launch on MAIN.
+    #[allow(clippy::too_many_arguments)]
+    fn copy(&self, s: CUstream, p: usize, step: usize, src: &Region, dst: &Region, bytes: usize, via: CopyVia) -> Result<()> {
+        let sa = address(self.infos, src, bytes)?;
+        let da = address(self.infos, dst, bytes)?;
+        match via {
+            CopyVia::CopyEngine => {
+                // SAFETY: both ranges bounds-checked against the buffers their ranks published;
+                // peer access enabled; ordering per the module header.
+                unsafe {
+                    driver::memcpy_async(da, sa, bytes, s, || {
+                        format!("{} -> {:?} of rank {}, {bytes} bytes", self.step_ctx(p, step, src), dst.kind, dst.rank)
+                    })
+                }
+            }
+            CopyVia::Sm => {
+                let m = self.res.module()?;
+                let width = kernels::copy_width(da, sa);
+                let grid = kernels::grid((bytes as u64).div_ceil(width as u64), self.cfg.rs_max_ctas);
+                let (mut d, mut sp, mut n, mut w) = (da, sa, bytes as u64, width);
+                let mut params: [*mut std::ffi::c_void; 4] = [
+                    &mut d as *mut u64 as *mut _,
+                    &mut sp as *mut u64 as *mut _,
+                    &mut n as *mut u64 as *mut _,
+                    &mut w as *mut i32 as *mut _,
+                ];
+                // SAFETY: params match tide_copy(void*, const void*, unsigned long long, int) and
+                // live across the call (the driver copies them at launch); ranges bounds-checked.
+                unsafe {
+                    driver::launch_kernel(m.copy, grid, kernels::THREADS, s, &mut params, "cuLaunchKernel(tide_copy)", || {
+                        format!("{}, {bytes} bytes, grid {grid}", self.step_ctx(p, step, src))
+                    })
+                }
+            }
+        }
+    }
+
+    /// A Reduce step: one `rs_sum_*` launch per run of sources of one dtype (`kernels::sum_launches`),
+    /// the first writing dst, the others accumulating.
+    fn reduce(&self, s: CUstream, p: usize, step: usize, dst: &Region, srcs: &[Operand], elems: usize) -> Result<()> {
+        let m = self.res.module()?;
+        let da = address(self.infos, dst, elems * 4)?;
+        let dtypes: Vec<_> = srcs.iter().map(|o| o.dtype).collect();
+        for l in kernels::sum_launches(&dtypes)? {
+            let mut ptrs = kernels::SrcPtrs {
+                p: [0; kernels::MAX_SRCS],
+            };
+            for k in 0..l.count {
+                let o = &srcs[l.first + k];
+                ptrs.p[k] = address(self.infos, &o.region, elems * o.dtype.size_bytes())?;
+            }
+            let vectorized = kernels::sum_vectorized(da, &ptrs.p[..l.count]);
+            let mode = kernels::sum_mode(vectorized);
+            let grid = kernels::grid(kernels::sum_units(elems as u64, vectorized), self.cfg.rs_max_ctas);
+            let f = m.sum(l.dtype)?;
+            let mut d = da;
+            let mut nsrc = l.count as i32;
+            let mut n = elems as u64;
+            let mut acc = l.accumulate as i32;
+            let mut vec = mode;
+            let mut params: [*mut std::ffi::c_void; 6] = [
+                &mut d as *mut u64 as *mut _,
+                &mut ptrs as *mut kernels::SrcPtrs as *mut _,
+                &mut nsrc as *mut i32 as *mut _,
+                &mut n as *mut u64 as *mut _,
+                &mut acc as *mut i32 as *mut _,
+                &mut vec as *mut i32 as *mut _,
+            ];
+            // SAFETY: params match rs_sum_*(float*, TideSrcs, int, unsigned long long, int, int)
+            // (TideSrcs = SrcPtrs, repr(C)); all ranges bounds-checked; sources are local or peer
+            // memory with access enabled.
+            unsafe {
+                driver::launch_kernel(f, grid, kernels::THREADS, s, &mut params, "cuLaunchKernel(rs_sum)", || {
+                    format!(
+                        "{}, {} {} sources from {}, {elems} elements, grid {grid}",
+                        self.step_ctx(p, step, dst),
+                        l.count,
+                        l.dtype.name(),
+                        l.first
+                    )
+                })?
+            };
+        }
+        Ok(())
+    }
+
+    /// "phase 0 step 12, param 3 (name, shape) on rank 1" for error messages.
+    fn step_ctx(&self, phase: usize, step: usize, r: &Region) -> String {
+        let call = self.call;
+        let param = match r.kind {
+            BufKind::Input | BufKind::Output => self
+                .prepared
+                .layout
+                .params
+                .get(r.index)
+                .map(|p| format!(", {}", p.describe()))
+                .unwrap_or_default(),
+            BufKind::Stage => format!(", stage slot {}", r.index),
+        };
+        format!(
+            "tide {} site {} rank {} device {}: phase {phase} step {step}{param}, {:?} of rank {}",
+            op_name(call.op),
+            call.site,
+            call.rank,
+            call.device_ordinal,
+            r.kind,
+            r.rank
+        )
+    }
+}
+
+/// Best effort on the error path: `to` waits on everything enqueued so far on `from`.
+fn record_wait(ev: Option<CUevent>, from: CUstream, to: CUstream) -> Result<()> {
+    let ev = ev.ok_or_else(|| TideError::Internal("no event".into()))?;
+    // SAFETY: valid handles; errors are ignored by the caller.
+    unsafe {
+        driver::event_record(ev, from, String::new)?;
+        driver::stream_wait_event(to, ev, String::new)
+    }
+}
+
+/// The device address of `len` bytes at `r`, bounds-checked against what its rank published.
+pub(crate) fn address(infos: &[RankInfo], r: &Region, len: usize) -> Result<u64> {
+    let info = infos.get(r.rank).ok_or_else(|| {
+        TideError::Internal(format!("region {r:?} names a rank outside the group"))
+    })?;
+    let list = match r.kind {
+        BufKind::Input => &info.inputs,
+        BufKind::Output => &info.outputs,
+        BufKind::Stage => &info.stages,
+    };
+    let (base, bytes) = *list.get(r.index).ok_or_else(|| {
+        TideError::Internal(format!("region {r:?}: no such buffer on rank {}", r.rank))
+    })?;
+    match r.offset.checked_add(len) {
+        Some(end) if end <= bytes => Ok(base + r.offset as u64),
+        _ => Err(TideError::Internal(format!(
+            "region {r:?} + {len} bytes is outside its buffer of {bytes} bytes on rank {}",
+            r.rank
+        ))),
+    }
+}
+
+/// The NVLink multicast all-gather (see the `multicast` module header): set up the (site, group)
+/// buffer once, collectively; store this rank's shards to the multicast address on MAIN; "pushed"
+/// event and barrier; fan out every rank's rows from the local backing to the outputs on side
+/// stream 1; MAIN joins it. Only reachable with a `Granted` from every rank.
+#[allow(clippy::too_many_arguments)]
+fn issue_multicast(
+    call: &CallInfo,
+    dev: CUdevice,
+    cc: (i32, i32),
+    res: &Res,
+    pushed: CUevent,
+    prepared: &Prepared,
+    infos: &[RankInfo],
+    meeting: &dyn Meeting,
+    g: multicast::Granted,
+    cfg: &Config,
+) -> Result<()> {
+    let main = res.main;
+    let ord = call.device_ordinal;
+    let rank = call.rank;
+    let mp = multicast::plan(&prepared.layout, rank);
+    let shared = multicast::shared(call.site, call.group, mp.bytes);
+    // Every rank reads `complete` after the same barrier, so all agree on whether to set up.
+    meeting.barrier("multicast check")?;
+    if !shared.complete() {
+        if rank == 0 {
+            shared.set_handle(multicast::create(g, call.world, mp.bytes, ord)?);
+        }
+        meeting.barrier("multicast created")?;
+        let (handle, size) = shared.handle()?;
+        multicast::add_device(g, handle, dev, ord)?;
+        meeting.barrier("multicast devices added")?;
+        shared.set_rank(rank, multicast::bind_and_map(g, handle, size, ord)?);
+        meeting.barrier("multicast bound")?;
+        if rank == 0 {
+            shared.mark_complete();
+        }
+    }
+    let mine = shared.rank(rank)?;
+    let f = multicast::kernel(g, ord, cc)?;
+    let me = &infos[rank];
+    for s in &mp.stores {
+        let (src, bytes) = me.inputs[s.param];
+        if bytes < s.bytes || s.mc_offset + s.bytes > mine.size {
+            return Err(TideError::Internal(format!(
+                "multicast store of param {} out of bounds",
+                s.param
+            )));
+        }
+        multicast::launch_store(g, f, main, mine.mc + s.mc_offset as u64, src, s.bytes, cfg.rs_max_ctas)?;
+    }
+    // SAFETY: valid event and stream; context current.
+    unsafe { driver::event_record(pushed, main, || format!("rank {rank} device {ord}: multicast pushed event"))? };
+    meeting.barrier("multicast pushed")?;
+    let side = res.stream(1)?;
+    for (q, info) in infos.iter().enumerate() {
+        let ev = *info.phases.first().ok_or_else(|| {
+            TideError::Internal(format!("rank {q} published no multicast pushed event"))
+        })?;
+        // SAFETY: rank q's pushed event, recorded before the barrier above.
+        unsafe {
+            driver::stream_wait_event(side, ev as CUevent, || {
+                format!("rank {rank} device {ord}: on rank {q}'s multicast pushed event")
+            })?
+        };
+    }
+    for fan in &mp.fanout {
+        let (out, out_bytes) = me.outputs[fan.param];
+        if fan.out_offset + fan.bytes > out_bytes || fan.backing_offset + fan.bytes > mine.size {
+            return Err(TideError::Internal(format!(
+                "multicast fan-out of param {} from rank {} out of bounds",
+                fan.param, fan.src_rank
+            )));
+        }
+        // SAFETY: ranges checked above; both on this device.
+        unsafe {
+            driver::memcpy_async(
+                out + fan.out_offset as u64,
+                mine.uc + fan.backing_offset as u64,
+                fan.bytes,
+                side,
+                || format!("rank {rank} device {ord}: multicast fan-out"),
+            )?
+        };
+    }
+    let join = *res
+        .pool
+        .first()
+        .ok_or_else(|| TideError::Internal("no local event".into()))?;
+    // SAFETY: valid handles.
+    unsafe {
+        driver::event_record(join, side, || format!("rank {rank} device {ord}: multicast join"))?;
+        driver::stream_wait_event(main, join, || format!("rank {rank} device {ord}: multicast join"))
+    }
+}
