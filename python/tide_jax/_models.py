@@ -539,7 +539,9 @@ class Plan:
             out_specs = (P(), self.batch_spec, stack_specs, rest_spec, new_specs)
         else:
             out_specs = (self.batch_spec, new_specs)
-        fn = _compat.shard_map(inner, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+        # jit: inlined under the caller's jit; called eagerly, shard_map would dispatch tide's starts
+        # and dones as separate computations
+        fn = jax.jit(_compat.shard_map(inner, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
         if _explicit(mesh):  # explicit mesh axes: shard_map wants inputs already typed as in_specs say
             stack_in = [{k: self._place(v, P(None, axis)) for k, v in d.items()} for d in stack_in]
             rest_in = {k: self._place(v, P(axis)) for k, v in rest_in.items()}

@@ -97,9 +97,10 @@ def _layer_paths(model, layers) -> list[str]:
 class FSDP:
     """The front door of one sharded Equinox model (`tide_jax.equinox.shard`)."""
 
-    def __init__(self, plan: _models.Plan, tree):
+    def __init__(self, plan: _models.Plan, tree, kinds):
         self.plan = plan
         self.tree = tree
+        self._kinds = kinds
 
     @property
     def mesh(self):
@@ -184,12 +185,22 @@ class FSDP:
 
         return wrapped
 
-    def unshard(self, model):
-        """A new model with the full (replicated) floating arrays."""
-        kinds, pvals, svals = self._split(model, "unshard")
-        full = iter(self.plan.unshard(pvals))
-        it_s = iter(svals)
-        return jax.tree_util.tree_unflatten(self.tree, [next(full) if k == "param" else next(it_s) for k in kinds])
+    def unshard(self, tree):
+        """Full (replicated) arrays from shards: the sharded model -> the full model; a tree shaped like
+        its gradients (None at the non-floating leaves, e.g. `filter_value_and_grad`'s) -> full
+        gradients."""
+        _, t, kinds = _classify(tree)
+        if t == self.tree:
+            kinds, pvals, svals = self._split(tree, "unshard")
+            full = iter(self.plan.unshard(pvals))
+            it_s = iter(svals)
+            return jax.tree_util.tree_unflatten(self.tree, [next(full) if k == "param" else next(it_s) for k in kinds])
+        leaves = jax.tree_util.tree_leaves(tree)
+        if len(leaves) != len(self.plan.params):
+            raise ValueError("tide: FSDP.unshard: expected the sharded model or a tree shaped like its gradients")
+        it = iter(self.plan.unshard(leaves))
+        return jax.tree_util.tree_unflatten(
+            self.tree, [next(it) if k == "param" else None for k in self._kinds])
 
     def shard(self, model):
         """A model of the same structure (full arrays) sharded with this front door's layouts."""
@@ -224,7 +235,7 @@ def shard(model, mesh, axis: str, *, layers, dtype=jnp.bfloat16, remat=None, pre
     plan = _models.Plan(params, state, stacks, mesh, axis, dtype=dtype, remat=remat, prefetch=prefetch,
                         reshard_after_forward=reshard_after_forward, backend=backend, batch_axes=batch_axes,
                         hook=HOOK, what="tide_jax.equinox.shard")
-    fsdp = FSDP(plan, tree)
+    fsdp = FSDP(plan, tree, kinds)
     return fsdp.shard(model), fsdp
 
 

@@ -206,11 +206,18 @@ class FSDP:
         return wrapped
 
     # ----- moving between sharded and full -----
-    def unshard(self, model):
-        """The model's Params back to full arrays (replicated), in place; returns the model."""
-        _, pvals, p_tree, _, _ = self._split(model, "unshard")
-        _nnx.update(model, jax.tree_util.tree_unflatten(p_tree, self.plan.unshard(pvals)))
-        return model
+    def unshard(self, tree):
+        """Full (replicated) arrays from shards: a sharded model gets its Params back, in place (and is
+        returned); an nnx.State shaped like the Params (gradients, optimizer moments) is returned
+        with full arrays."""
+        if isinstance(tree, _nnx.Module):
+            _, pvals, p_tree, _, _ = self._split(tree, "unshard")
+            _nnx.update(tree, jax.tree_util.tree_unflatten(p_tree, self.plan.unshard(pvals)))
+            return tree
+        leaves, t = _flat(tree)
+        if [path for path, _ in leaves] != [q.path for q in self.plan.params]:
+            raise ValueError("tide: FSDP.unshard: expected the sharded model or a State shaped like its Params")
+        return jax.tree_util.tree_unflatten(t, self.plan.unshard([x for _, x in leaves]))
 
     def shard(self, model):
         """Shards a model of the same structure (e.g. `unshard`'s result) in place; returns it."""
