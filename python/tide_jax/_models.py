@@ -357,31 +357,53 @@ class Plan:
     def spec(self, i: int):
         return P(self.axis) if self.params[i].sid is None else P(None, self.axis)
 
+    def _rows(self, i: int) -> int:
+        p = self.params[i]
+        shape = p.shape[1:] if p.sid is not None else p.shape
+        return shape[0] if shape else 1
+
     def shard(self, values: list) -> list:
-        """Full parameters (in `params` order) -> global shard arrays."""
-        out = [None] * len(values)
-        for sid, stack in enumerate(self.stacks):
-            got = stack.lay.shard_stacked({self.params[i].path: values[i] for i in stack.params})
-            for i in stack.params:
-                out[i] = got[self.params[i].path]
-        if self.rest:
-            got = self.rest_lay.shard({self.params[i].path: values[i] for i in self.rest})
-            for i in self.rest:
-                out[i] = got[self.params[i].path]
-        return out
+        """Full parameters (in `params` order) -> global shard arrays: zero-padded rows, sharded on
+        `axis` (stacks: per layer, on dim 1). One compiled function for the whole model."""
+        if getattr(self, "_shard_fn", None) is None:
+            def pad(xs):
+                out = []
+                for i, x in enumerate(xs):
+                    p = self.params[i]
+                    rows, gshape = self._rows(i), self.global_shape(i)
+                    if p.sid is None:
+                        x = jnp.reshape(x.astype(p.dtype), (rows, *p.shape[1:]))
+                        out.append(jnp.pad(x, [(0, gshape[0] - rows)] + [(0, 0)] * (len(gshape) - 1)))
+                    else:
+                        x = jnp.reshape(x.astype(p.dtype), (p.shape[0], rows, *p.shape[2:]))
+                        out.append(jnp.pad(x, [(0, 0), (0, gshape[1] - rows)] + [(0, 0)] * (len(gshape) - 2)))
+                return out
+
+            shardings = [NamedSharding(self.mesh, self.spec(i)) for i in range(len(self.params))]
+            self._shard_fn = jax.jit(pad, out_shardings=shardings)
+        for p, x in zip(self.params, values):
+            if shape_of(x) != p.shape:
+                raise ValueError(f"tide: {self.what}: {p.path} has shape {shape_of(x)}, expected the full {p.shape}")
+        return list(self._shard_fn([jnp.asarray(x) for x in values]))
 
     def unshard(self, values: list) -> list:
+        """Global shard arrays -> full parameters (replicated), padding dropped."""
         self.check_sharded(values, "unshard")
-        out = [None] * len(values)
-        for stack in self.stacks:
-            got = stack.lay.unshard_stacked({self.params[i].path: values[i] for i in stack.params})
-            for i in stack.params:
-                out[i] = got[self.params[i].path]
-        if self.rest:
-            got = self.rest_lay.unshard({self.params[i].path: values[i] for i in self.rest})
-            for i in self.rest:
-                out[i] = got[self.params[i].path]
-        return out
+        if getattr(self, "_unshard_fn", None) is None:
+            def crop(xs):
+                out = []
+                for i, x in enumerate(xs):
+                    p = self.params[i]
+                    rows = self._rows(i)
+                    out.append(jnp.reshape(x[:rows] if p.sid is None else x[:, :rows], p.shape))
+                return out
+
+            rep = NamedSharding(self.mesh, P())
+            self._unshard_fn = jax.jit(crop, out_shardings=[rep] * len(self.params))
+        rep = NamedSharding(self.mesh, P())
+        # replicated first: slicing a sharded dim to a size the mesh does not divide is not
+        # expressible under explicit sharding
+        return list(self._unshard_fn([jax.device_put(x, rep) for x in values]))
 
     def place_state(self, values: list) -> list:
         rep = NamedSharding(self.mesh, P())
