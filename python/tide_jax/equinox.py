@@ -216,13 +216,14 @@ class FSDP:
         return jax.tree_util.tree_unflatten(tree, [next(sharded) if k == "param" else next(state) for k in kinds])
 
 
-def shard(model, mesh, axis: str, *, layers, dtype=jnp.bfloat16, remat=None, prefetch: int = 1,
+def shard(model, mesh, axis: str, *, layers, dtype=None, remat=None, prefetch: int = 1,
           reshard_after_forward: bool = True, backend: str | None = None, batch_axes=None):
     """(the model with its floating arrays as fp32 FSDP shards over `axis` of `mesh`, its front door).
 
     layers: path of the stacked layers ("layers", "decoder.blocks"; several: a tuple; or a function
       `lambda m: m.layers`); the model must run them through `call_layers`.
-    dtype: the dtype floating arrays are gathered in, which the model computes with (bf16; None: as stored).
+    dtype: the dtype the floating arrays are gathered in (None: as stored, fp32, the model's numerics
+      unchanged; jnp.bfloat16: the model computes in bf16, half the bytes moved, fp32 gradient sums).
     remat, prefetch, reshard_after_forward: `tide_jax.scan_layers`'s (remat=None: the one
       `call_layers` is given, default no recompute).
     backend: "tide" or "jax" (default: `tide_jax.get_backend()`).

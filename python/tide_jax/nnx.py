@@ -25,7 +25,7 @@ layout and one for the other parameters, and replaces every `nnx.Param` value by
 
 `fsdp.value_and_grad(loss_fn)(model, *batch)` runs `loss_fn(model, *batch)` on every device under
 `shard_map`: the batch arguments split on their first axis, the model rebuilt with the other
-parameters gathered (`dtype`, bf16 by default) and the stacked layers run by
+parameters gathered (in `dtype`: as stored by default, or bf16) and the stacked layers run by
 `tide_jax.scan_layers` when the model calls `call_layers(self.blocks, ...)` (the user's own layer
 module, one layer's gathered parameters merged into it; the layer i+1 gather behind layer i's
 compute, the gradients reduce-scattered in fp32). It returns the loss averaged over the devices
@@ -235,7 +235,7 @@ class FSDP:
         return model
 
 
-def shard(model, mesh, axis: str, *, layers, params=_nnx.Param, dtype=jnp.bfloat16, remat=None,
+def shard(model, mesh, axis: str, *, layers, params=_nnx.Param, dtype=None, remat=None,
           prefetch: int = 1, reshard_after_forward: bool = True, backend: str | None = None,
           batch_axes=None) -> FSDP:
     """Shards `model`'s parameters over `axis` of `mesh` in place (FSDP2's dim-0 rule, fp32 master
@@ -244,7 +244,9 @@ def shard(model, mesh, axis: str, *, layers, params=_nnx.Param, dtype=jnp.bfloat
     layers: path of the stacked layers ("blocks", "decoder.layers"; several: a tuple; or a function
       `lambda m: m.blocks`); the model must run them through `call_layers`.
     params: the filter of the trained variables (nnx.Param); every other variable is state.
-    dtype: the dtype parameters are gathered in, which the model computes with (bf16; None: as stored).
+    dtype: the dtype the parameters are gathered in (None: as stored, fp32, the model's numerics
+      unchanged). jnp.bfloat16 for a model that computes in bf16 (`nnx.Linear(..., dtype=jnp.bfloat16)`):
+      the same results at half the bytes, gradients reduce-scattered from bf16 with fp32 sums.
     remat, prefetch, reshard_after_forward: `tide_jax.scan_layers`'s (remat=None: the one
       `call_layers` is given, default no recompute).
     backend: "tide" or "jax" (default: `tide_jax.get_backend()`).

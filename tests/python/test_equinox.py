@@ -139,9 +139,10 @@ def test_apply_remat_bf16_and_errors(tide_backend):
     world = 3
     mesh = make_mesh((world,), (AXIS,))
     ref = Decoder(jax.random.key(1), plain=True)
-    model, fsdp = teqx.shard(Decoder(jax.random.key(1)), mesh, AXIS, layers=lambda m: m.layers, remat="full")
+    model, fsdp = teqx.shard(Decoder(jax.random.key(1)), mesh, AXIS, layers=lambda m: m.layers, remat="full",
+                             dtype=jnp.bfloat16)
     x, y, k = _data(world, 3)
-    # evaluation: no keys (dropout off), bf16 gathers by default
+    # evaluation: no keys (dropout off), bf16 gathers
     logits = eqx.filter_jit(fsdp.apply(lambda m, x: jax.vmap(m)(x)))(model, x)
     want = jax.vmap(ref)(x)
     assert logits.shape == want.shape == (2 * world, T, V)

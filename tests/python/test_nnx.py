@@ -189,7 +189,8 @@ def test_trains_like_the_model_without_tide(world, dropout, reference, tide_back
 
 def test_apply_has_aux_unshard_roundtrip(tide_backend):
     world = 3
-    mesh = make_mesh((world,), (AXIS,))
+    mesh = jax.make_mesh((world,), (AXIS,), devices=jax.devices("cpu")[:world])  # explicit axes (jax's default)
+    assert "Explicit" in str(mesh.axis_types)
     ref = Decoder(nnx.Rngs(1), plain=True)
     model = Decoder(nnx.Rngs(1))
     for m in (ref, model):
