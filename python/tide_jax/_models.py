@@ -638,7 +638,9 @@ def cast_like(out, carry, hook: str):
 
 
 def plain_checkpoint(fn, remat):
+    """`fn` under the activation policy `remat` for the plain (`lax.scan`) loop; inside a scan body
+    the recompute cannot be merged with the forward, so CSE need not be prevented (JAX's advice)."""
     remat = remat_policy(remat)
     if remat is None or remat is False:
         return fn
-    return jax.checkpoint(fn, policy=None if remat is True else remat)
+    return jax.checkpoint(fn, policy=None if remat is True else remat, prevent_cse=False)
