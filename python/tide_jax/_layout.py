@@ -144,7 +144,8 @@ def _check_leaf(path: str, leaf) -> None:
         return  # Python / NumPy scalars: 0-d parameters
     raise TypeError(
         f"tide: layout: leaf {name} is a {type(leaf).__name__}, not an array: only arrays (and numbers) can "
-        f"be sharded; {_STATE_HINT}"
+        "be sharded; keep other Python values out of the parameters (static, closed over); "
+        "tide_jax.nnx.shard and tide_jax.equinox.shard do this for a model's"
     )
 
 

@@ -221,6 +221,22 @@ def test_apply_has_aux_unshard_roundtrip(tide_backend):
     assert _rel(_params(model), full) == 0.0
 
 
+def test_two_axis_mesh_hsdp(tide_backend):
+    """Shards over "fsdp", replicated over "dp", the batch split over both: the gradient of the mean."""
+    mesh = make_mesh((2, 4), ("dp", AXIS))
+    ref = Decoder(nnx.Rngs(2), plain=True)
+    model = Decoder(nnx.Rngs(2))
+    for m in (ref, model):
+        m.set_attributes(deterministic=True)
+    fsdp = tnnx.shard(model, mesh, AXIS, layers="blocks", dtype=jnp.float32)
+    x, y = _data(8, 1)
+    loss, grads = jax.jit(lambda m, x, y: fsdp.value_and_grad(loss_fn)(m, x, y))(model, x, y)
+    ref_loss, ref_grads = nnx.value_and_grad(loss_fn)(ref, x, y)
+    assert abs(float(loss) - float(ref_loss)) < 2e-6 * float(ref_loss)
+    assert _rel([np.asarray(g) for g in jax.tree.leaves(fsdp.unshard(grads))],
+                [np.asarray(g) for g in jax.tree.leaves(ref_grads)]) < 2e-5
+
+
 def test_errors_name_what_to_do(tide_backend):
     mesh = make_mesh((3,), (AXIS,))
     # the stacked layers named wrong
