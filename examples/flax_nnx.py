@@ -24,8 +24,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = {  # vocab 256 (bytes); d_ff not a multiple of 8 on CPU: uneven shards
-    "cpu": dict(d_model=64, layers=4, heads=4, d_ff=172, seq=64, batch=16, dropout=0.1, dtype="float32"),
-    "gpu": dict(d_model=2048, layers=16, heads=16, d_ff=5632, seq=2048, batch=4, dropout=0.0, dtype="bfloat16"),
+    "cpu": dict(d_model=64, layers=4, heads=4, d_ff=172, seq=64, batch=16, dropout=0.1, dtype="float32", lr=3e-3),
+    "gpu": dict(d_model=2048, layers=16, heads=16, d_ff=5632, seq=2048, batch=4, dropout=0.0, dtype="bfloat16",
+                lr=3e-4),
 }
 
 
@@ -37,7 +38,10 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--remat", default="full", help="none, full, dots, ... (tide_jax.remat_policy); both modes")
     ap.add_argument("--devices", type=int, default=8, help="CPU devices (--size cpu)")
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--layers", type=int, help="override the size's number of layers")
+    ap.add_argument("--seq", type=int, help="override the size's sequence length")
+    ap.add_argument("--batch", type=int, help="override the size's batch (sequences per step)")
+    ap.add_argument("--lr", type=float, help="peak learning rate (default: the size's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check", action="store_true", help="exit 1 unless the loss fell")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON line (used by --compare)")
@@ -143,6 +147,7 @@ def batch(data, cfg, step, seed):
 # ----------------------------------------------------------------------------------------------
 def train(args) -> dict:
     cfg = dict(SIZES[args.size], remat=tide_jax.remat_policy(args.remat))
+    cfg.update({k: v for k, v in dict(layers=args.layers, seq=args.seq, batch=args.batch).items() if v})
     devices = jax.devices()
     if args.size == "gpu":
         devices = devices[:1]  # one GPU: the step-time comparison of issue #15
@@ -155,7 +160,9 @@ def train(args) -> dict:
         fsdp = tide_jax.nnx.shard(model, mesh, "fsdp", layers="blocks", dtype=cfg["dtype"])  # tide: Params -> shards
     else:  # plain JAX: the parameters replicated, the batch split over the devices (data parallel)
         nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(args.lr, weight_decay=0.1))
+    lr = optax.warmup_cosine_decay_schedule(0.0, args.lr or cfg["lr"], min(10, args.steps // 4 + 1),
+                                            max(args.steps, 2), end_value=0.1 * (args.lr or cfg["lr"]))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr, weight_decay=0.1))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     grad_fn = fsdp.value_and_grad if args.mode == "tide" else nnx.value_and_grad  # tide: fsdp.value_and_grad
 
