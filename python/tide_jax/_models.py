@@ -17,7 +17,12 @@ structure (an `nnx.State`, an Equinox pytree):
 axis over `batch_axes`), in which the adapter rebuilds the model (the rest gathered, the stacked
 parameters as placeholders that only the adapter's `call_layers` hook can run), calls the user's
 function on it and, for gradients, differentiates with respect to the shards: the result has the
-shards' shapes and shardings, ready for optax outside the shard_map.
+shards' shapes and shardings, ready for optax outside the shard_map. The shard_map is jitted (inlined
+under the caller's jit; an eager call would dispatch tide's starts and dones separately).
+
+`Context.scan` is the hook's loop: `scan_layers` over one stack. Called under `jax.vmap` (an Equinox
+model run per example), it moves the vmap inside the layer with `custom_vmap`, so a layer is gathered
+and reduce-scattered once for the whole batch, not once per example.
 """
 
 from __future__ import annotations

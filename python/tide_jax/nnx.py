@@ -48,7 +48,7 @@ the split state, state updates written back), so the same model trains without t
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
