@@ -11,10 +11,14 @@
 
 Backends: "tide" (the native library, default) or "jax" (pure-JAX twins in `tide_jax.reference`),
 chosen with `set_backend` or TIDE_BACKEND.
+
+Existing models: `tide_jax.nnx` (Flax NNX) and `tide_jax.equinox` (Equinox) shard a model and run its
+own `__call__` under FSDP (README "Your own model"); imported on first use, so `import tide_jax`
+never imports flax or equinox.
 """
 
 from . import reference
-from ._layout import Layout, ParamInfo, layout
+from ._layout import Layout, ParamInfo, layout, shard_map
 from ._lib import LibraryNotFoundError, SettingError, library_path
 from ._ops import (
     BACKENDS,
@@ -30,11 +34,21 @@ from ._ops import (
     reduce_scatter_start,
     set_backend,
 )
-from ._compat import shard_map
 from ._loop import REMAT_NAMES, remat_policy, scan_layers
 from ._distributed import initialize
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # The front doors import flax / equinox, optional dependencies: only when asked for
+    # (`tide_jax.nnx`, `from tide_jax import equinox`), never by `import tide_jax`.
+    if name in ("nnx", "equinox"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BACKENDS",

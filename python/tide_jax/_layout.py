@@ -17,8 +17,10 @@ its group.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
+import weakref
 from typing import Any
 
 import jax
@@ -28,7 +30,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _distributed
 
-__all__ = ["Layout", "ParamInfo", "layout", "topology_from_env"]
+__all__ = ["Layout", "ParamInfo", "layout", "shard_map", "topology_from_env"]
+
+_LAYOUTS: "weakref.WeakSet" = weakref.WeakSet()  # live layouts, for shard_map's in_specs hints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +111,44 @@ def _abstract(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(arr.shape, arr.dtype)
 
 
+_STATE_HINT = (
+    "keep it out of the sharded pytree and pass it to shard_map replicated (in_specs P()); "
+    "tide_jax.nnx.shard and tide_jax.equinox.shard do this for a model's RNG state, counters and buffers"
+)
+
+
+def _check_leaf(path: str, leaf) -> None:
+    """Refuses what cannot be sharded as rows of numbers, naming the leaf: PRNG keys (extended
+    dtypes such as key<fry>), Python objects, strings."""
+    name = path or "<root>"
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None:
+        try:
+            extended = jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+        except TypeError:
+            extended = False
+        if extended:
+            kind = "a PRNG key array" if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else "an extended dtype"
+            raise TypeError(
+                f"tide: layout: leaf {name} has dtype {dtype} ({kind}, shape {tuple(getattr(leaf, 'shape', ()))}): "
+                f"it cannot be sharded; {_STATE_HINT}"
+            )
+        try:
+            np_dtype = np.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"tide: layout: leaf {name} has dtype {dtype}, which is not an array dtype; {_STATE_HINT}") from None
+        if np_dtype.kind not in "biufc" and np_dtype != np.dtype(jnp.bfloat16):
+            raise TypeError(f"tide: layout: leaf {name} has dtype {np_dtype} (not numbers); {_STATE_HINT}")
+        return
+    if isinstance(leaf, (bool, int, float, complex, np.generic)):
+        return  # Python / NumPy scalars: 0-d parameters
+    raise TypeError(
+        f"tide: layout: leaf {name} is a {type(leaf).__name__}, not an array: only arrays (and numbers) can "
+        "be sharded; keep other Python values out of the parameters (static, closed over); "
+        "tide_jax.nnx.shard and tide_jax.equinox.shard do this for a model's"
+    )
+
+
 def _device_ordinal(device) -> int:
     if device.platform == "cpu":
         return int(device.id)
@@ -138,6 +180,8 @@ class Layout:
         leaves_with_path, self.treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
         if not leaves_with_path:
             raise ValueError("tide: empty parameter pytree: nothing to shard")
+        for key_path, leaf in leaves_with_path:
+            _check_leaf(_prefix + jax.tree_util.keystr(key_path), leaf)
         self.abstract = jax.tree_util.tree_unflatten(
             self.treedef, [_abstract(x) for _, x in leaves_with_path]
         )
@@ -167,6 +211,7 @@ class Layout:
         self.sharding = NamedSharding(mesh, PartitionSpec(axis))
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self._device_map = self._build_device_map()
+        _LAYOUTS.add(self)
 
     # ----- the device map (FFI attributes) -----
     def _build_device_map(self):
@@ -354,12 +399,20 @@ class Layout:
 def _num_layers(leaves, params, what: str, shape_of) -> int:
     """The common leading layer count L of stacked leaves whose other dims are `shape_of(param)`."""
     num = None
+    same = all(tuple(np.shape(x)) == tuple(shape_of(p)) for p, x in zip(params, leaves))
     for p, x in zip(params, leaves):
         shape = tuple(np.shape(x))
         if len(shape) < 1 or shape[1:] != tuple(shape_of(p)):
+            hint = ""
+            if same:
+                hint = (
+                    ": every leaf has exactly the layout's own shape, so the layout was built from the stacked "
+                    "parameters; build it from ONE layer, e.g. tide_jax.layout(jax.tree.map(lambda x: x[0], "
+                    "stacked), mesh, axis), and pass the stacked parameters here"
+                )
             raise ValueError(
                 f"tide: {what}: {p.describe()}: expected a stacked array (L, *{tuple(shape_of(p))}), "
-                f"got shape {shape}"
+                f"got shape {shape}{hint}"
             )
         if num is None:
             num = shape[0]
@@ -388,6 +441,82 @@ def _crop(x, p: ParamInfo, replicated):
     # Replicate first: slicing a sharded dim to a size the mesh does not divide is not expressible
     # under explicit sharding.
     return jax.jit(crop, out_shardings=replicated)(jax.device_put(x, replicated))
+
+
+# ----------------------------------------------------------------------------------------------
+# shard_map with tide's checks of in_specs against the layouts' arrays
+# ----------------------------------------------------------------------------------------------
+def _spec_axes(entry) -> tuple:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _check_in_specs(in_specs, args, mesh) -> None:
+    """Refuses, before JAX can, the two spec mix-ups JAX reports without naming tide's fix: stacked
+    shards `(L, P * shard_rows, *rest)` with `lay.spec` (splits the layer axis) and one layer's shards
+    with `lay.stacked_spec`. Only where JAX would refuse the pair anyway (it does not divide)."""
+    try:
+        is_spec = lambda x: x is None or isinstance(x, PartitionSpec)  # noqa: E731
+        spec_leaves, spec_tree = jax.tree_util.tree_flatten(in_specs, is_leaf=is_spec)
+        subtrees = spec_tree.flatten_up_to(args)
+    except Exception:  # noqa: BLE001 - a prefix mismatch: JAX's own message says it
+        return
+    layouts = [lay for lay in list(_LAYOUTS) if lay.axis in getattr(mesh, "axis_names", ())]
+    if not layouts:
+        return
+    for spec, sub in zip(spec_leaves, subtrees):
+        if not isinstance(spec, PartitionSpec):
+            continue
+        entries = tuple(spec)
+        for path, x in jax.tree_util.tree_flatten_with_path(sub)[0]:
+            shape = getattr(x, "shape", None)
+            if shape is None:
+                continue
+            shape = tuple(int(d) for d in shape)
+            for lay in layouts:
+                world = int(mesh.shape[lay.axis])
+                for p in lay.params:
+                    if p.world != world:
+                        continue
+                    stacked_with_spec = (
+                        len(entries) >= 1 and lay.axis in _spec_axes(entries[0]) and len(shape) >= 1
+                        and shape[1:] == p.global_shape and shape[0] % world != 0
+                    )
+                    if stacked_with_spec:
+                        raise ValueError(
+                            f"tide: shard_map in_specs: an argument of shape {shape} is the stacked shards of "
+                            f"{p.describe()} (L = {shape[0]} layers of {p.global_shape}), but its spec "
+                            f"{spec} splits the layer axis over {world} devices: use in_specs=lay.stacked_spec "
+                            "(PartitionSpec(None, axis)) for stacked shards, lay.spec for one layer's"
+                        )
+                    flat_with_stacked = (
+                        shape == p.global_shape and len(entries) >= 2 and entries[0] is None
+                        and lay.axis in _spec_axes(entries[1]) and (len(shape) < 2 or shape[1] % world != 0)
+                    )
+                    if flat_with_stacked:
+                        raise ValueError(
+                            f"tide: shard_map in_specs: an argument of shape {shape} is the shards of "
+                            f"{p.describe()} (no layer axis), but its spec {spec} is a stacked spec: use "
+                            "in_specs=lay.spec for shards from lay.shard, lay.stacked_spec only for "
+                            "lay.shard_stacked's"
+                        )
+
+
+def shard_map(f, *, mesh, in_specs, out_specs, check_vma=True):
+    """`jax.shard_map` (one spelling of the replication-check flag on every supported JAX) that checks
+    its arguments against tide's layouts first: a stacked-shards / `spec` mix-up is reported with
+    the fix (`lay.stacked_spec` / `lay.spec`) instead of JAX's divisibility message."""
+    from . import _compat
+
+    mapped = _compat.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+
+    @functools.wraps(f)
+    def call(*args):
+        _check_in_specs(in_specs, args, mesh)
+        return mapped(*args)
+
+    return call
 
 
 def layout(params: Any, mesh: Mesh, axis: str, *, topology=None) -> Layout:

@@ -131,6 +131,37 @@ def test_layout_errors():
         lay.shard([np.zeros((5, 3), np.float32)])
 
 
+def test_non_array_leaves_are_refused_naming_leaf_and_dtype():
+    """PRNG keys (NNX Dropout's key<fry>) and Python objects: a named error saying what to do, not
+    JAX's or NumPy's TypeError (issue #15). Integer and boolean arrays are sharded like any other."""
+    mesh = make_mesh((4,), ("fsdp",))
+    with pytest.raises(TypeError, match=r"leaf \['rng'\]\['key'\] has dtype key<fry> \(a PRNG key array.*P\(\)"):
+        tide_jax.layout({"w": np.zeros(3), "rng": {"key": jax.random.key(0)}}, mesh, "fsdp")
+    with pytest.raises(TypeError, match=r"leaf \['act'\] is a str, not an array"):
+        tide_jax.layout({"w": np.zeros(3), "act": "gelu"}, mesh, "fsdp")
+    lay = tide_jax.layout({"c": np.zeros((), np.uint32), "m": np.ones(5, bool)}, mesh, "fsdp")
+    assert [p.dtype for p in lay.params] == [np.dtype(np.uint32), np.dtype(bool)]
+
+
+def test_first_wrong_call_names_the_fix():
+    """A layout built from the stacked parameters, and spec / stacked_spec swapped: tide's message,
+    raised before JAX's divisibility error can hide it (issue #15)."""
+    mesh = make_mesh((8,), ("fsdp",))
+    stacked = {"w": np.ones((4, 5, 3), np.float32)}
+    wrong = tide_jax.layout(stacked, mesh, "fsdp")
+    with pytest.raises(ValueError, match=r"built from the stacked parameters; build it from ONE layer"):
+        wrong.shard_stacked(stacked)
+    lay = tide_jax.layout({"w": np.ones((5, 3), np.float32)}, mesh, "fsdp")
+    shards = lay.shard_stacked(stacked)
+    f = tide_jax.shard_map(lambda s: tide_jax.scan_layers(lambda p, c: c, jnp.zeros(3), s, lay), mesh=mesh,
+                           in_specs=(lay.spec,), out_specs=P())
+    with pytest.raises(ValueError, match=r"stacked shards of parameter \['w'\].*in_specs=lay\.stacked_spec"):
+        jax.jit(f)(shards)
+    g = tide_jax.shard_map(lambda s: s, mesh=mesh, in_specs=(lay.stacked_spec,), out_specs=P())
+    with pytest.raises(ValueError, match=r"\(no layer axis\).*in_specs=lay\.spec"):
+        jax.jit(g)(lay.shard({"w": np.ones((5, 3), np.float32)}))
+
+
 def test_nccl_roles_rail_ids_made_by_node0_and_read_by_every_member():
     """Multi-host GPU bootstrap: rail r of a group (ranks r, r+G, r+2G, ...) gets its ncclUniqueId
     from the process of rank r (node 0); every process holding a member reads it."""
