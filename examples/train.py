@@ -180,7 +180,8 @@ def setup_env(args, use_gpu: bool, multiprocess: bool) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags)
     if importlib.util.find_spec("tide_jax") is None:  # a source checkout without `pip install .`
         sys.path.insert(0, os.path.join(REPO, "python"))
-    sys.path.insert(0, HERE)
+    if HERE not in sys.path:  # appended: examples/equinox.py must not shadow the equinox package
+        sys.path.append(HERE)
 
 
 def checkpoint_module():

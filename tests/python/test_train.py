@@ -16,7 +16,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(REPO, "examples")
-sys.path.insert(0, EXAMPLES)
+sys.path.append(EXAMPLES)  # appended: examples/equinox.py must not shadow the equinox package
 
 pytest.importorskip("optax")
 import train  # noqa: E402
