@@ -474,33 +474,37 @@ def _check_in_specs(in_specs, args, mesh) -> None:
             if shape is None:
                 continue
             shape = tuple(int(d) for d in shape)
-            for lay in layouts:
+            # Several live layouts may hold a parameter of this shape: the one at this argument's
+            # own path first, so the message names the right parameter.
+            key = jax.tree_util.keystr(path)
+            candidates = [(lay, p) for lay in layouts for p in lay.params]
+            candidates.sort(key=lambda c: c[1].path != key)
+            for lay, p in candidates:
                 world = int(mesh.shape[lay.axis])
-                for p in lay.params:
-                    if p.world != world:
-                        continue
-                    stacked_with_spec = (
-                        len(entries) >= 1 and lay.axis in _spec_axes(entries[0]) and len(shape) >= 1
-                        and shape[1:] == p.global_shape and shape[0] % world != 0
+                if p.world != world:
+                    continue
+                stacked_with_spec = (
+                    len(entries) >= 1 and lay.axis in _spec_axes(entries[0]) and len(shape) >= 1
+                    and shape[1:] == p.global_shape and shape[0] % world != 0
+                )
+                if stacked_with_spec:
+                    raise ValueError(
+                        f"tide: shard_map in_specs: an argument of shape {shape} is the stacked shards of "
+                        f"{p.describe()} (L = {shape[0]} layers of {p.global_shape}), but its spec "
+                        f"{spec} splits the layer axis over {world} devices: use in_specs=lay.stacked_spec "
+                        "(PartitionSpec(None, axis)) for stacked shards, lay.spec for one layer's"
                     )
-                    if stacked_with_spec:
-                        raise ValueError(
-                            f"tide: shard_map in_specs: an argument of shape {shape} is the stacked shards of "
-                            f"{p.describe()} (L = {shape[0]} layers of {p.global_shape}), but its spec "
-                            f"{spec} splits the layer axis over {world} devices: use in_specs=lay.stacked_spec "
-                            "(PartitionSpec(None, axis)) for stacked shards, lay.spec for one layer's"
-                        )
-                    flat_with_stacked = (
-                        shape == p.global_shape and len(entries) >= 2 and entries[0] is None
-                        and lay.axis in _spec_axes(entries[1]) and (len(shape) < 2 or shape[1] % world != 0)
+                flat_with_stacked = (
+                    shape == p.global_shape and len(entries) >= 2 and entries[0] is None
+                    and lay.axis in _spec_axes(entries[1]) and (len(shape) < 2 or shape[1] % world != 0)
+                )
+                if flat_with_stacked:
+                    raise ValueError(
+                        f"tide: shard_map in_specs: an argument of shape {shape} is the shards of "
+                        f"{p.describe()} (no layer axis), but its spec {spec} is a stacked spec: use "
+                        "in_specs=lay.spec for shards from lay.shard, lay.stacked_spec only for "
+                        "lay.shard_stacked's"
                     )
-                    if flat_with_stacked:
-                        raise ValueError(
-                            f"tide: shard_map in_specs: an argument of shape {shape} is the shards of "
-                            f"{p.describe()} (no layer axis), but its spec {spec} is a stacked spec: use "
-                            "in_specs=lay.spec for shards from lay.shard, lay.stacked_spec only for "
-                            "lay.shard_stacked's"
-                        )
 
 
 def shard_map(f, *, mesh, in_specs, out_specs, check_vma=True):
