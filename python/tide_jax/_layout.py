@@ -458,14 +458,14 @@ def _check_in_specs(in_specs, args, mesh) -> None:
     with `lay.stacked_spec`. Only where JAX would refuse the pair anyway (it does not divide)."""
     try:
         is_spec = lambda x: x is None or isinstance(x, PartitionSpec)  # noqa: E731
-        spec_leaves, spec_tree = jax.tree_util.tree_flatten(in_specs, is_leaf=is_spec)
+        spec_leaves_with_path, spec_tree = jax.tree_util.tree_flatten_with_path(in_specs, is_leaf=is_spec)
         subtrees = spec_tree.flatten_up_to(args)
     except Exception:  # noqa: BLE001 - a prefix mismatch: JAX's own message says it
         return
     layouts = [lay for lay in list(_LAYOUTS) if lay.axis in getattr(mesh, "axis_names", ())]
     if not layouts:
         return
-    for spec, sub in zip(spec_leaves, subtrees):
+    for (spec_path, spec), sub in zip(spec_leaves_with_path, subtrees):
         if not isinstance(spec, PartitionSpec):
             continue
         entries = tuple(spec)
@@ -474,11 +474,12 @@ def _check_in_specs(in_specs, args, mesh) -> None:
             if shape is None:
                 continue
             shape = tuple(int(d) for d in shape)
-            # Several live layouts may hold a parameter of this shape: the one at this argument's
-            # own path first, so the message names the right parameter.
-            key = jax.tree_util.keystr(path)
+            # Several live layouts may hold a parameter of this shape: those whose path ends the
+            # argument's own path (in_specs' path, then the path inside the argument) first, so the
+            # message names the right parameter.
+            key = jax.tree_util.keystr(tuple(spec_path) + tuple(path))
             candidates = [(lay, p) for lay in layouts for p in lay.params]
-            candidates.sort(key=lambda c: c[1].path != key)
+            candidates.sort(key=lambda c: not (c[1].path and key.endswith(c[1].path)))
             for lay, p in candidates:
                 world = int(mesh.shape[lay.axis])
                 if p.world != world:

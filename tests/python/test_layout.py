@@ -147,6 +147,8 @@ def test_first_wrong_call_names_the_fix():
     """A layout built from the stacked parameters, and spec / stacked_spec swapped: tide's message,
     raised before JAX's divisibility error can hide it (issue #15)."""
     mesh = make_mesh((8,), ("fsdp",))
+    # Another live layout holds a parameter of the same shape: the message still names this one.
+    other = tide_jax.layout({"w2": np.ones((5, 3), np.float32), "v": np.ones((5, 3), np.float32)}, mesh, "fsdp")
     stacked = {"w": np.ones((4, 5, 3), np.float32)}
     wrong = tide_jax.layout(stacked, mesh, "fsdp")
     with pytest.raises(ValueError, match=r"built from the stacked parameters; build it from ONE layer"):
@@ -160,6 +162,7 @@ def test_first_wrong_call_names_the_fix():
     g = tide_jax.shard_map(lambda s: s, mesh=mesh, in_specs=(lay.stacked_spec,), out_specs=P())
     with pytest.raises(ValueError, match=r"\(no layer axis\).*in_specs=lay\.spec"):
         jax.jit(g)(lay.shard({"w": np.ones((5, 3), np.float32)}))
+    del other
 
 
 def test_nccl_roles_rail_ids_made_by_node0_and_read_by_every_member():
