@@ -266,6 +266,10 @@ pub struct CallInfo {
     /// XLA's RunId of this launch (the same on every device of one execution); 0 where unknown.
     /// Rendezvous keys use it so one rank's failure cannot leave later runs out of step.
     pub run_id: i64,
+    /// The XLA device ordinal of each rank of this call's group (by rank) when every rank is in
+    /// this process (`job` 0); empty otherwise. The rendezvous's deadlock check (`deadlock`) tells
+    /// devices apart by them: each XLA device runs its programs one at a time.
+    pub rank_devices: Vec<i64>,
     /// Multi-process job id agreed through jax.distributed's key-value store; 0 when every rank of
     /// the mesh lives in this process (docs/multiprocess.md).
     pub job: u64,
@@ -285,6 +289,22 @@ pub struct CallInfo {
 }
 
 impl CallInfo {
+    /// What the rendezvous's deadlock check knows of this call on `engine`'s devices (a cycle
+    /// through it broken after `confirm_after`); None when it cannot be checked (no run id, or
+    /// ranks in other processes).
+    pub fn place(
+        &self,
+        engine: &'static str,
+        confirm_after: std::time::Duration,
+    ) -> Option<crate::deadlock::Place> {
+        (self.run_id != 0 && self.rank_devices.len() == self.world).then(|| crate::deadlock::Place {
+            engine,
+            run: self.run_id,
+            devices: self.rank_devices.as_slice().into(),
+            confirm_after,
+        })
+    }
+
     /// Builds the group layout this call implies and checks every buffer against it. Errors name
     /// the parameter (index, name, shape), the rank and the call.
     pub fn layout(&self) -> Result<GroupLayout> {

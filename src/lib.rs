@@ -10,6 +10,7 @@
 pub mod call;
 pub mod config;
 pub mod cuda;
+pub mod deadlock;
 pub mod engine;
 pub mod error;
 pub mod ffi;

@@ -22,6 +22,7 @@
 //! timeout seen by any rank) poisons the session and every waiter returns that error at once.
 //! Errors name the call (`what`), the key, the label and which ranks were missing.
 
+use crate::deadlock::{self, Place, Waitable};
 use crate::engine::Barrier;
 use crate::error::{Result, TideError};
 use once_cell::sync::{Lazy, OnceCell};
@@ -197,8 +198,34 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
         value: T,
         timeout: Duration,
     ) -> Result<Arc<Session<T>>> {
+        Self::join_at(what, key, rank, world, value, timeout, None)
+    }
+
+    /// `join` for a call whose `place` (run and devices of its ranks) is known: a wait that is
+    /// part of a cycle of programs interleaved across devices fails within milliseconds with a
+    /// message saying so (`deadlock`), instead of at the timeout; a call of a run that such a
+    /// break failed fails at once.
+    pub fn join_at(
+        what: &str,
+        key: Key,
+        rank: usize,
+        world: usize,
+        value: T,
+        timeout: Duration,
+        place: Option<&Place>,
+    ) -> Result<Arc<Session<T>>> {
+        if let Some(msg) = place.and_then(deadlock::failed_run) {
+            let err = TideError::Rendezvous(msg);
+            Self::abandon(what, key, rank, world, &err, timeout);
+            return Err(err);
+        }
         let session = Self::arrive(what, key, rank, world, timeout, Some(value), None)?;
-        let deadline = Instant::now() + timeout;
+        let start = Instant::now();
+        let deadline = start + timeout;
+        // Declared before the state guard, so it is dropped (deregistered) after the guard: the
+        // deadlock registry is never locked while this session's state is (lock order).
+        let mut watch = deadlock::Watch::new(place, rank, what, key, session.clone() as Arc<dyn Waitable>);
+        let mut next_check = start + deadlock::REGISTER_AFTER;
         let mut st = lock(&session.state);
         let mut spun = false;
         loop {
@@ -210,14 +237,31 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
             if let Some(err) = session.failure(&st) {
                 return Err(err);
             }
-            let now = Instant::now();
+            let mut now = Instant::now();
             if now >= deadline {
                 let absent = missing(&st.arrived);
-                let msg = session.timeout_message(&absent, "join");
+                let mut msg = session.timeout_message(&absent, "join");
+                if let Some(hint) = place.and_then(|p| deadlock::absent_hint(p, &absent)) {
+                    msg.push_str(&hint);
+                }
                 session.poison(&mut st, absent[0], msg.clone());
                 return Err(TideError::Rendezvous(msg));
             }
-            st = session.wait(st, deadline - now, &mut spun);
+            let mut until = deadline;
+            if let Some(w) = watch.as_mut() {
+                if now >= next_check {
+                    drop(st);
+                    let broken = w.check().is_some(); // a break fails this session too
+                    st = lock(&session.state);
+                    if broken {
+                        continue;
+                    }
+                    now = Instant::now();
+                    next_check = now + deadlock::CHECK_EVERY;
+                }
+                until = until.min(next_check);
+            }
+            st = session.wait(st, until.saturating_duration_since(now), &mut spun);
         }
     }
 
@@ -532,6 +576,24 @@ fn fmt_secs(d: Duration) -> String {
         format!("{s:.0}")
     } else {
         format!("{s}")
+    }
+}
+
+impl<T: Clone + Send + Sync + 'static> Waitable for Session<T> {
+    fn absent(&self) -> Vec<usize> {
+        let st = lock(&self.state);
+        if self.values.get().is_some() || st.failed.is_some() {
+            return Vec::new();
+        }
+        missing(&st.arrived)
+    }
+
+    fn break_with(&self, msg: &str) {
+        let mut st = lock(&self.state);
+        if self.values.get().is_none() {
+            let blamed = missing(&st.arrived).first().copied().unwrap_or(0);
+            self.poison(&mut st, blamed, msg.to_string());
+        }
     }
 }
 

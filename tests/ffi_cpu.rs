@@ -296,3 +296,48 @@ fn ranks_that_disagree_on_the_layout_fail_without_touching_memory() {
         assert!(full.iter().all(|&x| x == 0.0), "nothing may be written");
     }
 }
+
+#[test]
+fn cpu_programs_interleaved_across_devices_fail_fast_then_run() {
+    // Issue #17 through the FFI edge (decode -> CPU engine): devices 10, 11, 12 of one mesh. Device
+    // 10 runs program A (site 40, run 0x1a1) first, devices 11 and 12 run program B (site 41, run
+    // 0x1b2) first, as when two threads launch A and B at once. Each program is one all-gather.
+    // Every call must fail well inside a second naming the interleaving (the timeout is 120 s),
+    // and the next run of A must be exact.
+    const WORLD: usize = 3;
+    let gather = |site: i64, run: i64, rank: usize| -> (tide::ffi::FfiStatus, Vec<f32>) {
+        let shard: Vec<f32> = vec![rank as f32; 2];
+        let mut full = vec![-1f32; 6];
+        let mut c = call(
+            site,
+            WORLD,
+            10 + rank as i64,
+            vec![buf(shard.as_ptr() as usize, F32, &[2])],
+            vec![buf(full.as_mut_ptr() as usize, F32, &[6])],
+        );
+        c.run_id = run;
+        let s = run_cpu(Op::AllGather, &c);
+        (s, full)
+    };
+    let t0 = Instant::now();
+    let out = on_ranks(WORLD, move |rank| {
+        let order = if rank == 0 { [(40, 0x1a1), (41, 0x1b2)] } else { [(41, 0x1b2), (40, 0x1a1)] };
+        order.map(|(site, run)| {
+            let (s, _) = gather(site, run, rank);
+            (site, s.code, s.message, t0.elapsed())
+        })
+    });
+    for (rank, calls) in out.iter().enumerate() {
+        for (site, code, msg, at) in calls {
+            assert_eq!(*code, StatusCode::Internal, "rank {rank} site {site}: {msg}");
+            assert!(msg.contains("programs interleaved across devices"), "rank {rank} site {site}: {msg}");
+            assert!(msg.contains("run 0x1a1") && msg.contains("run 0x1b2") && msg.contains("dispatch_lock"), "{msg}");
+            assert!(*at < Duration::from_secs(1), "rank {rank} site {site} failed after {at:?}");
+        }
+    }
+    let out = on_ranks(WORLD, move |rank| gather(40, 0x1a3, rank));
+    for (rank, (s, full)) in out.into_iter().enumerate() {
+        assert_eq!(s.code, StatusCode::Ok, "rank {rank}: {}", s.message);
+        assert_eq!(full, vec![0.0, 0.0, 1.0, 1.0, 2.0, 2.0]);
+    }
+}

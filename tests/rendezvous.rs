@@ -521,3 +521,65 @@ fn run_seq_keeps_interleaved_runs_apart() {
     assert_eq!(interleaved, vec![of(a, 0), of(b, 0), of(a, 1), of(b, 1)]);
     assert_eq!(in_order, vec![of(a, 0), of(a, 1), of(b, 0), of(b, 1)]);
 }
+
+/// The place of rank `rank` of a 2-rank group on devices 0 and 1 (engine "test-cycle") in `run`.
+fn cycle_place(run: i64) -> tide::deadlock::Place {
+    tide::deadlock::Place {
+        engine: "test-cycle",
+        run,
+        devices: vec![0, 1].into(),
+        confirm_after: tide::deadlock::CONFIRM_AFTER_CPU,
+    }
+}
+
+#[test]
+fn programs_interleaved_across_devices_fail_at_once_not_at_the_timeout() {
+    // Issue #17: device 0 runs program A (run 0xa1) then B (run 0xb2), device 1 runs B then A, as
+    // when two threads launch A and B at once. Each program is one call per device. Without the
+    // check both first calls wait for the 30 s timeout; with it every call fails within a second
+    // naming what happened, and the next run meets normally.
+    let t0 = Instant::now();
+    let out = on_ranks(2, move |rank| {
+        let order = if rank == 0 { [(7001, 0xa1), (7002, 0xb2)] } else { [(7002, 0xb2), (7001, 0xa1)] };
+        let mut results = Vec::new();
+        for (site, run) in order {
+            let place = cycle_place(run);
+            let r = Session::join_at("test program", key(site, 0), rank, 2, rank, LONG, Some(&place));
+            results.push((site, r.map(|s| s.leave(rank)).err().map(|e| e.to_string()), t0.elapsed()));
+        }
+        results
+    });
+    for (rank, results) in out.iter().enumerate() {
+        for (site, err, at) in results {
+            let err = err.as_ref().unwrap_or_else(|| panic!("rank {rank} site {site}: the call succeeded"));
+            assert!(err.contains("programs interleaved across devices"), "rank {rank} site {site}: {err}");
+            assert!(err.contains("run 0xa1") && err.contains("run 0xb2"), "{err}");
+            assert!(err.contains("dispatch_lock"), "{err}");
+            assert!(*at < Duration::from_secs(1), "rank {rank} site {site} failed after {at:?}");
+        }
+    }
+    // Usable afterwards: a new run of program A on both devices meets.
+    let out = on_ranks(2, |rank| {
+        let place = cycle_place(0xa3);
+        let s = Session::join_at("test program", key(7001, 1), rank, 2, rank, LONG, Some(&place)).unwrap();
+        s.leave(rank).unwrap();
+        s.values().to_vec()
+    });
+    assert_eq!(out, vec![vec![0, 1], vec![0, 1]]);
+    assert_eq!(tide::deadlock::waiting(), 0);
+}
+
+#[test]
+fn a_rank_that_never_arrives_still_fails_at_the_timeout_naming_it() {
+    // Run 0xc3 on device 0 only; device 1 computes (no waiting call): no cycle, the timeout.
+    let place = cycle_place(0xc3);
+    let t0 = Instant::now();
+    let err = Session::join_at("test absent", key(7003, 0), 0, 2, 0u8, Duration::from_millis(300), Some(&place))
+        .err()
+        .expect("the peer never arrives");
+    let waited = t0.elapsed();
+    let msg = err.to_string();
+    assert!(msg.contains("rank 1 did not arrive at 'join' within 0.3 s"), "{msg}");
+    assert!(msg.contains("no tide call waits on device 1") && msg.contains("dispatch_lock"), "{msg}");
+    assert!(waited >= Duration::from_millis(300) && waited < Duration::from_secs(5), "{waited:?}");
+}

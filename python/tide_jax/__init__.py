@@ -36,6 +36,7 @@ from ._ops import (
 )
 from ._loop import REMAT_NAMES, remat_policy, scan_layers
 from ._distributed import initialize
+from ._dispatch import dispatch_lock
 
 __version__ = "0.1.0"
 
@@ -52,6 +53,7 @@ def __getattr__(name):
 
 __all__ = [
     "BACKENDS",
+    "dispatch_lock",
     "Handle",
     "all_gather_done",
     "all_gather_start",

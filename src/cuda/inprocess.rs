@@ -131,7 +131,16 @@ fn start_on_slot(call: &CallInfo, seq: u64) -> Result<SlotLease> {
         group: call.group,
         seq,
     };
-    let session = Session::join(&what, key, call.rank, call.world, local.info.clone(), cfg.timeout())?;
+    let place = call.place("cuda", crate::deadlock::CONFIRM_AFTER_CUDA);
+    let session = Session::join_at(
+        &what,
+        key,
+        call.rank,
+        call.world,
+        local.info.clone(),
+        cfg.timeout(),
+        place.as_ref(),
+    )?;
     let meeting = meeting::InProcess {
         session,
         rank: call.rank,

@@ -161,13 +161,14 @@ pub fn execute_seq(call: &CallInfo, seq: u64) -> Result<()> {
         outputs: call.outputs.iter().map(|b| b.ptr).collect(),
         stages: stages.addrs(),
     };
-    let session = Session::join(
+    let session = Session::join_at(
         &what,
         key,
         rank,
         world,
         (mine, fingerprint(&plan)),
         timeout(),
+        call.place("cpu", crate::deadlock::CONFIRM_AFTER_CPU).as_ref(),
     )?;
 
     // same_plan first: every rank reaches the same verdict from the same values.

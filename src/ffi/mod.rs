@@ -550,10 +550,21 @@ fn decode_as(op: Op, call: &FfiCall, site: i64, outputs: &[FfiBuffer]) -> Result
             .map(str::to_string)
             .collect()
     };
+    let mut rank_devices = Vec::new();
+    if attrs.job == 0 {
+        // Checked by check_attributes: every rank of every group appears once.
+        rank_devices = vec![0; world];
+        for ((&ordinal, &r), &g) in call.device_ordinals.iter().zip(&call.device_ranks).zip(&call.device_groups) {
+            if g as usize == group {
+                rank_devices[r as usize] = ordinal;
+            }
+        }
+    }
     Ok(CallInfo {
         op,
         site,
         run_id: call.run_id,
+        rank_devices,
         job: attrs.job,
         device_ordinal: device,
         rank,

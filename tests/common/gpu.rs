@@ -256,6 +256,7 @@ pub fn make_case(
             op,
             site,
             run_id: 0,
+            rank_devices: Vec::new(),
             job,
             device_ordinal: 0,
             rank: r,

@@ -1,0 +1,496 @@
+//! Deadlocks between programs interleaved across devices, found in milliseconds instead of after
+//! `TIDE_TIMEOUT_S` (docs/design.md "Interleaved programs").
+//!
+//! The hazard: every XLA device runs the programs launched on it one at a time, in launch order.
+//! Two Python threads that launch two tide programs A and B at once can enqueue them in different
+//! orders on different devices: device 7 runs A first, device 1 runs B first. A's call on device 7
+//! then waits for device 1, which waits in B's call for device 7: nobody can move, and each call
+//! would only fail at the timeout, blaming a rank that "did not arrive".
+//!
+//! The model (what this module assumes, and why a cycle is a deadlock): a rank waiting at a
+//! rendezvous `join` registers here after `REGISTER_AFTER` with its device, its run (XLA's RunId of
+//! the launch) and its session. A device with waiting calls, all of one run R, is *held* by R: it
+//! cannot start another run before R ends, and R cannot end on it while one of its calls waits.
+//! Edge X -> Y: a waiting call on X (run R) misses the rank on device Y, and Y is held by a run R'
+//! other than R. Then X waits for Y to finish R' first. A cycle of edges through the checking
+//! device is a deadlock: around the cycle every device waits for the next, which cannot move
+//! (only a failure or the timeout could end it). The same run on both ends of an edge is never an
+//! edge: the calls of one SPMD program agree in order on every device.
+//!
+//! Every snapshot is taken under `WAITERS`, and a waiter deregisters under it before its `join`
+//! returns, so an edge read from a session that is still incomplete stays true while the cycle
+//! lasts. A cycle is acted on only when checks over `CONFIRM_AFTER` keep finding the same waiters
+//! in it (a guard against a runtime that does not hold devices as modelled: XLA:CPU,
+//! `CONFIRM_AFTER_CPU`). Then every
+//! session of the cycle fails with one message naming the programs, devices and the fix, and the
+//! cycle's runs are recorded as failed: their other calls, waiting or still to come, fail at once
+//! (the run cannot succeed on every device any more), so the process is usable at once.
+//!
+//! Lock order: `WAITERS`, then a session's state (through `Waitable`), then `FAILED_RUNS`.
+//! Nothing here is held while a caller holds a session's state.
+//!
+//! Calls without a run id (0) or without the devices of their ranks (multi-process calls, engine
+//! tests) are not checked: they keep the timeout.
+
+use crate::rendezvous::Key;
+use once_cell::sync::Lazy;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// How long a rank waits at a `join` before it registers (most meetings complete sooner).
+pub const REGISTER_AFTER: Duration = Duration::from_millis(2);
+/// How often a registered waiter looks for a cycle.
+pub const CHECK_EVERY: Duration = Duration::from_millis(5);
+/// How long one cycle (the same waiters) must be seen before it is broken, by engine. XLA:GPU runs
+/// a device's programs one at a time, in launch order, so there a cycle is a deadlock at once and
+/// the margin only absorbs a racing check. XLA:CPU starts a device's executions on events (its
+/// launches are chained through the client, not queued per device), so a device can start a second
+/// program while a first still computes there, and a cycle of waits could still resolve: the
+/// longer margin is for that, still well inside the second a user waits.
+pub const CONFIRM_AFTER_CUDA: Duration = Duration::from_millis(50);
+pub const CONFIRM_AFTER_CPU: Duration = Duration::from_millis(400);
+#[cfg(test)]
+const CONFIRM_AFTER: Duration = CONFIRM_AFTER_CPU;
+/// Runs remembered as failed (their later calls fail at once).
+const FAILED_RUNS_KEPT: usize = 64;
+
+/// Where a rank's call runs: what the deadlock check knows of it.
+#[derive(Debug, Clone)]
+pub struct Place {
+    /// Which engine's devices (ordinals of different platforms are different devices).
+    pub engine: &'static str,
+    /// XLA's RunId of the launch; 0 (unknown) turns the check off for this call.
+    pub run: i64,
+    /// The device (XLA ordinal) of each rank of the call's group, by rank.
+    pub devices: Arc<[i64]>,
+    /// How long a cycle through this call must last before it is broken (`CONFIRM_AFTER_*`).
+    pub confirm_after: Duration,
+}
+
+impl Place {
+    fn checked(&self) -> bool {
+        self.run != 0 && !self.devices.is_empty()
+    }
+}
+
+/// What the check needs of a rendezvous session (implemented by `rendezvous::Session`).
+pub trait Waitable: Send + Sync {
+    /// Ranks not yet arrived; empty once the meeting completed or failed.
+    fn absent(&self) -> Vec<usize>;
+    /// Fails the session with `msg` (every waiter returns it; late arrivals too).
+    fn break_with(&self, msg: &str);
+}
+
+struct Waiter {
+    id: u64,
+    place: Place,
+    rank: usize,
+    what: String,
+    key: Key,
+    session: Arc<dyn Waitable>,
+    /// The waiter ids of the cycle this waiter saw at its last check, and since when.
+    suspect: Option<(Vec<u64>, Instant)>,
+}
+
+static WAITERS: Lazy<Mutex<Vec<Waiter>>> = Lazy::new(|| Mutex::new(Vec::new()));
+static FAILED_RUNS: Lazy<Mutex<VecDeque<(i64, String)>>> = Lazy::new(|| Mutex::new(VecDeque::new()));
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The message of a run that a broken deadlock failed, if `place`'s run is one.
+pub fn failed_run(place: &Place) -> Option<String> {
+    if !place.checked() {
+        return None;
+    }
+    lock(&FAILED_RUNS)
+        .iter()
+        .find(|(run, _)| *run == place.run)
+        .map(|(_, msg)| msg.clone())
+}
+
+/// What a join timeout adds when none of the missing ranks' devices waits in a tide call: the
+/// rank may still be computing, or never have started this program, held back inside XLA by a
+/// program launched at the same time from another thread (which tide cannot see).
+pub fn absent_hint(place: &Place, absent: &[usize]) -> Option<String> {
+    if !place.checked() {
+        return None;
+    }
+    let devices: Vec<i64> = absent.iter().filter_map(|&r| place.devices.get(r).copied()).collect();
+    let waiters = lock(&WAITERS);
+    let busy = waiters
+        .iter()
+        .any(|w| w.place.engine == place.engine && devices.contains(&w.place.devices[w.rank]));
+    (!busy && !devices.is_empty()).then(|| {
+        format!(
+            " (no tide call waits on device {}: it is still computing, or it never started this \
+             program; programs launched at the same time from several threads can hold each other \
+             back inside XLA, where tide cannot see it: launch them under \
+             `tide_jax.dispatch_lock(mesh)`)",
+            crate::error::short_list(&devices, 8).trim_matches(|c| c == '[' || c == ']')
+        )
+    })
+}
+
+/// Number of registered waiters (tests and diagnostics).
+pub fn waiting() -> usize {
+    lock(&WAITERS).len()
+}
+
+/// One rank's wait at a `join`: registered on its first `check`, deregistered when dropped.
+/// Drop it only while holding no session's state (lock order).
+pub struct Watch {
+    id: u64,
+    place: Place,
+    rank: usize,
+    what: String,
+    key: Key,
+    session: Arc<dyn Waitable>,
+    registered: bool,
+}
+
+impl Watch {
+    /// A watch for `rank`'s wait in `session` (`what` and `key` name the call), or None when
+    /// `place` cannot be checked.
+    pub fn new(
+        place: Option<&Place>,
+        rank: usize,
+        what: &str,
+        key: Key,
+        session: Arc<dyn Waitable>,
+    ) -> Option<Watch> {
+        let place = place.filter(|p| p.checked() && rank < p.devices.len())?;
+        Some(Watch {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            place: place.clone(),
+            rank,
+            what: what.to_string(),
+            key,
+            session,
+            registered: false,
+        })
+    }
+
+    /// Registers this wait (first call) and looks for a cycle through its device. Returns the
+    /// error message when this wait must end: a deadlock broken (every session of the cycle,
+    /// this one included, failed with it) or this run failed by an earlier break (this session
+    /// failed with that message).
+    pub fn check(&mut self) -> Option<String> {
+        if let Some(msg) = failed_run(&self.place) {
+            self.session.break_with(&msg);
+            return Some(msg);
+        }
+        let mut waiters = lock(&WAITERS);
+        if !self.registered {
+            waiters.push(Waiter {
+                id: self.id,
+                place: self.place.clone(),
+                rank: self.rank,
+                what: self.what.clone(),
+                key: self.key,
+                session: self.session.clone(),
+                suspect: None,
+            });
+            self.registered = true;
+        }
+        let cycle = find_cycle(&waiters, self.id);
+        let me = waiters.iter().position(|w| w.id == self.id)?;
+        let Some(cycle) = cycle else {
+            waiters[me].suspect = None;
+            return None;
+        };
+        let ids: Vec<u64> = cycle.iter().map(|e| waiters[e.waiter].id).collect();
+        match &waiters[me].suspect {
+            Some((seen, since)) if *seen == ids => {
+                if since.elapsed() < self.place.confirm_after {
+                    return None;
+                }
+            }
+            _ => {
+                waiters[me].suspect = Some((ids, Instant::now()));
+                return None;
+            }
+        }
+        let msg = describe(&waiters, &cycle);
+        {
+            let mut failed = lock(&FAILED_RUNS);
+            for e in &cycle {
+                let run = waiters[e.waiter].place.run;
+                if !failed.iter().any(|(r, _)| *r == run) {
+                    if failed.len() == FAILED_RUNS_KEPT {
+                        failed.pop_front();
+                    }
+                    failed.push_back((run, msg.clone()));
+                }
+            }
+        }
+        // Every session of the cycle, and every other waiting call of its runs.
+        let runs: Vec<i64> = cycle.iter().map(|e| waiters[e.waiter].place.run).collect();
+        for w in waiters.iter().filter(|w| runs.contains(&w.place.run)) {
+            w.session.break_with(&msg);
+        }
+        Some(msg)
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        if self.registered {
+            lock(&WAITERS).retain(|w| w.id != self.id);
+        }
+    }
+}
+
+/// One edge of a cycle: `waiter` (index into the waiters) misses the rank on device `to`.
+struct Edge {
+    waiter: usize,
+    to: i64,
+}
+
+/// A cycle of edges through the device of waiter `me`, if there is one.
+fn find_cycle(waiters: &[Waiter], me: u64) -> Option<Vec<Edge>> {
+    let mine = waiters.iter().find(|w| w.id == me)?;
+    let engine = mine.place.engine;
+    let device_of = |w: &Waiter| w.place.devices[w.rank];
+    // Devices of this engine with waiting calls, and the run holding each (None: calls of several
+    // runs wait there, which the model does not explain: no edge into it).
+    let mut held: HashMap<i64, Option<i64>> = HashMap::new();
+    for w in waiters.iter().filter(|w| w.place.engine == engine) {
+        let run = w.place.run;
+        held.entry(device_of(w))
+            .and_modify(|h| {
+                if *h != Some(run) {
+                    *h = None
+                }
+            })
+            .or_insert(Some(run));
+    }
+    // Out-edges of each device: (waiter index, device it misses), where that device is held by
+    // another run.
+    let mut out: HashMap<i64, Vec<Edge>> = HashMap::new();
+    for (i, w) in waiters.iter().enumerate() {
+        if w.place.engine != engine {
+            continue;
+        }
+        let from = device_of(w);
+        let Some(Some(run)) = held.get(&from).copied() else {
+            continue;
+        };
+        for r in w.session.absent() {
+            let Some(&to) = w.place.devices.get(r) else { continue };
+            if matches!(held.get(&to), Some(Some(other)) if *other != run) {
+                out.entry(from).or_default().push(Edge { waiter: i, to });
+            }
+        }
+    }
+    // Depth-first from this device back to it.
+    let start = device_of(mine);
+    let mut path: Vec<Edge> = Vec::new();
+    let mut visited: Vec<i64> = vec![start];
+    let mut stack: Vec<(i64, usize)> = vec![(start, 0)];
+    while let Some(top) = stack.last_mut() {
+        let edges = out.get(&top.0).map(Vec::as_slice).unwrap_or(&[]);
+        let Some(e) = edges.get(top.1) else {
+            stack.pop();
+            path.pop(); // the edge into the device just left (none for the start)
+            continue;
+        };
+        top.1 += 1;
+        let (waiter, to) = (e.waiter, e.to);
+        if to == start {
+            path.push(Edge { waiter, to });
+            return Some(path);
+        }
+        if !visited.contains(&to) {
+            visited.push(to);
+            path.push(Edge { waiter, to });
+            stack.push((to, 0));
+        }
+    }
+    None
+}
+
+fn run_name(run: i64) -> String {
+    format!("run {:#x}", run as u32)
+}
+
+/// The message every call of the cycle fails with: what happened, where, and what to do.
+fn describe(waiters: &[Waiter], cycle: &[Edge]) -> String {
+    let steps: Vec<String> = cycle
+        .iter()
+        .map(|e| {
+            let w = &waiters[e.waiter];
+            format!(
+                "device {} waits in {} {} ({}) for device {}",
+                w.place.devices[w.rank],
+                w.what,
+                w.key,
+                run_name(w.place.run),
+                e.to
+            )
+        })
+        .collect();
+    let mut runs: Vec<String> = Vec::new();
+    for e in cycle {
+        let run = run_name(waiters[e.waiter].place.run);
+        if !runs.contains(&run) {
+            runs.push(run);
+        }
+    }
+    let shown = 8;
+    let more = if steps.len() > shown { format!("; ... ({} waits in all)", steps.len()) } else { String::new() };
+    format!(
+        "tide: programs interleaved across devices (a deadlock, broken at once): {}{more}. Each device \
+         runs the programs launched on it one at a time, in launch order, and these programs ({}) were \
+         launched in different orders on different devices (two threads dispatching at once). Every \
+         tide call of these runs fails; the process stays usable. Launch tide programs on one mesh \
+         from one thread at a time: e.g. `with tide_jax.dispatch_lock(mesh): out = step(...)` \
+         around each call of a jitted step in every thread",
+        steps[..steps.len().min(shown)].join("; "),
+        runs.join(", "),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    /// A session stand-in: fixed absent ranks until broken.
+    struct Fake {
+        absent: Mutex<Vec<usize>>,
+        broken: AtomicBool,
+    }
+
+    impl Waitable for Fake {
+        fn absent(&self) -> Vec<usize> {
+            lock(&self.absent).clone()
+        }
+        fn break_with(&self, _msg: &str) {
+            self.broken.store(true, Ordering::SeqCst);
+            lock(&self.absent).clear();
+        }
+    }
+
+    fn fake(absent: &[usize]) -> Arc<Fake> {
+        Arc::new(Fake {
+            absent: Mutex::new(absent.to_vec()),
+            broken: AtomicBool::new(false),
+        })
+    }
+
+    fn place(engine: &'static str, run: i64, devices: &[i64]) -> Place {
+        Place {
+            engine,
+            run,
+            devices: devices.into(),
+            confirm_after: CONFIRM_AFTER,
+        }
+    }
+
+    fn key(site: i64) -> Key {
+        Key {
+            site,
+            group: 0,
+            seq: 0,
+        }
+    }
+
+    // The tests below share the process-wide registry: each uses its own engine name, so their
+    // waiters never form edges with another test's.
+
+    #[test]
+    fn two_runs_waiting_on_each_other_fail_at_the_second_check() {
+        // Run 0x11 on device 7 (rank 1) misses device 1 (rank 0); run 0x22 on device 1 misses 7.
+        let a = fake(&[0]);
+        let b = fake(&[1]);
+        let mut wa = Watch::new(Some(&place("t2", 0x11, &[1, 7])), 1, "A", key(1), a.clone()).unwrap();
+        let mut wb = Watch::new(Some(&place("t2", 0x22, &[1, 7])), 0, "B", key(2), b.clone()).unwrap();
+        assert_eq!(wa.check(), None, "registered, no cycle yet (b not registered)");
+        assert_eq!(wb.check(), None, "first sighting of the cycle");
+        assert_eq!(wb.check(), None, "seen, not yet for CONFIRM_AFTER");
+        std::thread::sleep(CONFIRM_AFTER);
+        let msg = wb.check().expect("seen for CONFIRM_AFTER: broken");
+        assert!(msg.contains("device 1 waits in B") && msg.contains("for device 7"), "{msg}");
+        assert!(msg.contains("device 7 waits in A") && msg.contains("dispatch_lock"), "{msg}");
+        assert!(a.broken.load(Ordering::SeqCst) && b.broken.load(Ordering::SeqCst));
+        // Both runs are failed now: another call of run 0x11 fails at its first check.
+        let c = fake(&[0]);
+        let mut wc = Watch::new(Some(&place("t2", 0x11, &[1, 7])), 1, "C", key(3), c.clone()).unwrap();
+        assert_eq!(wc.check().as_deref(), Some(msg.as_str()));
+        assert!(c.broken.load(Ordering::SeqCst));
+        drop((wa, wb, wc));
+    }
+
+    #[test]
+    fn one_run_never_waits_on_itself_and_a_running_peer_is_no_edge() {
+        // Same run on both devices (ranks still arriving): no cycle.
+        let a = fake(&[0]);
+        let b = fake(&[1]);
+        let mut wa = Watch::new(Some(&place("t1", 5, &[3, 4])), 1, "A", key(1), a.clone()).unwrap();
+        let mut wb = Watch::new(Some(&place("t1", 5, &[3, 4])), 0, "A", key(2), b.clone()).unwrap();
+        for _ in 0..3 {
+            assert_eq!(wa.check(), None);
+            assert_eq!(wb.check(), None);
+        }
+        // Run 6 on device 4 misses device 3, which has no waiting call (it computes): no edge.
+        drop(wb);
+        let c = fake(&[0]);
+        let mut wc = Watch::new(Some(&place("t1", 6, &[3, 4])), 1, "B", key(3), c.clone()).unwrap();
+        drop(wa);
+        for _ in 0..3 {
+            assert_eq!(wc.check(), None);
+        }
+        assert!(!c.broken.load(Ordering::SeqCst));
+    }
+
+    #[test]
+    fn a_cycle_that_resolves_before_its_second_sighting_is_left_alone() {
+        let a = fake(&[0]);
+        let b = fake(&[1]);
+        let mut wa = Watch::new(Some(&place("t3", 0x31, &[0, 1])), 1, "A", key(1), a.clone()).unwrap();
+        let mut wb = Watch::new(Some(&place("t3", 0x32, &[0, 1])), 0, "B", key(2), b.clone()).unwrap();
+        assert_eq!(wa.check(), None);
+        assert_eq!(wa.check(), None, "first sighting");
+        std::thread::sleep(CONFIRM_AFTER / 2);
+        lock(&b.absent).clear(); // device 0's meeting completed: no edge 0 -> 1 any more
+        assert_eq!(wa.check(), None);
+        assert_eq!(wa.check(), None);
+        assert!(!a.broken.load(Ordering::SeqCst) && !b.broken.load(Ordering::SeqCst));
+        drop((wa, wb));
+    }
+
+    #[test]
+    fn three_devices_in_a_ring_of_three_runs() {
+        // Device 10 (run 1) misses 11, 11 (run 2) misses 12, 12 (run 3) misses 10.
+        let devs = [10, 11, 12];
+        let s: Vec<Arc<Fake>> = (0..3).map(|r| fake(&[(r + 1) % 3])).collect();
+        let mut w: Vec<Watch> = (0..3)
+            .map(|r| {
+                Watch::new(Some(&place("t4", r as i64 + 1, &devs)), r, "X", key(r as i64), s[r].clone())
+                    .unwrap()
+            })
+            .collect();
+        for x in w.iter_mut() {
+            assert_eq!(x.check(), None);
+        }
+        assert_eq!(w[0].check(), None, "device 10's first sighting");
+        std::thread::sleep(CONFIRM_AFTER);
+        let msg = w[0].check().expect("the ring is a deadlock");
+        assert!(msg.contains("device 10") && msg.contains("device 11") && msg.contains("device 12"), "{msg}");
+        assert!(s.iter().all(|f| f.broken.load(Ordering::SeqCst)));
+    }
+
+    #[test]
+    fn unchecked_places_get_no_watch() {
+        let a = fake(&[0]);
+        assert!(Watch::new(None, 0, "A", key(1), a.clone()).is_none());
+        assert!(Watch::new(Some(&place("t5", 0, &[0, 1])), 0, "A", key(1), a.clone()).is_none());
+        assert!(Watch::new(Some(&place("t5", 1, &[])), 0, "A", key(1), a.clone()).is_none());
+        assert!(Watch::new(Some(&place("t5", 1, &[0])), 1, "A", key(1), a).is_none());
+    }
+}
