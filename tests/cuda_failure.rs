@@ -22,6 +22,9 @@
 //! - `rank_never_arrives_times_out`: a rank that never comes to a call: in-process (TIDE_TIMEOUT_S
 //!   = 1 s by override) and across processes (TIDE_TIMEOUT_S=3 in the environment); the waiting
 //!   rank fails in [TIDE_TIMEOUT_S, TIDE_TIMEOUT_S + 1.5 s) naming the missing rank.
+//! - `programs_interleaved_in_process_fail_fast`: two programs launched in opposite orders on two
+//!   ranks (threads on GPU 0, XLA devices 100 and 101): every call fails within 1 s naming the
+//!   interleaving (issue #17), the device drains, and the next runs are bitwise.
 //! - `more_starts_than_slots`: across processes with TIDE_MAX_IN_FLIGHT=1, four starts of each op
 //!   before their dones: the three without a slot run synchronously (`multiproc::sync_fallbacks`),
 //!   all eight results bitwise equal to the CPU engine. In-process with TIDE_MAX_IN_FLIGHT=2 for
@@ -529,6 +532,94 @@ fn rank_failing_mid_stream_in_process() {
     let ok = checks.iter().all(|c| c.0);
     let detail: Vec<String> = checks.iter().map(|(ok, s)| if *ok { s.clone() } else { format!("NOT {s}") }).collect();
     verdict(test, ok, &detail.join("; "));
+}
+
+/// Issue #17 on the CUDA engine, ranks as threads on GPU 0 (XLA devices 100 and 101 sharing it):
+/// rank 0 runs program A (an all-gather, run 0xa1) then B (a reduce-scatter, run 0xb2), rank 1 B
+/// then A, as two Python threads can launch them. With TIDE_TIMEOUT_S = 60 every call must fail
+/// within 1 s naming the interleaving, the device must drain, and a new run of both programs in
+/// one order must be bitwise equal to the CPU engine.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+fn programs_interleaved_in_process_fail_fast() {
+    if child_spec().is_some() {
+        return;
+    }
+    let test = "programs_interleaved_in_process_fail_fast";
+    let gpu = Gpu::open();
+    config(|_| {});
+    let streams: Vec<usize> = (0..2).map(|_| gpu.stream()).collect();
+    let ranks: Vec<(usize, usize)> = (0..2).map(|r| (r, streams[r])).collect();
+    let programs = |runs: [i64; 2], seed: u64| {
+        let mut a = make_case(&gpu, Op::AllGather, 9200, 0, 2, &ranks, &specs(), seed, &mut |d| gpu.upload(d));
+        let mut b = make_case(&gpu, Op::ReduceScatter, 9201, 0, 2, &ranks, &specs(), seed + 1, &mut |d| gpu.upload(d));
+        for (case, run) in [(&mut a, runs[0]), (&mut b, runs[1])] {
+            for c in case.calls.iter_mut() {
+                c.run_id = run;
+                c.rank_devices = vec![100, 101];
+            }
+        }
+        (a, b)
+    };
+    let (a, b) = programs([0xa1, 0xb2], 11);
+    let t0 = Instant::now();
+    let out: Vec<Vec<(String, f64)>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let (a, b, gpu) = (&a, &b, gpu);
+                s.spawn(move || {
+                    gpu.set_current();
+                    let order = if r == 0 { [&a.calls[0], &b.calls[0]] } else { [&b.calls[1], &a.calls[1]] };
+                    order
+                        .map(|c| {
+                            let e = tide::cuda::execute(c).err().map(|e| e.to_string()).unwrap_or_else(|| "succeeded".into());
+                            (e, t0.elapsed().as_secs_f64())
+                        })
+                        .to_vec()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut fast = true;
+    let mut detail = Vec::new();
+    for (r, calls) in out.iter().enumerate() {
+        for (e, at) in calls {
+            fast &= e.contains("programs interleaved across devices") && *at < 1.0;
+            detail.push(format!("rank {r} at {at:.3} s: {}", &e[..e.len().min(160)]));
+        }
+    }
+    let drained = gpu.drains_within(Duration::from_secs(5)).is_some();
+    // The next runs, in one order on both ranks: bitwise.
+    let (a2, b2) = programs([0xa3, 0xb4], 21);
+    std::thread::scope(|s| {
+        for r in 0..2 {
+            let (a2, b2, gpu) = (&a2, &b2, gpu);
+            s.spawn(move || {
+                gpu.set_current();
+                for c in [&a2.calls[r], &b2.calls[r]] {
+                    tide::cuda::execute(c).unwrap_or_else(|e| panic!("rank {r} after the break: {e}"));
+                }
+            });
+        }
+    });
+    for st in &streams {
+        gpu.sync(*st);
+    }
+    let exact = verify(&gpu, &a2).and_then(|()| verify(&gpu, &b2));
+    tide::config::set_override(None);
+    let ok = fast && drained && exact.is_ok();
+    verdict(
+        test,
+        ok,
+        &format!(
+            "{}every call failed within 1 s naming the interleaving ({}); {}drained; next runs {}",
+            if fast { "" } else { "NOT " },
+            detail.join(" | "),
+            if drained { "" } else { "NOT " },
+            match &exact { Ok(()) => "bitwise".to_string(), Err(e) => format!("NOT bitwise: {e}") }
+        ),
+    );
 }
 
 #[test]
