@@ -325,11 +325,11 @@ fn describe(waiters: &[Waiter], cycle: &[Edge]) -> String {
         .map(|e| {
             let w = &waiters[e.waiter];
             format!(
-                "device {} waits in {} {} ({}) for device {}",
+                "device {} waits in {} ({}, call {}) for device {}",
                 w.place.devices[w.rank],
                 w.what,
-                w.key,
                 run_name(w.place.run),
+                w.key.seq & 0xffff_ffff,
                 e.to
             )
         })
