@@ -222,10 +222,11 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
         let session = Self::arrive(what, key, rank, world, timeout, Some(value), None)?;
         let start = Instant::now();
         let deadline = start + timeout;
-        // Declared before the state guard, so it is dropped (deregistered) after the guard: the
-        // deadlock registry is never locked while this session's state is (lock order).
-        let mut watch = deadlock::Watch::new(place, rank, what, key, session.clone() as Arc<dyn Waitable>);
-        let mut next_check = start + deadlock::REGISTER_AFTER;
+        // Made at the first check (most meetings complete before it). Declared before the state
+        // guard, so it is dropped (deregistered) after the guard: the deadlock registry is never
+        // locked while this session's state is (lock order).
+        let mut watch: Option<deadlock::Watch> = None;
+        let mut next_check = place.map(|_| start + deadlock::REGISTER_AFTER);
         let mut st = lock(&session.state);
         let mut spun = false;
         loop {
@@ -248,18 +249,28 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
                 return Err(TideError::Rendezvous(msg));
             }
             let mut until = deadline;
-            if let Some(w) = watch.as_mut() {
-                if now >= next_check {
+            if let Some(check_at) = next_check {
+                if now >= check_at {
                     drop(st);
-                    let broken = w.check().is_some(); // a break fails this session too
-                    st = lock(&session.state);
-                    if broken {
-                        continue;
+                    if watch.is_none() {
+                        let waitable = session.clone() as Arc<dyn Waitable>;
+                        watch = deadlock::Watch::new(place, rank, what, key, waitable);
                     }
-                    now = Instant::now();
-                    next_check = now + deadlock::CHECK_EVERY;
+                    // A break fails this session too; no watch (an unchecked place): no more checks.
+                    let broken = watch.as_mut().map(|w| w.check().is_some());
+                    st = lock(&session.state);
+                    match broken {
+                        Some(true) => continue,
+                        Some(false) => {
+                            now = Instant::now();
+                            next_check = Some(now + deadlock::CHECK_EVERY);
+                        }
+                        None => next_check = None,
+                    }
                 }
-                until = until.min(next_check);
+                if let Some(check_at) = next_check {
+                    until = until.min(check_at);
+                }
             }
             st = session.wait(st, until.saturating_duration_since(now), &mut spun);
         }
