@@ -454,12 +454,15 @@ mod tests {
         let b = fake(&[1]);
         let mut wa = Watch::new(Some(&place("t3", 0x31, &[0, 1])), 1, "A", key(1), a.clone()).unwrap();
         let mut wb = Watch::new(Some(&place("t3", 0x32, &[0, 1])), 0, "B", key(2), b.clone()).unwrap();
-        assert_eq!(wa.check(), None);
+        assert_eq!(wa.check(), None, "registered");
+        assert_eq!(wb.check(), None, "registered: the cycle's first sighting");
         assert_eq!(wa.check(), None, "first sighting");
         std::thread::sleep(CONFIRM_AFTER / 2);
         lock(&b.absent).clear(); // device 0's meeting completed: no edge 0 -> 1 any more
         assert_eq!(wa.check(), None);
+        std::thread::sleep(CONFIRM_AFTER);
         assert_eq!(wa.check(), None);
+        assert_eq!(wb.check(), None);
         assert!(!a.broken.load(Ordering::SeqCst) && !b.broken.load(Ordering::SeqCst));
         drop((wa, wb));
     }
