@@ -40,9 +40,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// How long a rank waits at a `join` before it registers (most meetings complete sooner).
-pub const REGISTER_AFTER: Duration = Duration::from_millis(2);
+pub const REGISTER_AFTER: Duration = Duration::from_millis(5);
 /// How often a registered waiter looks for a cycle.
-pub const CHECK_EVERY: Duration = Duration::from_millis(5);
+pub const CHECK_EVERY: Duration = Duration::from_millis(10);
 /// How long one cycle (the same waiters) must be seen before it is broken, by engine. XLA:GPU runs
 /// a device's programs one at a time, in launch order, so there a cycle is a deadlock at once and
 /// the margin only absorbs a racing check. XLA:CPU starts a device's executions on events (its
@@ -256,11 +256,14 @@ fn find_cycle(waiters: &[Waiter], me: u64) -> Option<Vec<Edge>> {
     let mine = waiters.iter().find(|w| w.id == me)?;
     let engine = mine.place.engine;
     let device_of = |w: &Waiter| w.place.devices[w.rank];
-    // Devices of this engine with waiting calls, and the run holding each (None: calls of several
-    // runs wait there, which the model does not explain: no edge into it).
+    // Devices of this engine with waiting calls (indices into `waiters`), and the run holding
+    // each (None: calls of several runs wait there, which the model does not explain: no edge
+    // into or out of it).
+    let mut on: HashMap<i64, Vec<usize>> = HashMap::new();
     let mut held: HashMap<i64, Option<i64>> = HashMap::new();
-    for w in waiters.iter().filter(|w| w.place.engine == engine) {
+    for (i, w) in waiters.iter().enumerate().filter(|(_, w)| w.place.engine == engine) {
         let run = w.place.run;
+        on.entry(device_of(w)).or_default().push(i);
         held.entry(device_of(w))
             .and_modify(|h| {
                 if *h != Some(run) {
@@ -269,30 +272,35 @@ fn find_cycle(waiters: &[Waiter], me: u64) -> Option<Vec<Edge>> {
             })
             .or_insert(Some(run));
     }
-    // Out-edges of each device: (waiter index, device it misses), where that device is held by
+    // Out-edges of a device, computed when the search first reaches it (each reads the sessions of
+    // that device's waiters): (waiter index, device it misses) where that device is held by
     // another run.
     let mut out: HashMap<i64, Vec<Edge>> = HashMap::new();
-    for (i, w) in waiters.iter().enumerate() {
-        if w.place.engine != engine {
-            continue;
-        }
-        let from = device_of(w);
-        let Some(Some(run)) = held.get(&from).copied() else {
-            continue;
-        };
-        for r in w.session.absent() {
-            let Some(&to) = w.place.devices.get(r) else { continue };
-            if matches!(held.get(&to), Some(Some(other)) if *other != run) {
-                out.entry(from).or_default().push(Edge { waiter: i, to });
+    let edges_of = |from: i64, out: &mut HashMap<i64, Vec<Edge>>| {
+        out.entry(from).or_insert_with(|| {
+            let Some(Some(run)) = held.get(&from).copied() else {
+                return Vec::new();
+            };
+            let mut edges = Vec::new();
+            for &i in on.get(&from).map(Vec::as_slice).unwrap_or(&[]) {
+                let w = &waiters[i];
+                for r in w.session.absent() {
+                    let Some(&to) = w.place.devices.get(r) else { continue };
+                    if matches!(held.get(&to), Some(Some(other)) if *other != run) {
+                        edges.push(Edge { waiter: i, to });
+                    }
+                }
             }
-        }
-    }
+            edges
+        });
+    };
     // Depth-first from this device back to it.
     let start = device_of(mine);
     let mut path: Vec<Edge> = Vec::new();
     let mut visited: Vec<i64> = vec![start];
     let mut stack: Vec<(i64, usize)> = vec![(start, 0)];
     while let Some(top) = stack.last_mut() {
+        edges_of(top.0, &mut out);
         let edges = out.get(&top.0).map(Vec::as_slice).unwrap_or(&[]);
         let Some(e) = edges.get(top.1) else {
             stack.pop();
