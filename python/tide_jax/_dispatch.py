@@ -2,11 +2,14 @@
 
 Every device runs the programs launched on it one at a time, in launch order. Two threads that
 call two jitted tide programs at once can launch them in different orders on different devices;
-the programs' collectives then wait for each other forever (tide detects the cycle and fails
-every call of it at once, naming the programs). Launching under one lock keeps every device's
-order the same. Only the launch is serialized, not the execution: a jitted call returns once its
-program is enqueued on every device, so the lock is held for microseconds to milliseconds, and
-the programs still run back to back on the devices.
+the programs' collectives then wait for each other forever (tide detects that cycle and fails
+every call of it at once, naming the programs). XLA:CPU has a stall of its own: each device admits
+32 programs in flight, and two threads launching past that can leave a device unable to start a
+program the others wait for (tide cannot see it; the call fails after TIDE_TIMEOUT_S). Launching
+under one lock rules out both. Only the launch is serialized, not the execution: a jitted call
+returns once its program is enqueued on every device, so the lock is held for microseconds (longer
+only while XLA holds a launch back because 32 are in flight), and the programs still run back to
+back on the devices.
 """
 
 import contextlib
