@@ -19,12 +19,17 @@
 //!
 //! Every snapshot is taken under `WAITERS`, and a waiter deregisters under it before its `join`
 //! returns, so an edge read from a session that is still incomplete stays true while the cycle
-//! lasts. A cycle is acted on only when checks over `CONFIRM_AFTER` keep finding the same waiters
-//! in it (a guard against a runtime that does not hold devices as modelled: XLA:CPU,
-//! `CONFIRM_AFTER_CPU`). Then every
-//! session of the cycle fails with one message naming the programs, devices and the fix, and the
-//! cycle's runs are recorded as failed: their other calls, waiting or still to come, fail at once
-//! (the run cannot succeed on every device any more), so the process is usable at once.
+//! lasts. A cycle is acted on only when checks over `Place::confirm_after` keep finding the same
+//! waiters in it (`CONFIRM_AFTER_CUDA`, `CONFIRM_AFTER_CPU`: a guard against a runtime that does not
+//! hold devices as modelled). Then every session of the cycle fails with one message naming the
+//! programs, devices and the fix, and the cycle's runs are recorded as failed: their other calls,
+//! waiting or still to come, fail at once (the run cannot succeed on every device any more), so the
+//! process is usable at once.
+//!
+//! Where the model holds: XLA:GPU (a device's programs in launch order). XLA:CPU gang-schedules
+//! multi-device launches, so this cycle does not normally arise there; its own stall (a device that
+//! cannot admit a program, docs/design.md) has no tide call on the missing device, which this
+//! module cannot see: `absent_hint` adds that to the timeout's message.
 //!
 //! Lock order: `WAITERS`, then a session's state (through `Waitable`), then `FAILED_RUNS`.
 //! Nothing here is held while a caller holds a session's state.
