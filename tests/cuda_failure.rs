@@ -563,18 +563,21 @@ fn programs_interleaved_in_process_fail_fast() {
     };
     // Warm-up: both programs once in one order (the module, the slots, the plans), so the timed
     // calls below measure the break, not the first call's set-up.
+    // Both ranks run A then B, each call expected to succeed.
+    let in_one_order = |a: &Case, b: &Case, when: &str| {
+        std::thread::scope(|s| {
+            for r in 0..2 {
+                s.spawn(move || {
+                    gpu.set_current();
+                    for c in [&a.calls[r], &b.calls[r]] {
+                        tide::cuda::execute(c).unwrap_or_else(|e| panic!("{when}, rank {r}: {e}"));
+                    }
+                });
+            }
+        });
+    };
     let (a0, b0) = programs([0xa0, 0xb0], 5);
-    std::thread::scope(|s| {
-        for r in 0..2 {
-            let (a0, b0, gpu) = (&a0, &b0, gpu);
-            s.spawn(move || {
-                gpu.set_current();
-                for c in [&a0.calls[r], &b0.calls[r]] {
-                    tide::cuda::execute(c).unwrap_or_else(|e| panic!("warm-up rank {r}: {e}"));
-                }
-            });
-        }
-    });
+    in_one_order(&a0, &b0, "warm-up");
     let (a, b) = programs([0xa1, 0xb2], 11);
     let t0 = Instant::now();
     let out: Vec<Vec<(String, f64)>> = std::thread::scope(|s| {
@@ -608,17 +611,7 @@ fn programs_interleaved_in_process_fail_fast() {
     let drained = gpu.drains_within(Duration::from_secs(5)).is_some();
     // The next runs, in one order on both ranks: bitwise.
     let (a2, b2) = programs([0xa3, 0xb4], 21);
-    std::thread::scope(|s| {
-        for r in 0..2 {
-            let (a2, b2, gpu) = (&a2, &b2, gpu);
-            s.spawn(move || {
-                gpu.set_current();
-                for c in [&a2.calls[r], &b2.calls[r]] {
-                    tide::cuda::execute(c).unwrap_or_else(|e| panic!("rank {r} after the break: {e}"));
-                }
-            });
-        }
-    });
+    in_one_order(&a2, &b2, "after the break");
     for st in &streams {
         gpu.sync(*st);
     }
