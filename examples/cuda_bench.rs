@@ -510,7 +510,7 @@ fn call_of(devs: &[Dev], b: &Bufs, op: Op, site: i64, r: usize, world: usize) ->
         op,
         site,
         run_id: 0,
-        rank_devices: Vec::new(),
+        rank_devices: Default::default(),
         job: 0,
         device_ordinal: d.ord,
         rank: r,

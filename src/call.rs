@@ -268,8 +268,9 @@ pub struct CallInfo {
     pub run_id: i64,
     /// The XLA device ordinal of each rank of this call's group (by rank) when every rank is in
     /// this process (`job` 0); empty otherwise. The rendezvous's deadlock check (`deadlock`) tells
-    /// devices apart by them: each XLA device runs its programs one at a time.
-    pub rank_devices: Vec<i64>,
+    /// devices apart by them: each XLA device runs its programs one at a time. Shared, so a
+    /// call's `deadlock::Place` takes it without a copy.
+    pub rank_devices: std::sync::Arc<[i64]>,
     /// Multi-process job id agreed through jax.distributed's key-value store; 0 when every rank of
     /// the mesh lives in this process (docs/multiprocess.md).
     pub job: u64,
@@ -300,7 +301,7 @@ impl CallInfo {
         (self.run_id != 0 && self.rank_devices.len() == self.world).then(|| crate::deadlock::Place {
             engine,
             run: self.run_id,
-            devices: self.rank_devices.as_slice().into(),
+            devices: self.rank_devices.clone(),
             confirm_after,
         })
     }

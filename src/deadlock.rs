@@ -40,7 +40,7 @@
 use crate::rendezvous::Key;
 use once_cell::sync::Lazy;
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -102,6 +102,9 @@ struct Waiter {
 static WAITERS: Lazy<Mutex<Vec<Waiter>>> = Lazy::new(|| Mutex::new(Vec::new()));
 static FAILED_RUNS: Lazy<Mutex<VecDeque<(i64, String)>>> = Lazy::new(|| Mutex::new(VecDeque::new()));
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+/// Whether any run was ever failed by a break: every checked `join` asks `failed_run`, and this
+/// keeps that to one atomic load (no lock) in a process that never had one.
+static ANY_FAILED_RUN: AtomicBool = AtomicBool::new(false);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -109,7 +112,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// The message of a run that a broken deadlock failed, if `place`'s run is one.
 pub fn failed_run(place: &Place) -> Option<String> {
-    if !place.checked() {
+    if !place.checked() || !ANY_FAILED_RUN.load(Ordering::Acquire) {
         return None;
     }
     lock(&FAILED_RUNS)
@@ -232,6 +235,7 @@ impl Watch {
                     failed.push_back((run, msg.clone()));
                 }
             }
+            ANY_FAILED_RUN.store(true, Ordering::Release);
         }
         // Every session of the cycle, and every other waiting call of its runs.
         let runs: Vec<i64> = cycle.iter().map(|e| waiters[e.waiter].place.run).collect();
@@ -405,6 +409,11 @@ mod tests {
         }
     }
 
+    /// A checked watch of `rank` (on `devices`, in `run`) over the stand-in session `s`.
+    fn watch(engine: &'static str, run: i64, devices: &[i64], rank: usize, what: &str, site: i64, s: &Arc<Fake>) -> Watch {
+        Watch::new(Some(&place(engine, run, devices)), rank, what, key(site), s.clone()).expect("a checked place")
+    }
+
     fn key(site: i64) -> Key {
         Key {
             site,
@@ -421,8 +430,8 @@ mod tests {
         // Run 0x11 on device 7 (rank 1) misses device 1 (rank 0); run 0x22 on device 1 misses 7.
         let a = fake(&[0]);
         let b = fake(&[1]);
-        let mut wa = Watch::new(Some(&place("t2", 0x11, &[1, 7])), 1, "A", key(1), a.clone()).unwrap();
-        let mut wb = Watch::new(Some(&place("t2", 0x22, &[1, 7])), 0, "B", key(2), b.clone()).unwrap();
+        let mut wa = watch("t2", 0x11, &[1, 7], 1, "A", 1, &a);
+        let mut wb = watch("t2", 0x22, &[1, 7], 0, "B", 2, &b);
         assert_eq!(wa.check(), None, "registered, no cycle yet (b not registered)");
         assert_eq!(wb.check(), None, "first sighting of the cycle");
         assert_eq!(wb.check(), None, "seen, not yet for CONFIRM_AFTER");
@@ -433,7 +442,7 @@ mod tests {
         assert!(a.broken.load(Ordering::SeqCst) && b.broken.load(Ordering::SeqCst));
         // Both runs are failed now: another call of run 0x11 fails at its first check.
         let c = fake(&[0]);
-        let mut wc = Watch::new(Some(&place("t2", 0x11, &[1, 7])), 1, "C", key(3), c.clone()).unwrap();
+        let mut wc = watch("t2", 0x11, &[1, 7], 1, "C", 3, &c);
         assert_eq!(wc.check().as_deref(), Some(msg.as_str()));
         assert!(c.broken.load(Ordering::SeqCst));
         drop((wa, wb, wc));
@@ -444,8 +453,8 @@ mod tests {
         // Same run on both devices (ranks still arriving): no cycle.
         let a = fake(&[0]);
         let b = fake(&[1]);
-        let mut wa = Watch::new(Some(&place("t1", 5, &[3, 4])), 1, "A", key(1), a.clone()).unwrap();
-        let mut wb = Watch::new(Some(&place("t1", 5, &[3, 4])), 0, "A", key(2), b.clone()).unwrap();
+        let mut wa = watch("t1", 5, &[3, 4], 1, "A", 1, &a);
+        let mut wb = watch("t1", 5, &[3, 4], 0, "A", 2, &b);
         for _ in 0..3 {
             assert_eq!(wa.check(), None);
             assert_eq!(wb.check(), None);
@@ -453,7 +462,7 @@ mod tests {
         // Run 6 on device 4 misses device 3, which has no waiting call (it computes): no edge.
         drop(wb);
         let c = fake(&[0]);
-        let mut wc = Watch::new(Some(&place("t1", 6, &[3, 4])), 1, "B", key(3), c.clone()).unwrap();
+        let mut wc = watch("t1", 6, &[3, 4], 1, "B", 3, &c);
         drop(wa);
         for _ in 0..3 {
             assert_eq!(wc.check(), None);
@@ -465,8 +474,8 @@ mod tests {
     fn a_cycle_that_resolves_before_its_second_sighting_is_left_alone() {
         let a = fake(&[0]);
         let b = fake(&[1]);
-        let mut wa = Watch::new(Some(&place("t3", 0x31, &[0, 1])), 1, "A", key(1), a.clone()).unwrap();
-        let mut wb = Watch::new(Some(&place("t3", 0x32, &[0, 1])), 0, "B", key(2), b.clone()).unwrap();
+        let mut wa = watch("t3", 0x31, &[0, 1], 1, "A", 1, &a);
+        let mut wb = watch("t3", 0x32, &[0, 1], 0, "B", 2, &b);
         assert_eq!(wa.check(), None, "registered");
         assert_eq!(wb.check(), None, "registered: the cycle's first sighting");
         assert_eq!(wa.check(), None, "first sighting");
@@ -485,12 +494,7 @@ mod tests {
         // Device 10 (run 1) misses 11, 11 (run 2) misses 12, 12 (run 3) misses 10.
         let devs = [10, 11, 12];
         let s: Vec<Arc<Fake>> = (0..3).map(|r| fake(&[(r + 1) % 3])).collect();
-        let mut w: Vec<Watch> = (0..3)
-            .map(|r| {
-                Watch::new(Some(&place("t4", r as i64 + 1, &devs)), r, "X", key(r as i64), s[r].clone())
-                    .unwrap()
-            })
-            .collect();
+        let mut w: Vec<Watch> = (0..3).map(|r| watch("t4", r as i64 + 1, &devs, r, "X", r as i64, &s[r])).collect();
         for x in w.iter_mut() {
             assert_eq!(x.check(), None);
         }

@@ -240,11 +240,24 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
             }
             let mut now = Instant::now();
             if now >= deadline {
+                // The hint reads the deadlock registry: never while holding the state (lock
+                // order). The meeting may complete or fail meanwhile: then that is the answer.
+                let mut hint = None;
+                if let Some(p) = place {
+                    let absent = missing(&st.arrived);
+                    drop(st);
+                    hint = deadlock::absent_hint(p, &absent);
+                    st = lock(&session.state);
+                    if session.values.get().is_some() {
+                        return Ok(session.clone());
+                    }
+                    if let Some(err) = session.failure(&st) {
+                        return Err(err);
+                    }
+                }
                 let absent = missing(&st.arrived);
                 let mut msg = session.timeout_message(&absent, "join");
-                if let Some(hint) = place.and_then(|p| deadlock::absent_hint(p, &absent)) {
-                    msg.push_str(&hint);
-                }
+                msg.push_str(hint.as_deref().unwrap_or(""));
                 session.poison(&mut st, absent[0], msg.clone());
                 return Err(TideError::Rendezvous(msg));
             }

@@ -186,7 +186,7 @@ fn make_case(devs: &[Dev], dev_of: &[usize], streams: &[usize], op: Op, site: i6
             op,
             site,
             run_id: 0,
-            rank_devices: Vec::new(),
+            rank_devices: Default::default(),
             job: 0,
             device_ordinal: d.ordinal,
             rank: r,

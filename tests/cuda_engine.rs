@@ -197,7 +197,7 @@ fn run_and_check(devs: &[Dev], op: Op, site: i64, world: usize, seed: u64, reps:
             op,
             site,
             run_id: 0,
-            rank_devices: Vec::new(),
+            rank_devices: Default::default(),
             job: 0,
             device_ordinal: d.ordinal,
             rank: r,

@@ -556,7 +556,7 @@ fn programs_interleaved_in_process_fail_fast() {
         for (case, run) in [(&mut a, runs[0]), (&mut b, runs[1])] {
             for c in case.calls.iter_mut() {
                 c.run_id = run;
-                c.rank_devices = vec![100, 101];
+                c.rank_devices = vec![100, 101].into();
             }
         }
         (a, b)

@@ -311,7 +311,7 @@ fn prepare_case(c: &Child, pool: &mut Pool, op: Op, site: i64, seed: u64) -> Cas
         op,
         site,
         run_id: 0,
-        rank_devices: Vec::new(),
+        rank_devices: Default::default(),
         job: c.job,
         device_ordinal: c.device,
         rank: c.rank,

@@ -69,7 +69,7 @@ fn call(job: u64, rank: usize, world: usize, device: i64, addr: usize) -> CallIn
         op: Op::AllGather,
         site: 77 << 16,
         run_id: 5,
-        rank_devices: Vec::new(),
+        rank_devices: Default::default(),
         job,
         device_ordinal: device,
         rank,

@@ -132,7 +132,7 @@ fn call_for(plan: &Plan, rank: usize, inputs: &[Vec<u8>], outputs: &mut [Vec<u8>
         op: plan.op,
         site: 1 + plan.op as i64,
         run_id: 0,
-        rank_devices: Vec::new(),
+        rank_devices: Default::default(),
         job: 0,
         device_ordinal: rank as i64,
         rank,

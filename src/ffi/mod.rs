@@ -560,6 +560,7 @@ fn decode_as(op: Op, call: &FfiCall, site: i64, outputs: &[FfiBuffer]) -> Result
             }
         }
     }
+    let rank_devices = rank_devices.into();
     Ok(CallInfo {
         op,
         site,

@@ -256,7 +256,7 @@ pub fn make_case(
             op,
             site,
             run_id: 0,
-            rank_devices: Vec::new(),
+            rank_devices: Default::default(),
             job,
             device_ordinal: 0,
             rank: r,
