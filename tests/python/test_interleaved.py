@@ -1,11 +1,16 @@
 """Programs launched from several threads at once (issue #17): two different tide programs, or the
-same step from 2 and 4 threads, forward and with gradients, on 8 CPU devices. Each device runs
-programs in launch order, and the threads can launch them in different orders on different devices:
-a deadlock that used to stall every call for 2 x TIDE_TIMEOUT_S and then blame a rank that "did not
-arrive". Now every call either returns the right values or fails in well under a second saying the
-programs were interleaved across devices; the process is usable afterwards; `tide_jax.dispatch_lock`
-around the launches avoids the failures altogether. (A rank that really never arrives still fails
-at the timeout naming it: tests/rendezvous.rs and tests/python/test_errors.py.)"""
+same step from 2 and 4 threads, forward and with gradients, on 8 CPU devices, each call waited for
+(as a loop that reads its loss): every call must return the right values, or fail within a second
+with the interleaving message, never stall; the process is usable afterwards.
+
+What these can and cannot show on CPU: XLA:CPU gang-schedules multi-device launches, so the cycle
+tide breaks (devices running programs in different orders, the GPUs' case) has not occurred through
+JAX here, and the failure branch below has never run; the cycle itself is tested at the FFI edge
+(tests/ffi_cpu.rs), in the rendezvous (tests/rendezvous.rs) and on a GPU (tests/cuda_failure.rs).
+XLA:CPU's own stall (a device admits 32 executions in flight) needs many calls in flight from each
+thread: `dispatch_lock` is tested against it below, bench/interleaved_cpu.py measures it. (A rank
+that really never arrives still fails at the timeout naming it: tests/rendezvous.rs and
+tests/python/test_errors.py.)"""
 
 import threading
 import time
@@ -151,8 +156,8 @@ def test_interleaved_programs_complete_or_fail_fast(case, grad, tide_backend):
 def test_dispatch_lock_keeps_every_device_in_one_order(tide_backend):
     """32 calls in flight per thread: without the lock XLA:CPU stalls here (each device admits 32
     executions in flight; two threads launching past that fill a device with executions that wait
-    for a launch whose part on that device cannot be admitted; measured: 18 in flight per thread
-    never stalled, 20 did). That stall is inside XLA, before a device starts the program, where tide
+    for a launch whose part on that device cannot be admitted; bench/interleaved_cpu.py measured 2 of
+    3 runs stalling at 32 in flight per thread, 3 of 3 at 48, none at 20 or fewer). That stall is inside XLA, before a device starts the program, where tide
     cannot see it: it ends at TIDE_TIMEOUT_S with a message naming this lock. Under the lock every
     call succeeds."""
     jobs = _jobs("two programs", grad=False)
