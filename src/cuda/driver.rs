@@ -232,15 +232,6 @@ pub fn event_create(what: impl FnOnce() -> String) -> Result<CUevent> {
     Ok(e)
 }
 
-/// A new event peers in other processes can wait on (`CU_EVENT_INTERPROCESS` needs DISABLE_TIMING).
-pub fn event_create_interprocess(what: impl FnOnce() -> String) -> Result<CUevent> {
-    let mut e: CUevent = std::ptr::null_mut();
-    let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32 | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-    // SAFETY: valid out-pointer; the device's context is current.
-    check(unsafe { sys::cuEventCreate(&mut e, flags) }, "cuEventCreate(INTERPROCESS)", what)?;
-    Ok(e)
-}
-
 /// Records `event` on `stream`.
 ///
 /// # Safety
@@ -672,31 +663,40 @@ pub unsafe fn ipc_close_mem_handle(p: CUdeviceptr, what: impl FnOnce() -> String
     check(unsafe { sys::cuIpcCloseMemHandle(p) }, "cuIpcCloseMemHandle", what)
 }
 
-/// The IPC handle bytes of an interprocess event.
+/// Registers `bytes` of host memory at `p` (page-aligned) for every context
+/// (`CU_MEMHOSTREGISTER_PORTABLE | DEVICEMAP`) and returns its device address, for stream memory
+/// operations on it (`stream_write_value32`, `stream_wait_value32`).
 ///
 /// # Safety
-/// `ev` was created with `event_create_interprocess`.
-pub unsafe fn ipc_event_handle(ev: CUevent, what: impl FnOnce() -> String) -> Result<[u8; 64]> {
-    let mut eh: sys::CUipcEventHandle = unsafe { std::mem::zeroed() };
-    check(unsafe { sys::cuIpcGetEventHandle(&mut eh, ev) }, "cuIpcGetEventHandle", what)?;
-    let mut h = [0u8; 64];
-    for (d, s) in h.iter_mut().zip(eh.reserved.iter()) {
-        *d = *s as u8;
-    }
-    Ok(h)
+/// `p` is mapped for `bytes` and stays mapped (and registered) for the life of the process.
+pub unsafe fn host_register(p: *mut u8, bytes: usize, what: impl Fn() -> String) -> Result<CUdeviceptr> {
+    let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+    check(unsafe { sys::cuMemHostRegister_v2(p.cast(), bytes, flags) }, "cuMemHostRegister", &what)?;
+    let mut d: CUdeviceptr = 0;
+    check(unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, p.cast(), 0) }, "cuMemHostGetDevicePointer", &what)?;
+    Ok(d)
 }
 
-/// Opens a peer's interprocess event.
-pub fn ipc_open_event_handle(handle: &[u8; 64], what: impl FnOnce() -> String) -> Result<CUevent> {
-    // SAFETY: all-zero is a valid handle value to fill in.
-    let mut eh: sys::CUipcEventHandle = unsafe { std::mem::zeroed() };
-    for (d, s) in eh.reserved.iter_mut().zip(handle.iter()) {
-        *d = *s as std::ffi::c_char;
-    }
-    let mut e: CUevent = std::ptr::null_mut();
-    // SAFETY: valid out-pointer; handle bytes from the peer's cuIpcGetEventHandle.
-    check(unsafe { sys::cuIpcOpenEventHandle(&mut e, eh) }, "cuIpcOpenEventHandle", what)?;
-    Ok(e)
+/// Enqueues on `stream` a write of `value` to the 32-bit word at `addr`, after everything before
+/// it on the stream, with a system-wide memory fence before the write (`CU_STREAM_WRITE_VALUE_DEFAULT`):
+/// whoever sees the value sees the stream's earlier writes.
+///
+/// # Safety
+/// `addr` is a device address of registered host memory (`host_register`) or device memory, valid
+/// until the write ran.
+pub unsafe fn stream_write_value32(stream: CUstream, addr: CUdeviceptr, value: u32, what: impl FnOnce() -> String) -> Result<()> {
+    let flags = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
+    check(unsafe { sys::cuStreamWriteValue32_v2(stream, addr, value, flags) }, "cuStreamWriteValue32", what)
+}
+
+/// Makes `stream` wait until the 32-bit word at `addr` is `value` or later (`CU_STREAM_WAIT_VALUE_GEQ`:
+/// `(int32)(*addr - value) >= 0`, so counters may wrap).
+///
+/// # Safety
+/// As `stream_write_value32`.
+pub unsafe fn stream_wait_value32(stream: CUstream, addr: CUdeviceptr, value: u32, what: impl FnOnce() -> String) -> Result<()> {
+    let flags = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
+    check(unsafe { sys::cuStreamWaitValue32_v2(stream, addr, value, flags) }, "cuStreamWaitValue32", what)
 }
 
 // ----- multicast (the opt-in NVLink multicast all-gather; `multicast` gates every call) -----

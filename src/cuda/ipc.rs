@@ -1,4 +1,4 @@
-//! Peer GPU memory and events across processes of one host (docs/multiprocess.md, "CUDA").
+//! Peer GPU memory across processes of one host (docs/multiprocess.md, "CUDA").
 //!
 //! XLA's buffers are sub-allocations of one VMM pool per GPU (reference/gpu-facts.md, "Where XLA
 //! keeps device memory"); legacy `cuIpcGetMemHandle` fails on them. So a buffer is shared as
@@ -23,13 +23,13 @@
 //!   job (they pin the peer's physical memory; XLA's pool lives as long anyway) and given back
 //!   after a failure (`Importer::release_all`, once the device finished tide's work: a dead
 //!   peer's memory is freed only when its last mapping goes).
-//! - **Events**: created by the owner with `CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING`
-//!   (`ipc_event`), exported with `cuIpcGetEventHandle` (cached), opened by peers with
-//!   `cuIpcOpenEventHandle` once per handle bytes.
+//! - **No events**: ranks signal each other through counters in shared host memory
+//!   (`cuda::signal`), which a survivor can release when a peer dies; an interprocess event of a
+//!   dead peer could never be waited out.
 //!
 //! Every error names the driver call, this rank, the peer rank and its pid.
 
-use super::driver::{self, CUevent, CUmemGenericAllocationHandle};
+use super::driver::{self, CUmemGenericAllocationHandle};
 use crate::error::{Result, TideError};
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -39,18 +39,16 @@ use std::time::{Duration, Instant};
 static VMM_EXPORTS: AtomicU64 = AtomicU64::new(0);
 static VMM_IMPORTS: AtomicU64 = AtomicU64::new(0);
 static LEGACY_OPENS: AtomicU64 = AtomicU64::new(0);
-static EVENT_OPENS: AtomicU64 = AtomicU64::new(0);
 /// Bytes of peers' allocations mapped in this process now (VMM imports and legacy opens).
 static MAPPED_BYTES: AtomicU64 = AtomicU64::new(0);
 
 /// What this process did so far (for tests and logs): VMM exports, VMM imports, legacy
-/// `cuIpcOpenMemHandle`s, `cuIpcOpenEventHandle`s. Each is once per allocation / event, not per call.
+/// `cuIpcOpenMemHandle`s. Each is once per allocation, not per call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stats {
     pub vmm_exports: u64,
     pub vmm_imports: u64,
     pub legacy_opens: u64,
-    pub event_opens: u64,
     /// Bytes of peers' allocations mapped now (not a count: goes down at `Importer::release_all`).
     pub mapped_bytes: u64,
 }
@@ -60,7 +58,6 @@ pub fn stats() -> Stats {
         vmm_exports: VMM_EXPORTS.load(Ordering::Relaxed),
         vmm_imports: VMM_IMPORTS.load(Ordering::Relaxed),
         legacy_opens: LEGACY_OPENS.load(Ordering::Relaxed),
-        event_opens: EVENT_OPENS.load(Ordering::Relaxed),
         mapped_bytes: MAPPED_BYTES.load(Ordering::Relaxed),
     }
 }
@@ -123,7 +120,6 @@ struct Exported {
 pub struct Exporter {
     by_base: HashMap<u64, Exported>,
     next_gen: u64,
-    events: HashMap<usize, [u8; 64]>,
 }
 
 // SAFETY: plain handles and fds, used under the owner's lock.
@@ -240,7 +236,6 @@ impl Exporter {
                 }
             }
         }
-        self.events.clear();
         n
     }
 
@@ -275,17 +270,6 @@ impl Exporter {
         }
         Ok(())
     }
-
-    /// `cuIpcGetEventHandle` of an interprocess event (cached).
-    pub fn event_handle(&mut self, ev: usize, who: &dyn Fn() -> String) -> Result<[u8; 64]> {
-        if let Some(h) = self.events.get(&ev) {
-            return Ok(*h);
-        }
-        // SAFETY: ev was created with CU_EVENT_INTERPROCESS (`ipc_event`).
-        let h = unsafe { driver::ipc_event_handle(ev as CUevent, who)? };
-        self.events.insert(ev, h);
-        Ok(h)
-    }
 }
 
 impl Exported {
@@ -300,20 +284,13 @@ impl Exported {
     }
 }
 
-/// An event peers in other processes can wait on (`CU_EVENT_INTERPROCESS` needs DISABLE_TIMING).
-/// The device's context must be current.
-pub fn ipc_event(device: i64, what: &str) -> Result<CUevent> {
-    driver::event_create_interprocess(|| format!("device {device}, {what} event"))
-}
-
-/// The reader's side: peers' allocations and events opened in this process, for one local device.
+/// The reader's side: peers' allocations opened in this process, for one local device.
 pub struct Importer {
     device: i64,
     /// Mapped base by (peer rank, base, size, generation).
     vmm: HashMap<(usize, u64, u64, u64), u64>,
     /// Opened address and size by handle bytes.
     legacy: HashMap<[u8; 64], (u64, u64)>,
-    events: HashMap<[u8; 64], CUevent>,
     /// fds received but not imported yet, by (rank, base, size, gen).
     pending: HashMap<(usize, u64, u64, u64), OwnedFd>,
     /// VMM allocations of this process (other devices) this device was granted access to.
@@ -329,7 +306,6 @@ impl Importer {
             device,
             vmm: HashMap::new(),
             legacy: HashMap::new(),
-            events: HashMap::new(),
             pending: HashMap::new(),
             granted: HashSet::new(),
         }
@@ -408,7 +384,7 @@ impl Importer {
         }
     }
 
-    /// Unmaps every peer allocation and closes every opened event and pending fd (after a failure,
+    /// Unmaps every peer allocation and closes every pending fd (after a failure,
     /// once nothing enqueued uses them: the caller drained the device). Returns the bytes unmapped.
     pub fn release_all(&mut self, me: usize) -> u64 {
         let device = self.device;
@@ -427,12 +403,6 @@ impl Importer {
             match unsafe { driver::ipc_close_mem_handle(p, || format!("rank {me} (device {device}): legacy IPC mapping at {p:#x}")) } {
                 Ok(()) => bytes += size,
                 Err(e) => log::warn!("tide: {e}"),
-            }
-        }
-        for (_, e) in self.events.drain() {
-            // SAFETY: opened by `ipc_open_event_handle`; no later call waits on it.
-            if let Err(err) = unsafe { driver::event_destroy(e, || format!("rank {me} (device {device}): a peer's event")) } {
-                log::warn!("tide: {err}");
             }
         }
         self.pending.clear();
@@ -469,27 +439,6 @@ impl Importer {
                 }
             }
         }
-    }
-
-    /// Peer `q`'s interprocess event, opened once per handle.
-    pub fn event(
-        &mut self,
-        me: usize,
-        q: usize,
-        pid: u64,
-        handle: &[u8; 64],
-        what: &str,
-    ) -> Result<CUevent> {
-        if let Some(&e) = self.events.get(handle) {
-            return Ok(e);
-        }
-        let device = self.device;
-        let e = driver::ipc_open_event_handle(handle, || {
-            format!("rank {me} (device {device}) opening rank {q}'s (pid {pid}) {what} event")
-        })?;
-        self.events.insert(*handle, e);
-        EVENT_OPENS.fetch_add(1, Ordering::Relaxed);
-        Ok(e)
     }
 }
 

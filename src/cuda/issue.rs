@@ -17,6 +17,7 @@ use super::meeting::{Meeting, RankInfo};
 use super::multicast;
 use super::prepare::{op_name, Prepared};
 use super::schedule::{Cmd, CopyVia, RankEvent, MAIN};
+use super::signal::Point;
 use crate::call::CallInfo;
 use crate::config::Config;
 use crate::error::{Result, TideError};
@@ -249,13 +250,9 @@ impl Issuer<'_> {
         meeting.barrier("exit")?;
         for (q, info) in self.infos.iter().enumerate() {
             if q != rank && meeting.reaches(q) {
-                // SAFETY: the peer's done event, recorded before the exit barrier; it is not
-                // recorded again before this rank left the meeting (the module header).
-                unsafe {
-                    driver::stream_wait_event(main, info.done as CUevent, || {
-                        format!("rank {rank} device {ord}: on rank {q}'s done event")
-                    })?
-                };
+                // The peer's done, recorded before the exit barrier; not recorded again before
+                // this rank left the meeting (the module header).
+                info.wait(main, Point::Done, || format!("rank {rank} device {ord}: on rank {q}'s done event"))?;
             }
         }
         Ok(())
@@ -376,19 +373,11 @@ impl Issuer<'_> {
         let s = self.res.stream(cmd.stream())?;
         match cmd {
             Cmd::WaitRank { rank: q, event, .. } => {
-                let info = &self.infos[*q];
-                let ev = match event {
-                    RankEvent::Ready => info.ready,
-                    RankEvent::Phase(ph) => *info.phases.get(*ph).ok_or_else(|| {
-                        TideError::Internal(format!("rank {q} published no phase {ph} event"))
-                    })?,
+                let point = match event {
+                    RankEvent::Ready => Point::Ready,
+                    RankEvent::Phase(ph) => Point::Phase(*ph),
                 };
-                // SAFETY: a peer's event handle, created once for the life of the process.
-                unsafe {
-                    driver::stream_wait_event(s, ev as CUevent, || {
-                        format!("rank {rank} device {ord}: on rank {q}'s {event:?} event")
-                    })
-                }
+                self.infos[*q].wait(s, point, || format!("rank {rank} device {ord}: on rank {q}'s {event:?} event"))
             }
             Cmd::WaitOwnPrevDone { .. } => {
                 let Some(done) = self.res.prev_done else {
@@ -624,15 +613,8 @@ fn issue_multicast(
     meeting.barrier("multicast pushed")?;
     let side = res.stream(1)?;
     for (q, info) in infos.iter().enumerate() {
-        let ev = *info.phases.first().ok_or_else(|| {
-            TideError::Internal(format!("rank {q} published no multicast pushed event"))
-        })?;
-        // SAFETY: rank q's pushed event, recorded before the barrier above.
-        unsafe {
-            driver::stream_wait_event(side, ev as CUevent, || {
-                format!("rank {rank} device {ord}: on rank {q}'s multicast pushed event")
-            })?
-        };
+        // Rank q's pushed event (its phase 0 event), recorded before the barrier above.
+        info.wait(side, Point::Phase(0), || format!("rank {rank} device {ord}: on rank {q}'s multicast pushed event"))?;
     }
     for fan in &mp.fanout {
         let (out, out_bytes) = me.outputs[fan.param];

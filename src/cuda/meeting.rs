@@ -18,7 +18,7 @@
 //!    (a cross-node copy done by the rail); `reaches(q)`: false for a rank whose events this rank
 //!    never waits on (another node: its `WaitRank`s are skipped, no wait on its `done`).
 //! 3. `phase_recorded(p, main)`: right after the driver recorded phase `p`'s event on MAIN, before
-//!    the phase barrier (interprocess twins of the event).
+//!    the phase barrier (the signal of the point for peers in other processes).
 //! 4. `phases_ended(main)`: after the last phase, on success and on error (MAIN after the rail).
 //! 5. `done_recorded(main)`: right after the driver recorded `done` on MAIN, before the exit barrier.
 //! 6. `fail(err)`: publish the failure so peers fail fast (every path that errs after the
@@ -28,10 +28,11 @@
 //! The ordering rules these hooks implement are the `cuda` module header's (rules 1-5, A1-A4) and
 //! `schedule`'s model; the meeting adds none of its own.
 
-use super::driver::{CUevent, CUstream};
+use super::driver::{self, CUevent, CUstream};
 use super::multicast;
 use super::prepare::{op_name, Prepared};
 use super::schedule::Cmd;
+use super::signal::{Page, Point};
 use crate::call::CallInfo;
 use crate::error::{Result, TideError};
 use crate::rendezvous::Session;
@@ -49,6 +50,9 @@ pub struct RankInfo {
     pub ready: usize,
     pub done: usize,
     pub phases: Vec<usize>,
+    /// A peer in another process (the multi-process path): its points as `signal`s, in place of
+    /// `ready`, `done` and `phases` (unused then).
+    pub signals: Option<Page>,
     /// Whether this rank's multicast gate granted the NVLink multicast all-gather
     /// (`multicast::decide`); the path runs only if every rank's did.
     pub multicast: bool,
@@ -81,8 +85,27 @@ impl RankInfo {
                 .map(|e| *e as usize)
                 .collect(),
             multicast,
+            signals: None,
             error: None,
         }
+    }
+
+    /// Makes `stream` wait on this rank's `point` (most recent record so far): its signal page when
+    /// it has one, else its event.
+    pub(crate) fn wait(&self, stream: CUstream, point: Point, what: impl FnOnce() -> String) -> Result<()> {
+        if let Some(page) = &self.signals {
+            return page.wait(stream, point, what);
+        }
+        let ev = match point {
+            Point::Ready => self.ready,
+            Point::Done => self.done,
+            Point::Phase(p) => match self.phases.get(p) {
+                Some(&e) => e,
+                None => return Err(TideError::Internal(format!("{}: no phase {p} event published", what()))),
+            },
+        };
+        // SAFETY: an event of this process, created once for its life (`RankInfo::published`).
+        unsafe { driver::stream_wait_event(stream, ev as CUevent, what) }
     }
 }
 
@@ -263,7 +286,8 @@ pub(crate) fn check_peers(
         {
             return mismatch("stage slots differ (TIDE_RS_* settings must match)".into());
         }
-        if info.ready == 0 || info.done == 0 || info.phases.len() + 1 < plan.phases.len() {
+        let events = info.ready != 0 && info.done != 0 && info.phases.len() + 1 >= plan.phases.len();
+        if !events && info.signals.is_none() {
             return mismatch("missing events".into());
         }
     }

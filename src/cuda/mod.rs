@@ -23,7 +23,7 @@
 //! phase loop and end of call, `issue::run_phases` (rules 3-5 / A2-A3) under `meeting::end_call`
 //! (unwind guard, failure published to the peers, leave), over a `meeting::Meeting` built after
 //! the exchange: `meeting::InProcess` (`rendezvous::Session`) or `multiproc::mailbox::Mailbox`
-//! (`transport::ProcessGroup`, mailboxes, interprocess events, and the NCCL rail as hooks at phase
+//! (`transport::ProcessGroup`, mailboxes, `signal`s, and the NCCL rail as hooks at phase
 //! start, per cross-node copy, at phase and `done` records). What the two paths hand `run_phases`
 //! differs only as data (`issue::Issue`): MAIN and its side streams, local, phase and `done` events
 //! (the slot's in-process; the device's, with XLA's stream or a slot's tide stream as MAIN,
@@ -142,6 +142,7 @@ pub mod nccl;
 pub mod nvrtc;
 pub mod prepare;
 pub mod schedule;
+pub mod signal;
 mod start_done;
 
 pub use meeting::RankInfo;

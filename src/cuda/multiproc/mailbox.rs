@@ -1,6 +1,6 @@
 //! The exchange of the multi-process path (`multiproc` module header, "What is published") and
 //! the meeting built from it: this rank's mailbox (`Mail`: its allocations, buffers as
-//! (allocation, offset, bytes), its interprocess events, the rail's `ncclUniqueId`) composed
+//! (allocation, offset, bytes), how many phase points it signals, the rail's `ncclUniqueId`) composed
 //! (`compose`), written and announced before the entry barrier (`publish`), the peers' mailboxes
 //! read, mapped and opened after it (`read_peers`), and `Mailbox`, the `meeting::Meeting` of one
 //! call over the group's barriers with the NCCL rail as its hooks.
@@ -17,6 +17,7 @@ use crate::cuda::ipc::{self, AllocDesc, FdChannel};
 use crate::cuda::meeting::{Local, Meeting, RankInfo};
 use crate::cuda::nccl;
 use crate::cuda::schedule::Cmd;
+use crate::cuda::signal::{self, Point};
 use crate::error::{Result, TideError};
 use crate::plan::Plan;
 use crate::transport::group::Announcement;
@@ -32,12 +33,8 @@ pub(super) struct Mail {
     device: i64,
     pid: u64,
     allocs: Vec<AllocDesc>,
-    ready: [u8; 64],
-    done: [u8; 64],
-    phases: Vec<[u8; 64]>,
-    /// The raw CUevent values of ready, done and the phases (for peers in the same process, which
-    /// cannot open this process's IPC handles).
-    raw_events: Vec<u64>,
+    /// How many phase points the rank signals for this call (its plan's phases - 1).
+    phases: usize,
     /// (allocation index, offset, bytes)
     inputs: Vec<(usize, u64, usize)>,
     stages: Vec<(usize, u64, usize)>,
@@ -54,10 +51,7 @@ impl Default for Mail {
             device: 0,
             pid: 0,
             allocs: Vec::new(),
-            ready: [0; 64],
-            done: [0; 64],
-            phases: Vec::new(),
-            raw_events: Vec::new(),
+            phases: 0,
             inputs: Vec::new(),
             stages: Vec::new(),
             nccl_id: None,
@@ -75,7 +69,7 @@ impl Mail {
             self.device as u64,
             self.pid,
             self.allocs.len() as u64,
-            self.phases.len() as u64,
+            self.phases as u64,
             self.inputs.len() as u64,
             self.stages.len() as u64,
             self.nccl_id.is_some() as u64,
@@ -84,14 +78,6 @@ impl Mail {
         }
         for a in &self.allocs {
             a.encode(&mut o);
-        }
-        o.extend_from_slice(&self.ready);
-        o.extend_from_slice(&self.done);
-        for p in &self.phases {
-            o.extend_from_slice(p);
-        }
-        for i in 0..2 + self.phases.len() {
-            put(&mut o, self.raw_events.get(i).copied().unwrap_or(0));
         }
         for &(a, off, b) in self.inputs.iter().chain(&self.stages) {
             put(&mut o, a as u64);
@@ -138,22 +124,12 @@ impl Mail {
         let mut m = Mail {
             device,
             pid,
+            phases: np,
             ..Default::default()
         };
         for _ in 0..na {
             m.allocs
                 .push(AllocDesc::decode(take(AllocDesc::WIRE_BYTES)?).ok_or("bad allocation")?);
-        }
-        m.ready.copy_from_slice(take(64)?);
-        m.done.copy_from_slice(take(64)?);
-        for _ in 0..np {
-            let mut h = [0u8; 64];
-            h.copy_from_slice(take(64)?);
-            m.phases.push(h);
-        }
-        for _ in 0..2 + np {
-            let t = take(8)?;
-            m.raw_events.push(u64::from_le_bytes(t.try_into().unwrap()));
         }
         for k in 0..ni + ns {
             let t = take(24)?;
@@ -179,10 +155,10 @@ impl Mail {
 
 
 /// This rank's mailbox for a call of `local`'s plan: its operands and stage slots as (allocation,
-/// offset, bytes) (exporting new allocations), its interprocess `ready`, `done` and phase events
-/// and, for peers in this process, the device's own events recorded at the same points; the rail's
-/// `ncclUniqueId` when this rank is the rail's node 0 and must make it.
-pub(super) fn compose(rs: &mut RankState, st: &DeviceState, call: &CallInfo, local: &Local, nphases: usize, make_nccl_id: bool) -> Result<Mail> {
+/// offset, bytes) (exporting new allocations), how many phase points it signals (its `ready`,
+/// `done` and phase points are the signal page at its mailbox's tail, never published); the
+/// rail's `ncclUniqueId` when this rank is the rail's node 0 and must make it.
+pub(super) fn compose(rs: &mut RankState, call: &CallInfo, local: &Local, nphases: usize, make_nccl_id: bool) -> Result<Mail> {
     let (me, ord) = (call.rank, call.device_ordinal);
     let mut mail = Mail {
         device: ord,
@@ -222,19 +198,7 @@ pub(super) fn compose(rs: &mut RankState, st: &DeviceState, call: &CallInfo, loc
             e.0 = 0;
         }
     }
-    let d = rs.dev.as_ref().expect("device part");
-    let (ready, done, phases) = (d.ready, d.done, d.phases.clone());
-    let who = |w: &'static str| move || format!("rank {me} device {ord}: {w} event");
-    mail.ready = rs.exporter.event_handle(ready as usize, &who("ready"))?;
-    mail.done = rs.exporter.event_handle(done as usize, &who("done"))?;
-    // For peers in this process: the device's own (non-interprocess) events, recorded at the
-    // same points. (Waiting on another context's interprocess event by its raw handle, without
-    // cuIpcOpenEventHandle, crashed the driver on the GPU machine.)
-    mail.raw_events = vec![st.ready as u64, st.done as u64];
-    for (k, e) in phases.iter().take(nphases.saturating_sub(1)).enumerate() {
-        mail.phases.push(rs.exporter.event_handle(*e as usize, &who("phase"))?);
-        mail.raw_events.push(st.phase[k] as u64);
-    }
+    mail.phases = nphases.saturating_sub(1);
     if make_nccl_id {
         mail.nccl_id = Some(nccl::unique_id()?);
     }
@@ -249,13 +213,15 @@ pub(super) fn publish(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, w
     let me = call.rank;
     let my_node = me / g;
     let bytes = mail.encode(seq);
-    if bytes.len() > MAILBOX_BYTES {
+    // The mailbox's last page is the rank's signal page.
+    let room = MAILBOX_BYTES - signal::PAGE_BYTES;
+    if bytes.len() > room {
         return crate::invalid!(
-            "{what}: {} bytes to publish exceed the CUDA mailbox ({MAILBOX_BYTES} bytes)",
+            "{what}: {} bytes to publish exceed the CUDA mailbox ({room} bytes)",
             bytes.len()
         );
     }
-    // SAFETY: the mailbox is MAILBOX_BYTES long and only this rank writes it; peers read it after
+    // SAFETY: the mailbox is MAILBOX_BYTES long, bytes fit before its signal page, only this rank writes it; peers read it after
     // the entry barrier (Release/Acquire) and are done before they pass our exit barrier.
     unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), rs.mailbox.as_ptr(), bytes.len()) };
     // File descriptors of new VMM exports to the peers of this node (they map our memory).
@@ -370,13 +336,13 @@ fn read_peer(
         ));
     }
     let n = plan.layout.len();
-    if m.inputs.len() != n || m.stages.len() < plan.stage_slot_bytes.len() || m.phases.len() + 1 < nphases {
+    if m.inputs.len() != n || m.stages.len() < plan.stage_slot_bytes.len() || m.phases + 1 < nphases {
         return Err(rs.group.fail_with(format!(
             "{what}: rank {q} (pid {pid}) published {} operands, {} stage slots, {} phase events; this plan has {n}, {}, {} \
              (TIDE_RS_* settings must match)",
             m.inputs.len(),
             m.stages.len(),
-            m.phases.len(),
+            m.phases,
             plan.stage_slot_bytes.len(),
             nphases.saturating_sub(1)
         )));
@@ -432,29 +398,13 @@ fn read_peer(
     for &(a, off, b) in &m.stages {
         info.stages.push(addr(a, off, b)?);
     }
-    peer_events(&mut d.importer, (me, q, pid), &m, same, nphases, &mut info)?;
+    // Its points: the signal page at the tail of its mailbox (also for a peer in this process:
+    // another context's events cannot be waited on by raw handle, see the module header).
+    let seg = rs.peer_boxes[q]
+        .as_ref()
+        .ok_or_else(|| TideError::Internal(format!("rank {q}'s mailbox not mapped")))?;
+    info.signals = Some(d.peer_page(q, seg)?);
     Ok((info, m.nccl_id))
-}
-
-/// Peer `q`'s `ready`, `done` and phase events into `info`: its raw events when it is in this
-/// process (`same`), else its interprocess events opened (once per handle).
-fn peer_events(importer: &mut ipc::Importer, (me, q, pid): (usize, usize, u64), m: &Mail, same: bool, nphases: usize, info: &mut RankInfo) -> Result<()> {
-    if same {
-        info.ready = m.raw_events[0] as usize;
-        info.done = m.raw_events[1] as usize;
-        info.phases = m.raw_events[2..]
-            .iter()
-            .take(nphases.saturating_sub(1))
-            .map(|&e| e as usize)
-            .collect();
-    } else {
-        info.ready = importer.event(me, q, pid, &m.ready, "ready")? as usize;
-        info.done = importer.event(me, q, pid, &m.done, "done")? as usize;
-        for h in m.phases.iter().take(nphases.saturating_sub(1)) {
-            info.phases.push(importer.event(me, q, pid, h, "phase")? as usize);
-        }
-    }
-    Ok(())
 }
 
 /// The multi-process meeting of one call (`meeting` module header): the group's barriers, the
@@ -528,8 +478,9 @@ impl Meeting for Mailbox<'_> {
         } else {
             self.wait(rsx, self.phase[p - 1] as usize, &|| format!("rail stream on phase {}", p - 1))?;
             for q in (0..self.infos.len()).filter(|&q| q != me && q / g == me / g) {
-                self.wait(rsx, self.infos[q].phases[p - 1], &|| {
-                    format!("rail stream on rank {q}'s phase {}", p - 1)
+                let ord = self.ord;
+                self.infos[q].wait(rsx, Point::Phase(p - 1), || {
+                    format!("rank {me} device {ord}: rail stream on rank {q}'s phase {}", p - 1)
                 })?;
             }
         }
@@ -545,8 +496,10 @@ impl Meeting for Mailbox<'_> {
             _ => None,
         }
     }
+    /// The phase point for peers in other processes (`signal`), right after the phase event.
     fn phase_recorded(&self, p: usize, main: CUstream) -> Result<()> {
-        self.record(self.d.phases[p], main, &|| format!("phase {p} event"))
+        let (me, ord) = (self.rs.rank, self.ord);
+        self.d.signals.record(main, Point::Phase(p), || format!("rank {me} device {ord}: phase {p} signal"))
     }
     /// MAIN after every rail transfer (sends read our inputs; XLA may reuse them after the call).
     fn phases_ended(&self, main: CUstream) -> Result<()> {
@@ -555,9 +508,10 @@ impl Meeting for Mailbox<'_> {
             None => Ok(()),
         }
     }
-    /// Rule 1's interprocess twin of `done`, right after it.
+    /// `done` for peers in other processes (`signal`), right after the done event.
     fn done_recorded(&self, main: CUstream) -> Result<()> {
-        self.record(self.d.done, main, &|| "done event".into())
+        let (me, ord) = (self.rs.rank, self.ord);
+        self.d.signals.record(main, Point::Done, || format!("rank {me} device {ord}: done signal"))
     }
 }
 
@@ -577,10 +531,7 @@ mod tests {
                 kind: ipc::KIND_VMM,
                 legacy: [1; 64],
             }],
-            ready: [5; 64],
-            done: [6; 64],
-            phases: vec![[7; 64], [8; 64]],
-            raw_events: vec![11, 12, 13, 14],
+            phases: 2,
             inputs: vec![(0, 64, 100), (0, 256, 0)],
             stages: vec![(0, 4096, 65536)],
             nccl_id: Some([9; 128]),
@@ -592,19 +543,13 @@ mod tests {
                 d.device,
                 d.pid,
                 d.allocs.clone(),
-                d.ready,
-                d.done,
-                d.phases.clone(),
-                d.raw_events.clone()
+                d.phases,
             ),
             (
                 3,
                 4242,
                 m.allocs.clone(),
-                m.ready,
-                m.done,
-                m.phases.clone(),
-                m.raw_events.clone()
+                m.phases,
             )
         );
         assert_eq!(

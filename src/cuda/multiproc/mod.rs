@@ -19,11 +19,13 @@
 //! - **What is published**: each rank writes, before the entry barrier, a *mailbox* (its own
 //!   shared-memory segment `/tide-{job}-g{group}-r{rank}-cu`, unlinked once every peer mapped it):
 //!   the allocations holding its `Input`s and stage slots (`ipc::AllocDesc`), each buffer as
-//!   (allocation, offset, bytes), and the `cuIpcGetEventHandle` handles of its `ready`, `done` and
-//!   phase events (interprocess events of this module, one set per rank; recorded next to the
-//!   device's own events). Peers on its node map the allocations once (`ipc::Importer`) and open
-//!   the events once. Outputs are never published: plans pull, no step reads a peer's `Output`
-//!   (checked once per plan).
+//!   (allocation, offset, bytes), and how many phase points it signals. Its `ready`, `done` and
+//!   phase points are not events but `signal`s: counters in the last page of its mailbox, written
+//!   by its MAIN right after the device's own events and waited on by peers' streams (a dead peer's
+//!   interprocess event could never be waited out; its signals are released by the survivor).
+//!   Peers on its node map the allocations once (`ipc::Importer`) and register its signal page
+//!   once. Outputs are never published: plans pull, no step reads a peer's `Output` (checked once
+//!   per plan).
 //! - **The rail** (plans with several nodes): a `Copy` whose source and destination ranks are on
 //!   different nodes is not a copy-engine copy. At the start of each phase, the rank issues on its
 //!   rail stream, in one `ncclGroupStart/End`, an `ncclRecv` for every such copy it executes and an
@@ -46,17 +48,18 @@
 //! does TIDE_MULTICAST (single-process only).
 //!
 //! Peers in this same process (a job with several GPUs per process): CUDA refuses to open a
-//! process's own IPC handles, and waiting on another context's interprocess event by its raw
-//! handle crashed the driver on the GPU machine, so such a peer publishes (and is used through)
-//! its raw addresses and its device's own events; this rank gets peer access to its device and
-//! `cuMemSetAccess` on its VMM allocations (peer access does not cover VMM memory).
+//! process's own IPC handles, so such a peer publishes (and is used through) its raw addresses;
+//! this rank gets peer access to its device and `cuMemSetAccess` on its VMM allocations (peer
+//! access does not cover VMM memory). Its points are signals as for any peer (waiting on another
+//! context's interprocess event by its raw handle crashed the driver on the GPU machine).
 //!
 //! Failure: any error is published to the group (peers fail fast with the root cause, a dead peer
 //! is named with its pid), the rail communicator is aborted (transfers a dead peer will never
 //! match end, the stream drains), every later call of the job fails at once, and the rank gives
 //! back the job's device memory once tide's work on the device finished (`release_after_failure`:
-//! the peer mappings that would keep a dead peer's memory allocated, its export references, and
-//! the device's staging when no peer that could read it is alive).
+//! a dead peer's signals released so no stream waits on it any more, then the peer mappings that
+//! would keep a dead peer's memory allocated, its export references, and the device's staging when
+//! no peer that could read it is alive).
 //!
 //! NCCL communicators: one per (job, group, rail = local index), created in the first call that
 //! needs it; the `ncclUniqueId` is made by the rail's node-0 rank and published in its mailbox (or
@@ -76,6 +79,7 @@ use super::issue::{self, Issue, Res};
 use super::meeting::{self, check_peers, Local, RankInfo};
 use super::nccl;
 use super::prepare::{self, op_name};
+use super::signal::{self, Page, Point};
 use crate::call::CallInfo;
 use crate::config::Config;
 use crate::error::{Result, TideError};
@@ -110,9 +114,10 @@ struct RankState {
 struct DevPart {
     ordinal: i64,
     importer: ipc::Importer,
-    ready: CUevent,
-    done: CUevent,
-    phases: Vec<CUevent>,
+    /// This rank's signal page (its `ready`, `done` and phase points for peers: `signal`).
+    signals: Page,
+    /// Each peer's signal page as this process maps it, registered on first use.
+    peer_signals: Vec<Option<Page>>,
     rail_stream: CUstream,
     rail_events: Vec<CUevent>,
     rail: Option<nccl::Comm>,
@@ -428,7 +433,8 @@ const RELEASE_WAIT: Duration = Duration::from_secs(1);
 /// references on its own exported allocations, and, when no peer that could still read it is
 /// alive, the device's stage buffers (a later call of another job makes new ones). Bounded by
 /// `RELEASE_WAIT`: work still running then (a stream waiting on a peer that will never record)
-/// keeps everything allocated, with a warning; memory is never freed under pending work.
+/// keeps everything allocated, with a warning; memory is never freed under pending work. Waits on
+/// a dead peer's points are ended first (its signal page released), so they never hold it.
 fn release_after_failure(rs: &mut RankState, call: &CallInfo) {
     let (ord, me) = (call.device_ordinal, call.rank);
     let Some(d) = rs.dev.as_mut() else {
@@ -445,6 +451,20 @@ fn release_after_failure(rs: &mut RankState, call: &CallInfo) {
     streams.push(d.rail_stream);
     if call.stream != 0 {
         streams.push(call.stream as CUstream);
+    }
+    // A dead peer's stream will never reach the points this rank's streams wait on: end those
+    // waits (`signal::Page::release`), so the device can drain.
+    let dead: Vec<usize> = rs
+        .group
+        .members()
+        .iter()
+        .copied()
+        .filter(|&q| q != me && rail::process_gone(rs.group.pid_of(q)).is_some())
+        .collect();
+    for &q in &dead {
+        if let Some(page) = d.peer_signals.get(q).copied().flatten() {
+            page.release();
+        }
     }
     let drained = device::drain(&streams, &[st.done], RELEASE_WAIT, &|| format!("rank {me} device {ord}"));
     match drained {
@@ -521,7 +541,7 @@ fn dbg_mp(f: impl FnOnce() -> String) {
 }
 
 /// One call of this rank, top to bottom (the module header's protocol): under the device lock,
-/// rule 1 on MAIN (`prepare`), this rank's interprocess events (`DevPart::prepare_call`), its
+/// rule 1 on MAIN (`prepare`), this rank's ready signal (`DevPart::prepare_call`), its
 /// mailbox composed and published (entry barrier), the peers' read and mapped, the rail's
 /// communicator on first need; then `issue::run_phases` over the `Mailbox` meeting, ended by
 /// `meeting::end_call`.
@@ -554,7 +574,7 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
 
     let need_rail = nodes > 1 && d.rail.is_none();
     let make_id = need_rail && me / g == 0 && nccl::registered_unique_id(job, call.group, me % g).is_none();
-    let mail = mailbox::compose(rs, &st, call, &local, nphases, make_id)?;
+    let mail = mailbox::compose(rs, call, &local, nphases, make_id)?;
     mailbox::publish(rs, call, job, seq, what, &mail, plan, g)?;
     let wait_fd = Duration::from_secs_f64(cfg.timeout_s.clamp(0.001, 30.0));
     let (infos, peer_ids) = mailbox::read_peers(rs, &mut st, call, seq, what, &local, plan, nphases, wait_fd)?;
@@ -615,16 +635,20 @@ fn ensure_dev(rs: &mut RankState, ord: i64) -> Result<()> {
         }
         return Ok(());
     }
-    let ready = ipc::ipc_event(ord, "ready")?;
-    let done = ipc::ipc_event(ord, "done")?;
+    // The tail of this rank's mailbox: its signal page (`signal`), registered here once.
+    // SAFETY: the mailbox is MAILBOX_BYTES, page-aligned, mapped while the state lives (the
+    // process's life); `publish` never writes its last page.
+    let own = unsafe {
+        let tail = rs.mailbox.as_ptr().add(MAILBOX_BYTES - signal::PAGE_BYTES);
+        Page::register(tail, || format!("rank {} device {ord}", rs.rank))?
+    };
     // Context current.
     let rail_stream = driver::stream_create(|| format!("device {ord}, rail stream"))?;
     rs.dev = Some(DevPart {
         ordinal: ord,
         importer: ipc::Importer::new(ord),
-        ready,
-        done,
-        phases: Vec::new(),
+        signals: own,
+        peer_signals: vec![None; rs.world],
         rail_stream,
         rail_events: Vec::new(),
         rail: None,
@@ -633,20 +657,36 @@ fn ensure_dev(rs: &mut RankState, ord: i64) -> Result<()> {
 }
 
 impl DevPart {
-    /// This rank's per-call events of a plan of `nphases` phases (interprocess phase events, rail
-    /// events; created once and kept), then rule 1 for peers in other processes: the
-    /// interprocess twin of `ready`, recorded on MAIN (`stream`) right after it.
+    /// This rank's per-call resources for a plan of `nphases` phases (rail events, created once and
+    /// kept), then rule 1 for peers in other processes: this rank's `ready` signal, enqueued on
+    /// MAIN (`stream`) right after the device's `ready` event.
     fn prepare_call(&mut self, ord: i64, me: usize, nphases: usize, stream: CUstream) -> Result<()> {
-        while self.phases.len() + 1 < nphases.max(1) {
-            let e = ipc::ipc_event(ord, "phase")?;
-            self.phases.push(e);
-        }
+        // Every phase point must fit the signal page (a clear error before anything is enqueued).
+        Point::Phase(nphases.saturating_sub(2)).slot()?;
         while self.rail_events.len() < nphases {
             // Context current.
             let e = driver::event_create(|| format!("device {ord}, rail event"))?;
             self.rail_events.push(e);
         }
-        // SAFETY: valid event and stream.
-        unsafe { driver::event_record(self.ready, stream, || format!("rank {me} device {ord}: ready (interprocess)")) }
+        self.signals.record(stream, Point::Ready, || format!("rank {me} device {ord}: ready signal"))
+    }
+
+    /// Peer `q`'s signal page: the tail of its mailbox `seg` as this process maps it, registered on
+    /// first use.
+    fn peer_page(&mut self, q: usize, seg: &Segment) -> Result<Page> {
+        if let Some(p) = self.peer_signals.get(q).copied().flatten() {
+            return Ok(p);
+        }
+        let ord = self.ordinal;
+        // SAFETY: a peer's mailbox mapping of MAILBOX_BYTES, kept while the state lives; its last
+        // page is only ever signals.
+        let page = unsafe {
+            let tail = seg.as_ptr().add(MAILBOX_BYTES - signal::PAGE_BYTES);
+            Page::register(tail, || format!("device {ord}: rank {q}'s mailbox"))?
+        };
+        if let Some(slot) = self.peer_signals.get_mut(q) {
+            *slot = Some(page);
+        }
+        Ok(page)
     }
 }
