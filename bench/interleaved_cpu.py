@@ -1,14 +1,15 @@
 """Two tide programs launched from several Python threads at once on 8 CPU devices (issue #17):
 which launch patterns stall inside XLA:CPU, and whether `tide_jax.dispatch_lock` prevents it.
 
-    python3 bench/interleaved_cpu.py [--out DIR] [--calls 200] [--timeout-s 5]
+    python3 bench/interleaved_cpu.py [--out DIR] [--calls 200] [--timeout-s 5] [--stall-ms MS]
 
 Each configuration runs in its own process (a stall leaves XLA's queues in a state the next one
 should not inherit): T threads, each launching `--calls` calls of its own program (two programs
 with different layouts, one all_gather + one reduce_scatter each) and keeping up to W calls in
 flight (waiting for the oldest result before the next launch), optionally under
 `tide_jax.dispatch_lock`. Per configuration: calls correct, calls failed, how many failures were
-timeouts ("did not arrive") and how many the interleaving message, the longest launch (a launch
+timeouts ("did not arrive"), how many the interleaving message and how many tide's XLA:CPU stall
+check (TIDE_STALL_MS; `--stall-ms 0` turns it off to see XLA's stall alone), the longest launch (a launch
 blocks while XLA holds it back), the longest wait for a result, and the wall time (`--repeat` runs each). Writes DIR/results.md and DIR/results.json (default
 bench/results/<date>-interleaved-cpu).
 """
@@ -68,7 +69,7 @@ def worker(threads: int, window: int, locked: bool, calls: int) -> dict:
         x = lay.shard({"w": np.full((rows, cols), v, np.float32), "b": np.full((rows,), -v, np.float32)})
         jax.block_until_ready(f(x))  # compile before timing
         jobs.append((f, lay, x, v))
-    stats = dict(ok=0, wrong=0, failed=0, timeouts=0, interleaved=0, longest_wait_s=0.0, longest_launch_s=0.0)
+    stats = dict(ok=0, wrong=0, failed=0, timeouts=0, interleaved=0, stalls=0, longest_wait_s=0.0, longest_launch_s=0.0)
     guard = threading.Lock()
     go = threading.Barrier(threads)
 
@@ -88,6 +89,7 @@ def worker(threads: int, window: int, locked: bool, calls: int) -> dict:
                 stats[key] += 1
                 stats["timeouts"] += "did not arrive" in msg
                 stats["interleaved"] += "programs interleaved" in msg
+                stats["stalls"] += "XLA:CPU never started" in msg
                 stats["longest_wait_s"] = max(stats["longest_wait_s"], time.monotonic() - t0)
 
         for _ in range(calls):
@@ -119,6 +121,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--calls", type=int, default=200, help="calls per thread")
     ap.add_argument("--timeout-s", type=float, default=5.0, help="TIDE_TIMEOUT_S of each run")
+    ap.add_argument("--stall-ms", type=int, default=None, help="TIDE_STALL_MS of each run (default: tide's)")
     ap.add_argument("--repeat", type=int, default=3, help="runs (processes) per configuration")
     ap.add_argument("--worker", nargs=3, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -133,6 +136,8 @@ def main() -> int:
         runs = []
         for _ in range(args.repeat):
             env = dict(os.environ, TIDE_TIMEOUT_S=str(args.timeout_s))
+            if args.stall_ms is not None:
+                env["TIDE_STALL_MS"] = str(args.stall_ms)
             cmd = [sys.executable, os.path.abspath(__file__), "--calls", str(args.calls),
                    "--worker", str(threads), str(window), str(int(locked))]
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -141,7 +146,7 @@ def main() -> int:
         good = [x for x in runs if "error" not in x]
         res = dict(threads=threads, window=window, locked=locked, runs=runs, errors=len(runs) - len(good),
                    stalled_runs=sum(1 for x in good if x["failed"] + x["wrong"]))
-        for k in ("ok", "wrong", "failed", "timeouts", "interleaved"):
+        for k in ("ok", "wrong", "failed", "timeouts", "interleaved", "stalls"):
             res[k] = sum(x[k] for x in good)
         for k in ("longest_launch_s", "longest_wait_s", "wall_s"):
             res[k] = max((x[k] for x in good), default=0.0)
@@ -155,15 +160,15 @@ def main() -> int:
         f"{args.repeat} runs per row, each its own process; counts summed over the runs, times the largest).",
         f"Machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}.",
         "",
-        "| threads | in flight per thread | dispatch_lock | runs with failures | correct | failed | of which timeouts | of which interleaving | longest launch | longest wait for a result | wall |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| threads | in flight per thread | dispatch_lock | runs with failures | correct | failed | of which timeouts | of which interleaving | of which stalls | longest launch | longest wait for a result | wall |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         crashed = f" ({r['errors']} crashed)" if r["errors"] else ""
         lines.append(
             f"| {r['threads']} | {r['window']} | {'yes' if r['locked'] else 'no'} | "
             f"{r['stalled_runs']} of {args.repeat - r['errors']}{crashed} | "
-            f"{r['ok']} | {r['failed'] + r['wrong']} | {r['timeouts']} | {r['interleaved']} | "
+            f"{r['ok']} | {r['failed'] + r['wrong']} | {r['timeouts']} | {r['interleaved']} | {r.get('stalls', 0)} | "
             f"{r['longest_launch_s']:.2f} s | {r['longest_wait_s']:.2f} s | {r['wall_s']:.1f} s |"
         )
     with open(os.path.join(out, "results.md"), "w") as f:

@@ -303,6 +303,7 @@ impl CallInfo {
             run: self.run_id,
             devices: self.rank_devices.clone(),
             confirm_after,
+            stall_after: None,
         })
     }
 

@@ -27,12 +27,25 @@
 //! process is usable at once.
 //!
 //! Where the model holds: XLA:GPU (a device's programs in launch order). XLA:CPU gang-schedules
-//! multi-device launches, so this cycle does not normally arise there; its own stall (a device that
-//! cannot admit a program, docs/design.md) has no tide call on the missing device, which this
-//! module cannot see: `absent_hint` adds that to the timeout's message.
+//! multi-device launches, so this cycle does not normally arise there.
 //!
-//! Lock order: `WAITERS`, then a session's state (through `Waitable`), then `FAILED_RUNS`.
-//! Nothing here is held while a caller holds a session's state.
+//! # Stalls (XLA:CPU)
+//! XLA:CPU's own deadlock is different: a device admits 32 executions in flight, and programs
+//! launched from several threads without waiting for results can fill a device with executions
+//! that wait (in XLA's launch order) for a launch that cannot be admitted there. That device never
+//! starts the program: no tide call of the run ever reaches it, none waits there, and nothing
+//! computes. For a place with `stall_after` (the CPU engine, TIDE_STALL_MS), a waiter whose session
+//! misses such a device, while the whole process used less than `IDLE_CPU_FRACTION` of a core over
+//! a full `stall_after`, fails the run with a message naming the stall and the fix. The evidence is
+//! circumstantial (tide cannot see XLA's queues), so each part is required: a device that started
+//! the run (any of its calls arrived: `arrived`) is computing or skipped the call, never a stall;
+//! a device with a waiting tide call is a cycle's business; a busy process is computing. What
+//! remains and is not a stall: a device idling for `stall_after` in a host callback before its
+//! first tide call of the run; TIDE_STALL_MS raises or turns off the check. Where none of this
+//! applies the timeout's message says that no tide call waits on the missing device (`absent_hint`).
+//!
+//! Lock order: `WAITERS`, then a session's state (through `Waitable`), then `STARTED`, then
+//! `FAILED_RUNS`. Nothing here is held while a caller holds a session's state.
 //!
 //! Calls without a run id (0) or without the devices of their ranks (multi-process calls, engine
 //! tests) are not checked: they keep the timeout.
@@ -60,6 +73,10 @@ pub const CONFIRM_AFTER_CPU: Duration = Duration::from_millis(400);
 const CONFIRM_AFTER: Duration = CONFIRM_AFTER_CPU;
 /// Runs remembered as failed (their later calls fail at once).
 const FAILED_RUNS_KEPT: usize = 64;
+/// Runs whose devices are remembered (`arrived`); far more than the runs in flight at once.
+const STARTED_KEPT: usize = 1024;
+/// A process that used less CPU than this fraction of one core over a window is idle (a stall).
+pub const IDLE_CPU_FRACTION: f64 = 0.1;
 
 /// Where a rank's call runs: what the deadlock check knows of it.
 #[derive(Debug, Clone)]
@@ -72,12 +89,69 @@ pub struct Place {
     pub devices: Arc<[i64]>,
     /// How long a cycle through this call must last before it is broken (`CONFIRM_AFTER_*`).
     pub confirm_after: Duration,
+    /// XLA:CPU only: how long an idle process waits for a device that never started the run
+    /// before the run fails as stalled (module header, "Stalls"); None: never.
+    pub stall_after: Option<Duration>,
 }
 
 impl Place {
     fn checked(&self) -> bool {
         self.run != 0 && !self.devices.is_empty()
     }
+}
+
+/// (engine, run) -> devices on which a call of the run arrived, oldest runs first out.
+struct Started {
+    devices: HashMap<(&'static str, i64), Vec<i64>>,
+    order: VecDeque<(&'static str, i64)>,
+}
+
+static STARTED: Lazy<Mutex<Started>> = Lazy::new(|| {
+    Mutex::new(Started {
+        devices: HashMap::new(),
+        order: VecDeque::new(),
+    })
+});
+
+/// Notes that `rank`'s call of `place`'s run arrived (its device started the run). Only for places
+/// checked for stalls (the CPU engine); one short lock per call.
+pub fn arrived(place: &Place, rank: usize) {
+    if place.stall_after.is_none() || !place.checked() {
+        return;
+    }
+    let Some(&device) = place.devices.get(rank) else { return };
+    let key = (place.engine, place.run);
+    let mut st = lock(&STARTED);
+    if let Some(v) = st.devices.get_mut(&key) {
+        if !v.contains(&device) {
+            v.push(device);
+        }
+        return;
+    }
+    if st.order.len() == STARTED_KEPT {
+        if let Some(old) = st.order.pop_front() {
+            st.devices.remove(&old);
+        }
+    }
+    st.order.push_back(key);
+    st.devices.insert(key, vec![device]);
+}
+
+fn started_on(engine: &'static str, run: i64, device: i64) -> bool {
+    lock(&STARTED)
+        .devices
+        .get(&(engine, run))
+        .is_some_and(|v| v.contains(&device))
+}
+
+/// CPU time used by the whole process so far.
+fn process_cpu_time() -> Duration {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: valid out-pointer; CLOCK_PROCESS_CPUTIME_ID exists on every Linux.
+    if unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) } != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
 /// What the check needs of a rendezvous session (implemented by `rendezvous::Session`).
@@ -159,6 +233,11 @@ pub struct Watch {
     key: Key,
     session: Arc<dyn Waitable>,
     registered: bool,
+    /// Samples of (wall, process CPU time) at this wait's checks, the oldest the start of the
+    /// sliding window of the last `stall_after` (`stall`).
+    samples: VecDeque<(Instant, Duration)>,
+    /// When the watch was made (`REGISTER_AFTER` into the wait).
+    created: Instant,
 }
 
 impl Watch {
@@ -180,6 +259,8 @@ impl Watch {
             key,
             session,
             registered: false,
+            samples: VecDeque::new(),
+            created: Instant::now(),
         })
     }
 
@@ -209,7 +290,7 @@ impl Watch {
         let me = waiters.iter().position(|w| w.id == self.id)?;
         let Some(cycle) = cycle else {
             waiters[me].suspect = None;
-            return None;
+            return self.stall(&waiters);
         };
         let ids: Vec<u64> = cycle.iter().map(|e| waiters[e.waiter].id).collect();
         match &waiters[me].suspect {
@@ -224,25 +305,70 @@ impl Watch {
             }
         }
         let msg = describe(&waiters, &cycle);
-        {
-            let mut failed = lock(&FAILED_RUNS);
-            for e in &cycle {
-                let run = waiters[e.waiter].place.run;
-                if !failed.iter().any(|(r, _)| *r == run) {
-                    if failed.len() == FAILED_RUNS_KEPT {
-                        failed.pop_front();
-                    }
-                    failed.push_back((run, msg.clone()));
-                }
-            }
-            ANY_FAILED_RUN.store(true, Ordering::Release);
-        }
         // Every session of the cycle, and every other waiting call of its runs.
         let runs: Vec<i64> = cycle.iter().map(|e| waiters[e.waiter].place.run).collect();
-        for w in waiters.iter().filter(|w| runs.contains(&w.place.run)) {
-            w.session.break_with(&msg);
-        }
+        fail_runs(&waiters, &runs, &msg);
         Some(msg)
+    }
+
+    /// The stall check (module header, "Stalls"), with `WAITERS` held: the run fails when the
+    /// process was idle over the last `stall_after` of this wait (a sliding window over the
+    /// checks' samples) and the session misses a device that never started the run and has no
+    /// tide call waiting.
+    fn stall(&mut self, waiters: &[Waiter]) -> Option<String> {
+        let after = self.place.stall_after?;
+        let (now, cpu) = (Instant::now(), process_cpu_time());
+        self.samples.push_back((now, cpu));
+        // Keep the newest sample at least `after` old as the window's start.
+        while self.samples.len() >= 2 && now.duration_since(self.samples[1].0) >= after {
+            self.samples.pop_front();
+        }
+        let (since, cpu0) = self.samples[0];
+        let wall = now.duration_since(since);
+        if wall < after {
+            return None;
+        }
+        let used = cpu.saturating_sub(cpu0).as_secs_f64() / wall.as_secs_f64();
+        if used >= IDLE_CPU_FRACTION {
+            return None;
+        }
+        let engine = self.place.engine;
+        let never: Vec<i64> = self
+            .session
+            .absent()
+            .into_iter()
+            .filter_map(|r| self.place.devices.get(r).copied())
+            .filter(|&d| {
+                !waiters.iter().any(|w| w.place.engine == engine && w.place.devices[w.rank] == d)
+                    && !started_on(engine, self.place.run, d)
+            })
+            .collect();
+        if never.is_empty() {
+            return None;
+        }
+        let msg = describe_stall(self, &never, wall, used);
+        fail_runs(waiters, &[self.place.run], &msg);
+        Some(msg)
+    }
+}
+
+/// Records `runs` as failed with `msg` (their later calls fail at once) and breaks every waiting
+/// session of them.
+fn fail_runs(waiters: &[Waiter], runs: &[i64], msg: &str) {
+    {
+        let mut failed = lock(&FAILED_RUNS);
+        for &run in runs {
+            if !failed.iter().any(|(r, _)| *r == run) {
+                if failed.len() == FAILED_RUNS_KEPT {
+                    failed.pop_front();
+                }
+                failed.push_back((run, msg.to_string()));
+            }
+        }
+        ANY_FAILED_RUN.store(true, Ordering::Release);
+    }
+    for w in waiters.iter().filter(|w| runs.contains(&w.place.run)) {
+        w.session.break_with(msg);
     }
 }
 
@@ -372,6 +498,30 @@ fn describe(waiters: &[Waiter], cycle: &[Edge]) -> String {
     )
 }
 
+/// The message every call of a stalled run fails with.
+fn describe_stall(w: &Watch, never: &[i64], wall: Duration, used: f64) -> String {
+    format!(
+        "tide: XLA:CPU never started this program on device {}: {} ({}, call {}) on device {} waited \
+         {:.2} s for it, with no tide call of the run reaching that device, none waiting there, and \
+         the process idle for the last {:.2} s ({:.0} % of a core). XLA:CPU admits 32 executions per device; programs launched \
+         from several threads without waiting for their results can fill a device with executions \
+         queued behind a launch that cannot be admitted there. Every tide call of this run fails; \
+         the process stays usable. Launch tide programs on one mesh from one thread at a time: e.g. \
+         `with tide_jax.dispatch_lock(mesh): out = step(...)` around each call of a jitted step in \
+         every thread, or wait for results before launching more. (A device may also idle this long \
+         in a host callback before its first tide call: TIDE_STALL_MS raises this bound, 0 turns the \
+         check off.)",
+        crate::error::short_list(never, 8).trim_matches(|c| c == '[' || c == ']'),
+        w.what,
+        run_name(w.place.run),
+        w.key.seq & 0xffff_ffff,
+        w.place.devices[w.rank],
+        (w.created.elapsed() + REGISTER_AFTER).as_secs_f64(),
+        wall.as_secs_f64(),
+        used * 100.0,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -406,6 +556,7 @@ mod tests {
             run,
             devices: devices.into(),
             confirm_after: CONFIRM_AFTER,
+            stall_after: None,
         }
     }
 

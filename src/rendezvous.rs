@@ -220,6 +220,9 @@ impl<T: Clone + Send + Sync + 'static> Session<T> {
             return Err(err);
         }
         let session = Self::arrive(what, key, rank, world, timeout, Some(value), None)?;
+        if let Some(p) = place {
+            deadlock::arrived(p, rank);
+        }
         let start = Instant::now();
         let deadline = start + timeout;
         // Made at the first check (most meetings complete before it). Declared before the state

@@ -529,6 +529,7 @@ fn cycle_place(run: i64) -> tide::deadlock::Place {
         run,
         devices: vec![0, 1].into(),
         confirm_after: tide::deadlock::CONFIRM_AFTER_CPU,
+        stall_after: None,
     }
 }
 
@@ -582,4 +583,82 @@ fn a_rank_that_never_arrives_still_fails_at_the_timeout_naming_it() {
     assert!(msg.contains("rank 1 did not arrive at 'join' within 0.3 s"), "{msg}");
     assert!(msg.contains("no tide call waits on device 1") && msg.contains("dispatch_lock"), "{msg}");
     assert!(waited >= Duration::from_millis(300) && waited < Duration::from_secs(5), "{waited:?}");
+}
+
+/// The place of a 2-rank group on devices 0 and 1 of engine "test-stall" in `run`, with XLA:CPU's
+/// stall check after 200 ms.
+fn stall_place(run: i64) -> tide::deadlock::Place {
+    tide::deadlock::Place {
+        engine: "test-stall",
+        run,
+        devices: vec![0, 1].into(),
+        confirm_after: tide::deadlock::CONFIRM_AFTER_CPU,
+        stall_after: Some(Duration::from_millis(200)),
+    }
+}
+
+const STALL: &str = "XLA:CPU never started this program on device 1";
+
+#[test]
+fn a_device_that_never_started_the_run_in_an_idle_process_fails_as_a_stall() {
+    // Issue #17 on XLA:CPU: device 1 never starts run 0xd1 (its launch is held back inside XLA),
+    // nothing computes. The wait fails once the process was idle for 200 ms (other tests of this
+    // binary may keep it busy for a while: the bound is the timeout, 20 s), naming the stall and the
+    // fix; a late call of the run on device 1 then fails at once.
+    let place = stall_place(0xd1);
+    let t0 = Instant::now();
+    let err = Session::join_at("test stall", key(7101, 0), 0, 2, 0u8, Duration::from_secs(20), Some(&place))
+        .err()
+        .expect("device 1 never arrives");
+    let waited = t0.elapsed();
+    let msg = err.to_string();
+    assert!(msg.contains(STALL), "{msg}");
+    assert!(msg.contains("run 0xd1") && msg.contains("dispatch_lock") && msg.contains("TIDE_STALL_MS"), "{msg}");
+    assert!(waited >= Duration::from_millis(200) && waited < Duration::from_secs(19), "{waited:?}");
+    let t1 = Instant::now();
+    let late = Session::join_at("test stall", key(7101, 0), 1, 2, 1u8, LONG, Some(&place)).err().expect("the run failed");
+    assert!(late.to_string().contains(STALL), "{late}");
+    assert!(t1.elapsed() < Duration::from_secs(1));
+}
+
+#[test]
+fn a_device_that_started_the_run_is_not_a_stall() {
+    // Device 1 took part in an earlier call of run 0xd2 (it started the program; now it computes,
+    // or skips the call): no stall, the timeout names it.
+    let place = stall_place(0xd2);
+    let out = on_ranks(2, move |rank| {
+        let s = Session::join_at("test started", key(7102, 0), rank, 2, rank as u8, LONG, Some(&place)).unwrap();
+        s.leave(rank).unwrap();
+    });
+    assert_eq!(out.len(), 2);
+    let place = stall_place(0xd2);
+    let err = Session::join_at("test started", key(7103, 0), 0, 2, 0u8, Duration::from_millis(800), Some(&place))
+        .err()
+        .expect("device 1 never arrives");
+    let msg = err.to_string();
+    assert!(msg.contains("rank 1 did not arrive at 'join' within 0.8 s") && !msg.contains(STALL), "{msg}");
+}
+
+#[test]
+fn a_busy_process_is_not_a_stall() {
+    // Device 1 never started run 0xd3, but the process computes (a thread spins): the missing
+    // device may be computing its way to the program; the timeout decides.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let spin = {
+        let stop = stop.clone();
+        thread::spawn(move || {
+            let mut x = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+            }
+        })
+    };
+    let place = stall_place(0xd3);
+    let err = Session::join_at("test busy", key(7104, 0), 0, 2, 0u8, Duration::from_millis(800), Some(&place))
+        .err()
+        .expect("device 1 never arrives");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    spin.join().unwrap();
+    let msg = err.to_string();
+    assert!(msg.contains("rank 1 did not arrive at 'join' within 0.8 s") && !msg.contains(STALL), "{msg}");
 }

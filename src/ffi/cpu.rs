@@ -73,6 +73,15 @@ fn timeout() -> Duration {
     crate::config::current().timeout()
 }
 
+/// `place` with XLA:CPU's stall check (`deadlock`, "Stalls") after TIDE_STALL_MS (0: none).
+fn stall_checked(place: Option<crate::deadlock::Place>) -> Option<crate::deadlock::Place> {
+    let ms = crate::config::current().stall_ms;
+    place.map(|p| crate::deadlock::Place {
+        stall_after: (ms > 0).then(|| Duration::from_millis(ms)),
+        ..p
+    })
+}
+
 /// What every rank publishes: its buffers, and a fingerprint of the plan it built.
 type Published = (RankBuffers, u64);
 
@@ -168,7 +177,7 @@ pub fn execute_seq(call: &CallInfo, seq: u64) -> Result<()> {
         world,
         (mine, fingerprint(&plan)),
         timeout(),
-        call.place("cpu", crate::deadlock::CONFIRM_AFTER_CPU).as_ref(),
+        stall_checked(call.place("cpu", crate::deadlock::CONFIRM_AFTER_CPU)).as_ref(),
     )?;
 
     // same_plan first: every rank reaches the same verdict from the same values.
