@@ -2,6 +2,7 @@
 which launch patterns stall inside XLA:CPU, and whether `tide_jax.dispatch_lock` prevents it.
 
     python3 bench/interleaved_cpu.py [--out DIR] [--calls 200] [--timeout-s 5] [--stall-ms MS]
+                                     [--configs 2x48,4x40,4x40L] [--pjrt-nproc N]
 
 Each configuration runs in its own process (a stall leaves XLA's queues in a state the next one
 should not inherit): T threads, each launching `--calls` calls of its own program (two programs
@@ -32,6 +33,8 @@ CONFIGS = [  # (threads, calls in flight per thread, under dispatch_lock)
     (2, 32, False),
     (2, 48, False),
     (2, 48, True),
+    (4, 40, False),
+    (4, 40, True),
 ]
 
 
@@ -123,6 +126,9 @@ def main() -> int:
     ap.add_argument("--timeout-s", type=float, default=5.0, help="TIDE_TIMEOUT_S of each run")
     ap.add_argument("--stall-ms", type=int, default=None, help="TIDE_STALL_MS of each run (default: tide's)")
     ap.add_argument("--repeat", type=int, default=3, help="runs (processes) per configuration")
+    ap.add_argument("--configs", default=None, help="only these rows, e.g. 2x48,4x40,4x40L (L: under the lock)")
+    ap.add_argument("--pjrt-nproc", type=int, default=None,
+                    help="PJRT_NPROC of each run: the size of XLA:CPU's launch pool (default: NPROC=16)")
     ap.add_argument("--worker", nargs=3, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -132,12 +138,17 @@ def main() -> int:
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{date}-interleaved-cpu")
     os.makedirs(out, exist_ok=True)
     rows = []
+    wanted = None if not args.configs else set(args.configs.split(","))
     for threads, window, locked in CONFIGS:
+        if wanted is not None and f"{threads}x{window}{'L' if locked else ''}" not in wanted:
+            continue
         runs = []
         for _ in range(args.repeat):
             env = dict(os.environ, TIDE_TIMEOUT_S=str(args.timeout_s))
             if args.stall_ms is not None:
                 env["TIDE_STALL_MS"] = str(args.stall_ms)
+            if args.pjrt_nproc is not None:
+                env["PJRT_NPROC"] = str(args.pjrt_nproc)
             cmd = [sys.executable, os.path.abspath(__file__), "--calls", str(args.calls),
                    "--worker", str(threads), str(window), str(int(locked))]
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -157,6 +168,7 @@ def main() -> int:
         f"# Two tide programs from several threads on 8 CPU devices ({date})",
         "",
         f"Command: `{cmdline.strip()}` ({args.calls} calls per thread, TIDE_TIMEOUT_S={args.timeout_s:g}, "
+        f"XLA:CPU launch pool {args.pjrt_nproc or 'NPROC=16'}, "
         f"{args.repeat} runs per row, each its own process; counts summed over the runs, times the largest).",
         f"Machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}.",
         "",
@@ -174,7 +186,7 @@ def main() -> int:
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(dict(date=date, command=cmdline, calls=args.calls, timeout_s=args.timeout_s, rows=rows), f, indent=1)
+        json.dump(dict(date=date, command=cmdline, calls=args.calls, timeout_s=args.timeout_s, pjrt_nproc=args.pjrt_nproc, rows=rows), f, indent=1)
     print("\n".join(lines))
     return 0
 

@@ -30,11 +30,16 @@
 //! multi-device launches, so this cycle does not normally arise there.
 //!
 //! # Stalls (XLA:CPU)
-//! XLA:CPU's own deadlock is different: a device admits 32 executions in flight, and programs
-//! launched from several threads without waiting for results can fill a device with executions
-//! that wait (in XLA's launch order) for a launch that cannot be admitted there. That device never
-//! starts the program: no tide call of the run ever reaches it, none waits there, and nothing
-//! computes. For a place with `stall_after` (the CPU engine, TIDE_STALL_MS), a waiter whose session
+//! XLA:CPU's own deadlock is different (read in XLA's PjRt CPU client as pinned by jax 0.10.2):
+//! a multi-device launch hands each device's part to the client's launch pool (PJRT_NPROC, else
+//! NPROC, else the core count, at least the device count), where the part first takes one of its
+//! device's 32 admission slots (blocking that pool thread while none is free) and then holds the
+//! thread until the part ends; every launch waits for the whole previous launch (one global
+//! order). Threads launching without waiting for results fill the slots, their parts block pool
+//! threads in admission, and the launch at the head of the order cannot get a thread for some
+//! device: that device never starts the program, no tide call of the run ever reaches it, none
+//! waits there, and nothing computes. Failing the run's waiting calls frees their threads and
+//! slots, and XLA moves on. A pool of at least devices x (launching threads + 1) avoids it. For a place with `stall_after` (the CPU engine, TIDE_STALL_MS), a waiter whose session
 //! misses such a device, while the whole process used less than `IDLE_CPU_FRACTION` of a core over
 //! a full `stall_after`, fails the run with a message naming the stall and the fix. The evidence is
 //! circumstantial (tide cannot see XLA's queues), so each part is required: a device that started
@@ -505,10 +510,12 @@ fn describe_stall(w: &Watch, never: &[i64], wall: Duration, used: f64) -> String
          {:.2} s for it, with no tide call of the run reaching that device, none waiting there, and \
          the process idle for the last {:.2} s ({:.0} % of a core). XLA:CPU admits 32 executions per device; programs launched \
          from several threads without waiting for their results can fill a device with executions \
-         queued behind a launch that cannot be admitted there. Every tide call of this run fails; \
-         the process stays usable. Launch tide programs on one mesh from one thread at a time: e.g. \
-         `with tide_jax.dispatch_lock(mesh): out = step(...)` around each call of a jitted step in \
-         every thread, or wait for results before launching more. (A device may also idle this long \
+         queued behind a launch that cannot get one of XLA's launch threads. Every tide call of this \
+         run fails; the process stays usable. Launch tide programs on one mesh from one thread at a \
+         time: e.g. `with tide_jax.dispatch_lock(mesh): out = step(...)` around each call of a \
+         jitted step in every thread, or wait for results before launching more, or give XLA:CPU's \
+         launch pool devices x (threads + 1) threads (PJRT_NPROC, set before JAX starts). (A device \
+         may also idle this long \
          in a host callback before its first tide call: TIDE_STALL_MS raises this bound, 0 turns the \
          check off.)",
         crate::error::short_list(never, 8).trim_matches(|c| c == '[' || c == ']'),

@@ -39,7 +39,7 @@
 
 mod common;
 
-use common::gpu::{done_of, fds, make_case, mib, threads, tide_held, verify, Case, Gpu, Pool};
+use common::gpu::{done_of, fds, make_case, mib, threads, threads_settled, tide_held, verify, Case, Gpu, Pool};
 use common::{odd_group, say};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -351,7 +351,7 @@ fn child_pairs(gpu: &Gpu, x: usize, rank: usize, cases: [Case; 2]) {
     let t = Instant::now();
     run(10_000);
     let took = t.elapsed();
-    let after = (gpu.free_bytes(), threads(), fds(), tide_held());
+    let after = (gpu.free_bytes(), threads_settled(before.1), fds(), tide_held());
     let bad: Vec<String> = cases.iter().filter_map(|c| verify(gpu, c).err()).collect();
     println!("cuda_failure pairs: rank {rank}: 10,000 pairs in {took:.2?}; before {before:?} after {after:?}; mismatches {bad:?}");
     println!(
@@ -527,7 +527,8 @@ fn rank_failing_mid_stream_in_process() {
         mib(staging_before),
         mib(staging_after)
     )));
-    checks.push((threads() == threads_before && fds() == fds_before, format!("threads {threads_before} -> {}, fds {fds_before} -> {}", threads(), fds())));
+    let threads_after = threads_settled(threads_before);
+    checks.push((threads_after == threads_before && fds() == fds_before, format!("threads {threads_before} -> {threads_after}, fds {fds_before} -> {}", fds())));
     tide::config::set_override(None);
     let ok = checks.iter().all(|c| c.0);
     let detail: Vec<String> = checks.iter().map(|(ok, s)| if *ok { s.clone() } else { format!("NOT {s}") }).collect();
@@ -793,7 +794,7 @@ fn ten_thousand_pairs_leak_nothing() {
     let t = Instant::now();
     run(10_000);
     let took = t.elapsed();
-    let after = (gpu.free_bytes(), threads(), fds(), tide_held());
+    let after = (gpu.free_bytes(), threads_settled(before.1), fds(), tide_held());
     tide::config::set_override(None);
     let bitwise = cases.iter().all(|c| verify(&gpu, c).is_ok());
     checks.push((

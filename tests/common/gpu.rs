@@ -308,6 +308,20 @@ pub fn threads() -> usize {
     std::fs::read_dir("/proc/self/task").map(|d| d.count()).unwrap_or(0)
 }
 
+/// Threads of this process once those that were joined have left /proc/self/task: a joined
+/// thread can still be listed for a moment after `join` returns (its exit is not finished), so
+/// this polls for up to a second until the count is at most `expect`, then reports it.
+pub fn threads_settled(expect: usize) -> usize {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+    loop {
+        let n = threads();
+        if n <= expect || std::time::Instant::now() >= deadline {
+            return n;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
 /// Open file descriptors of this process (/proc/self/fd, less the one reading it).
 pub fn fds() -> usize {
     std::fs::read_dir("/proc/self/fd").map(|d| d.count().saturating_sub(1)).unwrap_or(0)
