@@ -454,16 +454,11 @@ fn release_after_failure(rs: &mut RankState, call: &CallInfo) {
     }
     // A dead peer's stream will never reach the points this rank's streams wait on: end those
     // waits (`signal::Page::release`), so the device can drain.
-    let dead: Vec<usize> = rs
-        .group
-        .members()
-        .iter()
-        .copied()
-        .filter(|&q| q != me && rail::process_gone(rs.group.pid_of(q)).is_some())
-        .collect();
-    for &q in &dead {
+    for &q in rs.group.members().iter().filter(|&&q| q != me) {
         if let Some(page) = d.peer_signals.get(q).copied().flatten() {
-            page.release();
+            if rail::process_gone(rs.group.pid_of(q)).is_some() {
+                page.release();
+            }
         }
     }
     let drained = device::drain(&streams, &[st.done], RELEASE_WAIT, &|| format!("rank {me} device {ord}"));
@@ -635,13 +630,7 @@ fn ensure_dev(rs: &mut RankState, ord: i64) -> Result<()> {
         }
         return Ok(());
     }
-    // The tail of this rank's mailbox: its signal page (`signal`), registered here once.
-    // SAFETY: the mailbox is MAILBOX_BYTES, page-aligned, mapped while the state lives (the
-    // process's life); `publish` never writes its last page.
-    let own = unsafe {
-        let tail = rs.mailbox.as_ptr().add(MAILBOX_BYTES - signal::PAGE_BYTES);
-        Page::register(tail, || format!("rank {} device {ord}", rs.rank))?
-    };
+    let own = signal_page(&rs.mailbox, &|| format!("rank {} device {ord}", rs.rank))?;
     // Context current.
     let rail_stream = driver::stream_create(|| format!("device {ord}, rail stream"))?;
     rs.dev = Some(DevPart {
@@ -654,6 +643,13 @@ fn ensure_dev(rs: &mut RankState, ord: i64) -> Result<()> {
         rail: None,
     });
     Ok(())
+}
+
+/// The signal page of a rank's mailbox `seg` (its last page: `signal`), registered in this process.
+fn signal_page(seg: &Segment, what: &dyn Fn() -> String) -> Result<Page> {
+    // SAFETY: a mailbox mapping of MAILBOX_BYTES (page-aligned), kept while the job's state lives
+    // (the process's life); `mailbox::publish` never writes its last page.
+    unsafe { Page::register(seg.as_ptr().add(MAILBOX_BYTES - signal::PAGE_BYTES), what) }
 }
 
 impl DevPart {
@@ -678,12 +674,7 @@ impl DevPart {
             return Ok(p);
         }
         let ord = self.ordinal;
-        // SAFETY: a peer's mailbox mapping of MAILBOX_BYTES, kept while the state lives; its last
-        // page is only ever signals.
-        let page = unsafe {
-            let tail = seg.as_ptr().add(MAILBOX_BYTES - signal::PAGE_BYTES);
-            Page::register(tail, || format!("device {ord}: rank {q}'s mailbox"))?
-        };
+        let page = signal_page(seg, &|| format!("device {ord}: rank {q}'s mailbox"))?;
         if let Some(slot) = self.peer_signals.get_mut(q) {
             *slot = Some(page);
         }
