@@ -33,6 +33,7 @@ FAIL_WITHIN_S = 1.0
 # issue), so a stall that waited out a timeout fails; with 4 threads launching everything, XLA:CPU
 # holds launches while several stalls are broken one after another (up to 3.6 s seen here).
 NO_TIMEOUT_S = 20.0
+STALLED_WITHIN_S = 5.0
 
 
 def _program(mesh, rows, cols, grad):
@@ -175,9 +176,10 @@ def test_interleaved_programs_complete_or_fail_fast(window, case, grad, tide_bac
         if STALL in msg:
             assert m, msg[:800]
             waits.append(float(m.group(1)))
-    # Every tide call that failed did so within a second of reaching tide (the stall check's own
-    # measure: a cycle's message is given within milliseconds).
-    assert all(w < FAIL_WITHIN_S for w in waits), f"stalled calls waited {sorted(waits)[-5:]} s"
+    # A stalled call fails TIDE_STALL_MS (0.5 s) after the process went idle; its whole wait is
+    # longer when the process still computed other calls first (0.51-0.55 s typical, up to 1.23 s
+    # seen on a loaded 2-core machine), never near a timeout.
+    assert all(w < STALLED_WITHIN_S for w in waits), f"stalled calls waited {sorted(waits)[-5:]} s"
     # Nothing waited out a timeout: a thread's longest time without progress includes launches
     # XLA held back while other threads' stalls were broken one after another (several with 4
     # threads launching everything at once), far below TIDE_TIMEOUT_S.
