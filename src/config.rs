@@ -75,7 +75,7 @@ pub struct Config {
     /// TIDE_NCCL_LIB (default unset: `libnccl.so.2` from the loader's path; any path, checked when
     /// NCCL is loaded): the NCCL library the multi-process CUDA path's rail loads (once per process).
     pub nccl_lib: Option<String>,
-    /// TIDE_STALL_MS (default 500; an integer in [0, 3600000], 0 = off): on XLA:CPU, how long the
+    /// TIDE_STALL_MS (default 250; an integer in [0, 3600000], 0 = off): on XLA:CPU, how long the
     /// ranks of a call may wait for a device that never started the program while the process is
     /// idle before the call fails naming XLA:CPU's launch stall (`deadlock`, "Stalls"), instead of
     /// at TIDE_TIMEOUT_S. Programs launched from several threads without waiting can fill a
@@ -278,7 +278,7 @@ impl Config {
             nvrtc_lib_dir: r.raw("TIDE_NVRTC_LIB_DIR"),
             nccl_lib: r.raw("TIDE_NCCL_LIB"),
             debug_mp: r.flag("TIDE_DEBUG_MP", false),
-            stall_ms: r.int("TIDE_STALL_MS", 500, 0, 3_600_000) as u64,
+            stall_ms: r.int("TIDE_STALL_MS", 250, 0, 3_600_000) as u64,
         };
         r.removed("TIDE_RS_KERNEL", &["st", "coalesced"], REMOVED_RS_KERNEL);
         (config, r.errors)

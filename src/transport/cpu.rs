@@ -499,7 +499,9 @@ fn run_in_segment(
         {
             return Err(st.group.fail_with(format!(
                 "{what}: rank {q} (pid {}) is in a different call: its call {} is a {} (site {}, plan {:016x}), ours \
-                 is call {} (plan {:016x}); every process must run the same program",
+                 is call {} (plan {:016x}); every process must run the same program, and run a call site's \
+                 calls in the same order (across processes calls meet in launch order: launch tide programs \
+                 from one thread per process; tide_jax.dispatch_lock orders the threads of one process only)",
                 st.group.pid_of(q),
                 theirs.seq,
                 if theirs.op == 0 { "tide all_gather" } else { "tide reduce_scatter" },

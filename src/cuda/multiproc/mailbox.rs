@@ -245,7 +245,10 @@ pub(super) fn publish(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, w
         if a.seq != seq || a.op != op || a.fingerprint != fp {
             return Err(rs.group.fail_with(format!(
                 "{what}: rank {q} (pid {}) is in a different call (its call {}, op {}, site {}, plan {:016x}; ours: call {seq}, \
-                 op {op}, plan {fp:016x}): every process must issue the same tide calls in the same order",
+                 op {op}, plan {fp:016x}): every process must issue the same tide calls in the same order (across processes \
+                 calls meet in launch order: programs launched from several threads can reach the processes in different \
+                 orders; launch tide programs from one thread per process, tide_jax.dispatch_lock orders the threads of \
+                 one process only)",
                 rs.group.pid_of(q),
                 a.seq,
                 a.op,
