@@ -460,6 +460,36 @@ fn child_entry() {
             assert!(again.contains("earlier tide call"), "{again}");
             println!("cuda_mp child rank 0 saw the dead peer");
         }
+        "interleaved" => {
+            // Two programs reaching the processes in opposite orders (issue #17 across processes:
+            // two threads of each process launching them): rank 0 issues the all-gather (site
+            // 201) first, rank 1 the reduce-scatter (site 202). Calls meet by launch order in the
+            // group, so both must fail at once naming the other's call and the fix, not wait out
+            // the timeout; the job's later calls fail at once (sticky, as after any error).
+            // One matched call first: both processes started and warm, so the time below is the
+            // meeting's, not a peer's start-up.
+            run_case(&c, &mut pool, Op::AllGather, 200, 7, 1).unwrap();
+            let order = if c.rank == 0 {
+                [(Op::AllGather, 201), (Op::ReduceScatter, 202)]
+            } else {
+                [(Op::ReduceScatter, 202), (Op::AllGather, 201)]
+            };
+            let start = Instant::now();
+            let err = run_case(&c, &mut pool, order[0].0, order[0].1, 8, 1)
+                .expect_err("programs in opposite orders: the call must fail");
+            let took = start.elapsed();
+            println!("rank {} error after {took:?}: {err}", c.rank);
+            assert!(
+                err.contains("is in a different call") && err.contains("dispatch_lock") && err.contains("one thread per process"),
+                "unclear error: {err}"
+            );
+            assert!(took < Duration::from_secs(1), "took {took:?} to fail");
+            let start = Instant::now();
+            let again = run_case(&c, &mut pool, order[1].0, order[1].1, 9, 1).expect_err("sticky failure");
+            assert!(again.contains("earlier tide call"), "{again}");
+            assert!(start.elapsed() < Duration::from_secs(1), "later call took {:?}", start.elapsed());
+            println!("cuda_mp child rank {} failed fast on interleaved programs", c.rank);
+        }
         "kill" => {
             // Rank 1 is SIGKILLed at a random point of a stream of calls; rank 0 must fail soon,
             // naming it. Then: does rank 0's stream drain (GPU waits on the dead peer's events)?
@@ -629,6 +659,42 @@ fn processes_share_one_gpu() {
             t0.elapsed()
         ));
     }
+}
+
+/// Two processes on ONE GPU issuing two programs in opposite orders (the child's "interleaved"):
+/// both fail within a second naming the call the other is in and the fix, none waits for the
+/// timeout (TIDE_TIMEOUT_S=60 here).
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+fn processes_interleaved_on_one_gpu() {
+    if std::env::var(CHILD_ENV).is_ok() {
+        return;
+    }
+    if let Err(e) = tide::cuda::driver::init() {
+        panic!("needs a CUDA GPU: {e}");
+    }
+    let topo = Topology::new(1, 2).unwrap();
+    let t0 = Instant::now();
+    let outs = spawn_with(
+        "interleaved",
+        topo,
+        fresh_job(310),
+        &[("CUDA_VISIBLE_DEVICES", "0"), ("TIDE_TIMEOUT_S", "60")],
+    );
+    let mut lines = Vec::new();
+    for (rank, out) in outs.iter().enumerate() {
+        let text = report(out);
+        assert!(out.status.success(), "rank {rank} failed:\n{text}");
+        assert!(text.contains(&format!("cuda_mp child rank {rank} failed fast")), "rank {rank}:\n{text}");
+        if let Some(l) = text.lines().find(|l| l.contains("error after")) {
+            lines.push(l.chars().take(160).collect::<String>());
+        }
+    }
+    say(&format!(
+        "cuda_mp: 2 processes on GPU 0, programs in opposite orders: both failed fast ({:.1?} in all): {}",
+        t0.elapsed(),
+        lines.join(" | ")
+    ));
 }
 
 #[test]
