@@ -46,7 +46,8 @@
 //! the run (any of its calls arrived: `arrived`) is computing or skipped the call, never a stall;
 //! a device with a waiting tide call is a cycle's business; a busy process is computing. What
 //! remains and is not a stall: a device idling for `stall_after` in a host callback before its
-//! first tide call of the run; TIDE_STALL_MS raises or turns off the check. Where none of this
+//! first tide call of the run, or a program that skips every tide call on a device (a `cond` not
+//! every device takes); the message names both, TIDE_STALL_MS raises or turns off the check. Where none of this
 //! applies the timeout's message says that no tide call waits on the missing device (`absent_hint`).
 //!
 //! Lock order: `WAITERS`, then a session's state (through `Waitable`), then `STARTED`, then
@@ -212,15 +213,33 @@ pub fn absent_hint(place: &Place, absent: &[usize]) -> Option<String> {
     let busy = waiters
         .iter()
         .any(|w| w.place.engine == place.engine && devices.contains(&w.place.devices[w.rank]));
-    (!busy && !devices.is_empty()).then(|| {
-        format!(
-            " (no tide call waits on device {}: it is still computing, or it never started this \
+    if busy || devices.is_empty() {
+        return None;
+    }
+    // Devices where an earlier call of this run arrived (CPU places only) ran the program: they
+    // are computing, or skip this call; the others may never have started it.
+    let (ran, unseen): (Vec<i64>, Vec<i64>) =
+        devices.iter().partition(|&&d| started_on(place.engine, place.run, d));
+    let list = |v: &[i64]| crate::error::short_list(v, 8).trim_matches(|c| c == '[' || c == ']').to_string();
+    let mut parts = Vec::new();
+    if !ran.is_empty() {
+        parts.push(format!(
+            "device {} reached earlier tide calls of this program but not this one: it is still \
+             computing, or the program skips this call there (a tide call under a `cond` or \
+             `switch` that not every device takes)",
+            list(&ran)
+        ));
+    }
+    if !unseen.is_empty() {
+        parts.push(format!(
+            "no tide call waits on device {}: it is still computing, or it never started this \
              program; programs launched at the same time from several threads can hold each other \
              back inside XLA, where tide cannot see it: launch them under \
-             `tide_jax.dispatch_lock(mesh)`)",
-            crate::error::short_list(&devices, 8).trim_matches(|c| c == '[' || c == ']')
-        )
-    })
+             `tide_jax.dispatch_lock(mesh)`",
+            list(&unseen)
+        ));
+    }
+    Some(format!(" ({})", parts.join("; ")))
 }
 
 /// Number of registered waiters (tests and diagnostics).
@@ -514,10 +533,10 @@ fn describe_stall(w: &Watch, never: &[i64], wall: Duration, used: f64) -> String
          run fails; the process stays usable. Launch tide programs on one mesh from one thread at a \
          time: e.g. `with tide_jax.dispatch_lock(mesh): out = step(...)` around each call of a \
          jitted step in every thread, or wait for results before launching more, or give XLA:CPU's \
-         launch pool devices x (threads + 1) threads (PJRT_NPROC, set before JAX starts). (A device \
-         may also idle this long \
-         in a host callback before its first tide call: TIDE_STALL_MS raises this bound, 0 turns the \
-         check off.)",
+         launch pool devices x (threads + 1) threads (PJRT_NPROC, set before JAX starts). (What else \
+         looks the same to tide: a device idling this long in a host callback before its first tide \
+         call, where TIDE_STALL_MS raises this bound and 0 turns the check off; or a program that \
+         skips all its tide calls on that device, e.g. under a `cond` not every device takes.)",
         crate::error::short_list(never, 8).trim_matches(|c| c == '[' || c == ']'),
         w.what,
         run_name(w.place.run),

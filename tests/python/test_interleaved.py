@@ -198,3 +198,57 @@ def test_dispatch_lock_keeps_every_device_in_one_order(tide_backend):
     ok, failed, wrong, _ = _run_threads(jobs, 100, lock=tide_jax.dispatch_lock, window=32)
     assert not failed, failed[0][2][:800]
     assert not wrong and ok == 200
+
+
+_MISSING_RANK = r"""
+import sys, time
+import jax, jax.numpy as jnp, numpy as np
+import tide_jax
+from jax.sharding import PartitionSpec as P
+mesh = jax.make_mesh((8,), ("fsdp",), devices=jax.devices()[:8])
+lay = tide_jax.layout({"w": np.zeros((20, 3), np.float32)}, mesh, "fsdp")
+ONLY = sys.argv[1] == "only"
+
+def step(s):
+    # Device 3 skips the reduce_scatter (a tide call under a cond not every device takes); with
+    # "earlier" every device first runs an all_gather of the same program, so device 3 ran it.
+    full = {"w": jnp.zeros((20, 3), jnp.float32)} if ONLY else tide_jax.all_gather(s, lay)
+    g = jax.tree.map(lambda x: x.astype(jnp.bfloat16), full)
+    skip = jax.lax.axis_index("fsdp") == 3
+    return jax.lax.cond(skip, lambda g: jax.tree.map(jnp.zeros_like, s), lambda g: tide_jax.reduce_scatter(g, lay), g)
+
+f = jax.jit(tide_jax.shard_map(step, mesh=mesh, in_specs=(lay.spec,), out_specs=lay.spec, check_vma=False))
+t0 = time.monotonic()
+try:
+    jax.block_until_ready(f(lay.shard({"w": np.ones((20, 3), np.float32)})))
+    print("COMPLETED")
+except Exception as e:
+    print(f"FAILED after {time.monotonic() - t0:.2f} s: {e}")
+"""
+
+
+@pytest.mark.parametrize("case", ["earlier", "only"])
+def test_a_rank_that_skips_a_call_is_named(case):
+    """A rank that really does not arrive (device 3 skips a tide call under a `cond`) is not an
+    interleaving: with an earlier tide call of the same program on device 3 ("earlier"), every
+    waiting call fails at TIDE_TIMEOUT_S naming rank 3 and saying it reached the earlier calls
+    and may skip this one, never as a cycle or stall; when the skipped call is the program's only
+    one on device 3 ("only"), tide cannot tell that from XLA:CPU never starting the program there,
+    and the stall message says both."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TIDE_TIMEOUT_S="3", PYTHONPATH=os.path.dirname(tide_jax.__path__[0]))
+    r = subprocess.run([sys.executable, "-c", _MISSING_RANK, case], env=env, capture_output=True, text=True, timeout=300)
+    out = r.stdout.strip().splitlines()
+    last = out[-1] if out else ""
+    assert r.returncode == 0 and last.startswith("FAILED after"), (r.stdout[-2000:], r.stderr[-2000:])
+    took = float(last.split()[2])
+    if case == "earlier":
+        assert 2.9 <= took < 30, last
+        assert "rank 3 did not arrive" in last and "device 3 reached earlier tide calls" in last, last[:1500]
+        assert CYCLE not in last and STALL not in last, last[:1500]
+    else:
+        assert took < 3.0, last
+        assert STALL in last and "skips all its tide calls" in last, last[:1500]
