@@ -51,7 +51,8 @@
 //! applies the timeout's message says that no tide call waits on the missing device (`absent_hint`).
 //!
 //! Lock order: `WAITERS`, then a session's state (through `Waitable`), then `STARTED`, then
-//! `FAILED_RUNS`. Nothing here is held while a caller holds a session's state.
+//! `FAILED_RUNS`; `CPU_SAMPLE` is a leaf. Nothing here is held while a caller holds a session's
+//! state.
 //!
 //! Calls without a run id (0) or without the devices of their ranks (multi-process calls, engine
 //! tests) are not checked: they keep the timeout.
@@ -158,6 +159,26 @@ fn process_cpu_time() -> Duration {
         return Duration::ZERO;
     }
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// The newest sample of (wall, process CPU time), shared by every waiter: at most one
+/// `clock_gettime` per `CHECK_EVERY` for the whole process. `CLOCK_PROCESS_CPUTIME_ID` sums over
+/// every thread, so sampling it per waiter cost O(waiters x threads) and made the process itself
+/// look busy (seen in the Python suite: about 690 threads and 10-20 waiters kept the process near
+/// 10 % of a core, which delayed the stall check by up to 13 s). A leaf lock.
+static CPU_SAMPLE: Lazy<Mutex<Option<(Instant, Duration)>>> = Lazy::new(|| Mutex::new(None));
+
+fn cpu_sample() -> (Instant, Duration) {
+    let mut s = lock(&CPU_SAMPLE);
+    let now = Instant::now();
+    match *s {
+        Some(sample) if now.duration_since(sample.0) < CHECK_EVERY => sample,
+        _ => {
+            let sample = (now, process_cpu_time());
+            *s = Some(sample);
+            sample
+        }
+    }
 }
 
 /// What the check needs of a rendezvous session (implemented by `rendezvous::Session`).
@@ -341,7 +362,10 @@ impl Watch {
     /// tide call waiting.
     fn stall(&mut self, waiters: &[Waiter]) -> Option<String> {
         let after = self.place.stall_after?;
-        let (now, cpu) = (Instant::now(), process_cpu_time());
+        let (now, cpu) = cpu_sample();
+        if self.samples.back().is_some_and(|&(t, _)| t >= now) {
+            return None; // no newer sample since this waiter's last check
+        }
         self.samples.push_back((now, cpu));
         // Keep the newest sample at least `after` old as the window's start.
         while self.samples.len() >= 2 && now.duration_since(self.samples[1].0) >= after {
