@@ -1,0 +1,855 @@
+//! How much tide's GPU work slows concurrent compute on one GPU: the TIDE paper's Table 4 method
+//! (a victim on one stream, an aggressor looped on a second stream; medians of 9 overlapped
+//! samples, alone and during interleaved), plus the aggressor's throughput alone, its SM time per
+//! call (CTA lifetimes from %globaltimer) and an SM-id probe (the paper's Table 5: how many
+//! one-CTA-per-SM probe CTAs a resident aggressor displaces past the first wave).
+//!
+//! Victims (own stream): a one-wave bf16 GEMM (cuBLAS, 2048 x 2048 x 16384, x10), a many-wave GEMM
+//! (8192^3, x3), an fp32 elementwise pass over 1 GiB (x4). cuBLAS is loaded at run time
+//! (libcublas.so.13 / .12 / libcublas.so: put NVIDIA's wheel folder on LD_LIBRARY_PATH); without
+//! it the GEMM victims are skipped and said so.
+//!
+//! Modes (first argument):
+//! - `explore`: raw kernels and copies, to choose the engine's launch shape: tide's reduction
+//!   body and variants (more loads in flight, 1024 threads, Hopper bulk loads with thread or bulk
+//!   stores), grid-stride at 4/16/132 CTAs or in short launches of 16 CTAs that each move a bounded
+//!   number of bytes (with and without programmatic dependent launch); read-only, write-only and
+//!   copy kernels (the per-SM ceilings); a full-grid upcast + add (XLA's fusion); 16 spinning
+//!   CTAs; same-device cuMemcpyAsync, cuMemcpyBatchAsync of 1 and 8 pieces with and without
+//!   PREFER_OVERLAP_WITH_COMPUTE, cuMemsetD8Async; the per-launch gap of back-to-back launches.
+//!
+//! Output: one line per row on stdout; JSON at $TIDE_BENCH_OUT. Env: TIDE_BENCH_SAMPLES (9).
+//! Build here: cargo build --release --example interference; run there (scripts/gpu interference).
+
+#![allow(clippy::too_many_arguments)]
+
+use cudarc::driver::sys;
+use std::ffi::c_void;
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+use tide::cuda::driver::check;
+
+macro_rules! ck {
+    ($e:expr, $name:expr) => {
+        check(unsafe { $e }, $name, String::new).unwrap_or_else(|e| panic!("{e}"))
+    };
+}
+
+const KERNELS: &str = include_str!("interference_kernels.cu");
+/// Elements of the reduction aggressors: 2 x 64 MiB bf16 in, 128 MiB fp32 out.
+const N: u64 = 32 << 20;
+/// Bytes read + written by one reduction of N elements from 2 bf16 sources.
+const SUM_BYTES: f64 = (N * (2 + 2 + 4)) as f64;
+/// The copy aggressors' bytes.
+const COPY_BYTES: usize = 256 << 20;
+const PROBE_TILE_ELEMS: u64 = 4096;
+const PROBE_BULK_SMEM: u32 = 4 * 2 * 8192;
+const PROBE_BULK_OUT_SMEM: u32 = 2 * 2 * 8192;
+
+// ----- cuBLAS, loaded at run time -----
+
+type Handle = *mut c_void;
+struct Cublas {
+    _lib: libloading::Library,
+    handle: Handle,
+    set_stream: unsafe extern "C" fn(Handle, sys::CUstream) -> i32,
+    gemm_ex: unsafe extern "C" fn(
+        Handle,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        *const c_void,
+        *const c_void,
+        i32,
+        i32,
+        *const c_void,
+        i32,
+        i32,
+        *const c_void,
+        *mut c_void,
+        i32,
+        i32,
+        i32,
+        i32,
+    ) -> i32,
+}
+
+impl Cublas {
+    fn load() -> Result<Cublas, String> {
+        let mut last = String::new();
+        for name in ["libcublas.so.13", "libcublas.so.12", "libcublas.so"] {
+            // SAFETY: loading a shared library; its initializers are cuBLAS's own.
+            match unsafe { libloading::Library::new(name) } {
+                Ok(lib) => unsafe {
+                    let create: libloading::Symbol<unsafe extern "C" fn(*mut Handle) -> i32> =
+                        lib.get(b"cublasCreate_v2\0").map_err(|e| e.to_string())?;
+                    let set_stream = *lib
+                        .get::<unsafe extern "C" fn(Handle, sys::CUstream) -> i32>(b"cublasSetStream_v2\0")
+                        .map_err(|e| e.to_string())?;
+                    let gemm_ex = *lib.get(b"cublasGemmEx\0").map_err(|e| e.to_string())?;
+                    let mut handle = std::ptr::null_mut();
+                    let r = create(&mut handle);
+                    if r != 0 {
+                        return Err(format!("cublasCreate_v2 -> {r}"));
+                    }
+                    return Ok(Cublas {
+                        _lib: lib,
+                        handle,
+                        set_stream,
+                        gemm_ex,
+                    });
+                },
+                Err(e) => last = format!("{name}: {e}"),
+            }
+        }
+        Err(last)
+    }
+
+    /// C (m x n, bf16) = A (m x k) B (k x n), column-major, fp32 accumulate, on `stream`.
+    fn gemm(&self, stream: sys::CUstream, m: i32, n: i32, k: i32, a: u64, b: u64, c: u64) {
+        const BF16: i32 = 14; // CUDA_R_16BF
+        const COMPUTE_32F: i32 = 68; // CUBLAS_COMPUTE_32F
+        let (alpha, beta) = (1f32, 0f32);
+        unsafe {
+            assert_eq!((self.set_stream)(self.handle, stream), 0, "cublasSetStream");
+            let r = (self.gemm_ex)(
+                self.handle,
+                0,
+                0,
+                m,
+                n,
+                k,
+                &alpha as *const f32 as *const c_void,
+                a as *const c_void,
+                BF16,
+                m,
+                b as *const c_void,
+                BF16,
+                k,
+                &beta as *const f32 as *const c_void,
+                c as *mut c_void,
+                BF16,
+                m,
+                COMPUTE_32F,
+                -1,
+            );
+            assert_eq!(r, 0, "cublasGemmEx -> {r}");
+        }
+    }
+}
+
+// ----- the device -----
+
+struct Gpu {
+    name: String,
+    sms: u32,
+    vic: sys::CUstream,
+    agg: sys::CUstream,
+    module: sys::CUmodule,
+    cublas: Option<Cublas>,
+    /// Timing events.
+    ev: Vec<sys::CUevent>,
+}
+
+fn malloc(bytes: usize) -> u64 {
+    let mut p = 0;
+    ck!(sys::cuMemAlloc_v2(&mut p, bytes.max(1)), "cuMemAlloc");
+    p
+}
+
+fn func(g: &Gpu, name: &str) -> sys::CUfunction {
+    let mut f = std::ptr::null_mut();
+    let c = std::ffi::CString::new(name).unwrap();
+    ck!(sys::cuModuleGetFunction(&mut f, g.module, c.as_ptr()), "cuModuleGetFunction");
+    f
+}
+
+fn sync_all() {
+    ck!(sys::cuCtxSynchronize(), "cuCtxSynchronize");
+}
+
+fn elapsed_ms(a: sys::CUevent, b: sys::CUevent) -> f64 {
+    let mut t = 0f32;
+    ck!(sys::cuEventElapsedTime_v2(&mut t, a, b), "cuEventElapsedTime");
+    t as f64
+}
+
+/// A kernel launch: grid x threads, dynamic shared memory, optional programmatic dependent launch.
+fn launch(f: sys::CUfunction, grid: u32, threads: u32, smem: u32, stream: sys::CUstream, params: &mut [*mut c_void], pdl: bool) {
+    if !pdl {
+        ck!(
+            sys::cuLaunchKernel(f, grid, 1, 1, threads, 1, 1, smem, stream, params.as_mut_ptr(), std::ptr::null_mut()),
+            "cuLaunchKernel"
+        );
+        return;
+    }
+    // SAFETY: a zeroed attribute is a valid C struct; id and value set below.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let cfg = sys::CUlaunchConfig {
+        gridDimX: grid,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: threads,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: smem,
+        hStream: stream,
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    ck!(
+        sys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()),
+        "cuLaunchKernelEx"
+    );
+}
+
+fn setup() -> Option<Gpu> {
+    if let Err(e) = tide::cuda::driver::init() {
+        println!("SKIPPED interference: {e}");
+        return None;
+    }
+    let mut count = 0;
+    ck!(sys::cuDeviceGetCount(&mut count), "cuDeviceGetCount");
+    if count == 0 {
+        println!("SKIPPED interference: no CUDA device");
+        return None;
+    }
+    let mut dev = 0;
+    let mut ctx = std::ptr::null_mut();
+    ck!(sys::cuDeviceGet(&mut dev, 0), "cuDeviceGet");
+    ck!(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain");
+    ck!(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
+    let attr = |a| {
+        let mut v = 0;
+        ck!(sys::cuDeviceGetAttribute(&mut v, a, dev), "cuDeviceGetAttribute");
+        v
+    };
+    let sms = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT) as u32;
+    let (ma, mi) = (
+        attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+        attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
+    );
+    let mut name = [0i8; 128];
+    ck!(sys::cuDeviceGetName(name.as_mut_ptr(), 128, dev), "cuDeviceGetName");
+    let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
+    let source = format!("{}\n{}", tide::cuda::kernels::SOURCE, KERNELS);
+    let arch = tide::cuda::kernels::arch(ma, mi);
+    let cubin = tide::cuda::nvrtc::compile(&source, "interference_kernels.cu", &arch, tide::cuda::nvrtc::Output::Cubin)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut module = std::ptr::null_mut();
+    ck!(sys::cuModuleLoadData(&mut module, cubin.as_ptr() as *const c_void), "cuModuleLoadData");
+    let mk_stream = || {
+        let mut s = std::ptr::null_mut();
+        ck!(
+            sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32),
+            "cuStreamCreate"
+        );
+        s
+    };
+    let (vic, agg) = (mk_stream(), mk_stream());
+    let ev = (0..8)
+        .map(|_| {
+            let mut e = std::ptr::null_mut();
+            ck!(sys::cuEventCreate(&mut e, 0), "cuEventCreate");
+            e
+        })
+        .collect();
+    let cublas = match Cublas::load() {
+        Ok(c) => Some(c),
+        Err(e) => {
+            println!("NOTE: cuBLAS not loaded ({e}): GEMM victims skipped");
+            None
+        }
+    };
+    let g = Gpu {
+        name,
+        sms,
+        vic,
+        agg,
+        module,
+        cublas,
+        ev,
+    };
+    for (k, smem) in [("probe_bulk", PROBE_BULK_SMEM + PROBE_BULK_OUT_SMEM), ("probe_resident", 200 << 10)] {
+        let f = func(&g, k);
+        ck!(
+            sys::cuFuncSetAttribute(
+                f,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32
+            ),
+            "cuFuncSetAttribute"
+        );
+    }
+    println!("device: {} ({} SMs, {arch})", g.name, g.sms);
+    Some(g)
+}
+
+/// Random finite bf16 bit patterns (|x| in [2^-7, 2^8)).
+fn fill_bf16(p: u64, elems: usize, seed: u64) {
+    let mut x = seed | 1;
+    let mut host = vec![0u16; elems];
+    for h in host.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let r = (x >> 20) as u32;
+        *h = (((r & 1) << 15) | ((120 + (r >> 1) % 15) << 7) | ((r >> 5) & 0x7f)) as u16;
+    }
+    ck!(sys::cuMemcpyHtoD_v2(p, host.as_ptr() as *const c_void, elems * 2), "cuMemcpyHtoD");
+}
+
+// ----- aggressors and victims -----
+
+/// One aggressor: `call` enqueues one call's worth of work on the given stream; `bytes` moved per
+/// call (read + written); `ctas`: CTAs per launch (0: copy engines); `trace`: whether its kernels
+/// record CTA lifetimes (then `call` takes the trace buffer).
+struct Aggressor<'a> {
+    name: String,
+    bytes: f64,
+    traced: bool,
+    call: Box<dyn Fn(sys::CUstream, u64) + 'a>,
+}
+
+struct Victim<'a> {
+    name: &'static str,
+    run: Box<dyn Fn(sys::CUstream) + 'a>,
+}
+
+#[derive(Default, Clone)]
+struct Row {
+    alone_ms: f64,
+    gbps: f64,
+    /// SM time of one call (sum of CTA lifetimes, ms) and the most CTAs alive at once.
+    sm_ms: Option<f64>,
+    max_resident: Option<usize>,
+    launches: Option<usize>,
+    /// Victim name -> (alone ms, during ms, slowdown %, samples).
+    victims: Vec<(String, f64, f64, f64, usize)>,
+    displaced: Option<f64>,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
+}
+
+fn spin(g: &Gpu, stream: sys::CUstream, ns: u64, ctas: u32) {
+    let f = func(g, "probe_spin");
+    let mut t = ns;
+    let mut p = [&mut t as *mut u64 as *mut c_void];
+    launch(f, ctas, 32, 0, stream, &mut p, false);
+}
+
+/// The aggressor alone: 3 warm-up calls, then `reps` calls behind a 1-CTA spin of 2 ms (the host
+/// enqueues ahead), timed by events; ms per call.
+fn aggressor_alone(g: &Gpu, a: &Aggressor, reps: usize) -> f64 {
+    for _ in 0..3 {
+        (a.call)(g.agg, 0);
+    }
+    sync_all();
+    spin(g, g.agg, 2_000_000, 1);
+    ck!(sys::cuEventRecord(g.ev[0], g.agg), "cuEventRecord");
+    for _ in 0..reps {
+        (a.call)(g.agg, 0);
+    }
+    ck!(sys::cuEventRecord(g.ev[1], g.agg), "cuEventRecord");
+    sync_all();
+    elapsed_ms(g.ev[0], g.ev[1]) / reps as f64
+}
+
+/// CTA lifetimes of one call: (sum of lifetimes in ms, most alive at once, CTAs).
+fn trace_call(g: &Gpu, a: &Aggressor, trace: u64, cap: usize) -> (f64, usize, usize) {
+    ck!(sys::cuMemsetD8_v2(trace, 0, cap * 24), "cuMemsetD8");
+    spin(g, g.agg, 1_000_000, 1);
+    (a.call)(g.agg, trace);
+    sync_all();
+    let mut host = vec![0u64; cap * 3];
+    ck!(sys::cuMemcpyDtoH_v2(host.as_mut_ptr() as *mut c_void, trace, cap * 24), "cuMemcpyDtoH");
+    let mut total = 0u64;
+    let mut edges = Vec::new();
+    let mut ctas = 0;
+    for r in host.chunks(3) {
+        if r[1] == 0 && r[2] == 0 {
+            continue;
+        }
+        ctas += 1;
+        total += r[2].saturating_sub(r[1]);
+        edges.push((r[1], 1i64));
+        edges.push((r[2], -1i64));
+    }
+    edges.sort();
+    let (mut cur, mut most) = (0i64, 0i64);
+    for (_, d) in edges {
+        cur += d;
+        most = most.max(cur);
+    }
+    (total as f64 / 1e6, most as usize, ctas)
+}
+
+fn victim_alone(g: &Gpu, v: &Victim) -> f64 {
+    ck!(sys::cuEventRecord(g.ev[2], g.vic), "cuEventRecord");
+    (v.run)(g.vic);
+    ck!(sys::cuEventRecord(g.ev[3], g.vic), "cuEventRecord");
+    sync_all();
+    elapsed_ms(g.ev[2], g.ev[3])
+}
+
+/// Medians of `samples` victim bursts alone and during the aggressor (interleaved); a sample
+/// counts only if the burst lies inside the aggressor's span.
+fn interference(g: &Gpu, v: &Victim, a: &Aggressor, agg_ms: f64, samples: usize) -> (f64, f64, usize) {
+    for _ in 0..2 {
+        victim_alone(g, v);
+    }
+    let v_ms = victim_alone(g, v);
+    let reps = ((3.0 * v_ms / agg_ms.max(1e-3)) as usize + 4).min(20_000);
+    let (mut al, mut du) = (Vec::new(), Vec::new());
+    // Lead-in: the victim's stream waits for the first calls of the aggressor (about 0.3 ms),
+    // so the burst starts with the aggressor running, and is enqueued before the rest of it.
+    let lead = ((0.3 / agg_ms.max(1e-3)) as usize + 1).min(reps);
+    for _ in 0..samples {
+        al.push(victim_alone(g, v));
+        ck!(sys::cuEventRecord(g.ev[4], g.agg), "cuEventRecord");
+        for _ in 0..lead {
+            (a.call)(g.agg, 0);
+        }
+        ck!(sys::cuEventRecord(g.ev[6], g.agg), "cuEventRecord");
+        ck!(sys::cuStreamWaitEvent(g.vic, g.ev[6], 0), "cuStreamWaitEvent");
+        ck!(sys::cuEventRecord(g.ev[2], g.vic), "cuEventRecord");
+        (v.run)(g.vic);
+        ck!(sys::cuEventRecord(g.ev[3], g.vic), "cuEventRecord");
+        for _ in lead..reps {
+            (a.call)(g.agg, 0);
+        }
+        ck!(sys::cuEventRecord(g.ev[5], g.agg), "cuEventRecord");
+        sync_all();
+        let start_gap = elapsed_ms(g.ev[4], g.ev[2]);
+        let end_gap = elapsed_ms(g.ev[3], g.ev[5]);
+        if start_gap > 0.0 && end_gap > 0.0 {
+            du.push(elapsed_ms(g.ev[2], g.ev[3]));
+        }
+    }
+    let n = du.len();
+    (median(&mut al), median(&mut du), n)
+}
+
+/// The SM-id probe during the aggressor: one CTA per SM (200 KiB of shared memory each), spinning
+/// 30 us; probe CTAs starting more than 3 us after the first are displaced (waited for an SM the
+/// aggressor held). Median over `samples` launches.
+fn displaced(g: &Gpu, a: &Aggressor, agg_ms: f64, samples: usize) -> f64 {
+    let f = func(g, "probe_resident");
+    let rec = malloc(g.sms as usize * 16);
+    let mut counts = Vec::new();
+    let reps = ((0.5 / agg_ms.max(1e-3)) as usize + 4).min(20_000);
+    for _ in 0..samples {
+        for _ in 0..reps {
+            (a.call)(g.agg, 0);
+        }
+        std::thread::sleep(Duration::from_micros(200));
+        let (mut r, mut ns) = (rec, 30_000u64);
+        let mut p = [&mut r as *mut u64 as *mut c_void, &mut ns as *mut u64 as *mut c_void];
+        launch(f, g.sms, 32, 200 << 10, g.vic, &mut p, false);
+        sync_all();
+        let mut host = vec![0u64; g.sms as usize * 2];
+        ck!(sys::cuMemcpyDtoH_v2(host.as_mut_ptr() as *mut c_void, rec, host.len() * 8), "cuMemcpyDtoH");
+        let first = host.chunks(2).map(|c| c[1]).min().unwrap_or(0);
+        counts.push(host.chunks(2).filter(|c| c[1] > first + 3_000).count() as f64);
+    }
+    median(&mut counts)
+}
+
+/// Buffers of the reduction and copy aggressors.
+struct Bufs {
+    a: u64,
+    b: u64,
+    d: u64,
+    d2: u64,
+    cs: u64,
+    cd: u64,
+}
+
+fn sum_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, kernel: &str, ctas: u32, threads: u32, cta_bytes: u64, pdl: bool, smem: u32, tma_store: Option<i32>) -> Aggressor<'a> {
+    let f = func(g, kernel);
+    // Elements per launch: ctas x cta_bytes / 8 bytes per element (2 bf16 in, fp32 out), whole
+    // bulk tiles; 0 = one grid-stride launch over everything.
+    let per_launch = if cta_bytes == 0 {
+        N
+    } else {
+        (ctas as u64 * cta_bytes / 8).div_ceil(PROBE_TILE_ELEMS).max(1) * PROBE_TILE_ELEMS
+    };
+    let name = format!(
+        "{kernel}{} {ctas} CTAs{}{}",
+        if threads != 512 { format!("x{threads}") } else { String::new() },
+        if cta_bytes == 0 {
+            " grid-stride".to_string()
+        } else {
+            format!(", {} KiB/CTA/launch ({} launches)", cta_bytes >> 10, N.div_ceil(per_launch))
+        },
+        if pdl { ", PDL" } else { "" }
+    ) + match tma_store {
+        Some(1) => ", bulk stores",
+        Some(_) => ", thread stores",
+        None => "",
+    };
+    Aggressor {
+        name,
+        bytes: SUM_BYTES,
+        traced: true,
+        call: Box::new(move |stream, trace| {
+            let mut off = 0u64;
+            let mut launch_no = 0u64;
+            while off < N {
+                let n = per_launch.min(N - off);
+                let (mut d, mut a, mut b, mut nn) = (bufs.d + off * 4, bufs.a + off * 2, bufs.b + off * 2, n);
+                let (mut tr, mut base, mut p) = (trace, launch_no * ctas as u64, pdl as i32);
+                let mut ts = tma_store.unwrap_or(0);
+                let mut params: Vec<*mut c_void> = vec![
+                    &mut d as *mut u64 as *mut c_void,
+                    &mut a as *mut u64 as *mut c_void,
+                    &mut b as *mut u64 as *mut c_void,
+                    &mut nn as *mut u64 as *mut c_void,
+                    &mut tr as *mut u64 as *mut c_void,
+                    &mut base as *mut u64 as *mut c_void,
+                    &mut p as *mut i32 as *mut c_void,
+                ];
+                if tma_store.is_some() {
+                    params.push(&mut ts as *mut i32 as *mut c_void);
+                }
+                launch(f, ctas, threads, smem, stream, &mut params, pdl);
+                off += n;
+                launch_no += 1;
+            }
+        }),
+    }
+}
+
+fn explore(g: &Gpu, samples: usize, json: &mut String) {
+    let bufs = Bufs {
+        a: malloc(N as usize * 2),
+        b: malloc(N as usize * 2),
+        d: malloc(N as usize * 4),
+        d2: malloc(N as usize * 4),
+        cs: malloc(COPY_BYTES),
+        cd: malloc(COPY_BYTES),
+    };
+    fill_bf16(bufs.a, N as usize, 11);
+    fill_bf16(bufs.b, N as usize, 29);
+    let trace_cap = 1 << 16;
+    let trace = malloc(trace_cap * 24);
+
+    // Correctness of the probe bodies against tide's kernel (bitwise): st, u16, 1024, bulk x2.
+    {
+        let reference = sum_aggressor(g, &bufs, "probe_st", 16, 512, 0, false, 0, None);
+        (reference.call)(g.agg, 0);
+        sync_all();
+        let mut want = vec![0u32; N as usize];
+        ck!(sys::cuMemcpyDtoH_v2(want.as_mut_ptr() as *mut c_void, bufs.d, N as usize * 4), "cuMemcpyDtoH");
+        for (k, th, cb, smem, ts) in [
+            ("probe_st_u16", 512, 0, 0, None),
+            ("probe_st_1024", 1024, 0, 0, None),
+            ("probe_st", 512, 512 << 10, 0, None),
+            ("probe_bulk", 512, 0, PROBE_BULK_SMEM, Some(0)),
+            ("probe_bulk", 512, 512 << 10, PROBE_BULK_SMEM + PROBE_BULK_OUT_SMEM, Some(1)),
+        ] {
+            ck!(sys::cuMemsetD8_v2(bufs.d, 0xff, N as usize * 4), "cuMemsetD8");
+            let a = sum_aggressor(g, &bufs, k, 16, th, cb, false, smem, ts);
+            (a.call)(g.agg, 0);
+            sync_all();
+            let mut got = vec![0u32; N as usize];
+            ck!(sys::cuMemcpyDtoH_v2(got.as_mut_ptr() as *mut c_void, bufs.d, N as usize * 4), "cuMemcpyDtoH");
+            let bad = got.iter().zip(&want).filter(|(x, y)| x != y).count();
+            println!("bitwise {}: {}", a.name, if bad == 0 { "OK".to_string() } else { format!("{bad} elements differ") });
+            let _ = write!(json, "{{\"bitwise\":{:?},\"differ\":{bad}}},", a.name);
+        }
+    }
+
+    let mut aggs: Vec<Aggressor> = Vec::new();
+    for ctas in [4, 16, g.sms] {
+        aggs.push(sum_aggressor(g, &bufs, "probe_st", ctas, 512, 0, false, 0, None));
+    }
+    for kib in [128u64, 256, 512, 1024, 2048] {
+        aggs.push(sum_aggressor(g, &bufs, "probe_st", 16, 512, kib << 10, false, 0, None));
+    }
+    for kib in [256u64, 512, 1024] {
+        aggs.push(sum_aggressor(g, &bufs, "probe_st", 16, 512, kib << 10, true, 0, None));
+    }
+    aggs.push(sum_aggressor(g, &bufs, "probe_st_u16", 16, 512, 0, false, 0, None));
+    aggs.push(sum_aggressor(g, &bufs, "probe_st_u16", 16, 512, 512 << 10, false, 0, None));
+    aggs.push(sum_aggressor(g, &bufs, "probe_st_1024", 16, 1024, 0, false, 0, None));
+    aggs.push(sum_aggressor(g, &bufs, "probe_st_1024", 16, 1024, 512 << 10, false, 0, None));
+    for ts in [0, 1] {
+        let smem = PROBE_BULK_SMEM + if ts == 1 { PROBE_BULK_OUT_SMEM } else { 0 };
+        aggs.push(sum_aggressor(g, &bufs, "probe_bulk", 16, 512, 0, false, smem, Some(ts)));
+        aggs.push(sum_aggressor(g, &bufs, "probe_bulk", 16, 512, 512 << 10, false, smem, Some(ts)));
+        aggs.push(sum_aggressor(g, &bufs, "probe_bulk", 16, 512, 512 << 10, true, smem, Some(ts)));
+    }
+    let ceilings_from = aggs.len();
+    for (k, bytes) in [("probe_read", N as f64 * 4.0), ("probe_write", N as f64 * 4.0), ("probe_copy", N as f64 * 4.0)] {
+        for ctas in [1u32, 16] {
+            let mut a = sum_aggressor(g, &bufs, k, ctas, 512, 0, false, 0, None);
+            a.bytes = bytes;
+            aggs.push(a);
+        }
+    }
+    let ceilings_to = aggs.len();
+    {
+        let f = func(g, "probe_xla_sum2");
+        let sms = g.sms;
+        aggs.push(Aggressor {
+            name: "full-grid upcast + add (XLA's fusion)".into(),
+            bytes: SUM_BYTES,
+            traced: false,
+            call: Box::new(move |stream, _| {
+                let (mut d, mut a, mut b, mut n) = (bufs.d2, bufs.a, bufs.b, N);
+                let mut p = [
+                    &mut d as *mut u64 as *mut c_void,
+                    &mut a as *mut u64 as *mut c_void,
+                    &mut b as *mut u64 as *mut c_void,
+                    &mut n as *mut u64 as *mut c_void,
+                ];
+                launch(f, sms * 16, 256, 0, stream, &mut p, false);
+            }),
+        });
+    }
+    aggs.push(Aggressor {
+        name: "16 spinning CTAs, 100 us per launch".into(),
+        bytes: 0.0,
+        traced: false,
+        call: Box::new(move |stream, _| spin(g, stream, 100_000, 16)),
+    });
+    aggs.push(Aggressor {
+        name: "cuMemcpyAsync D2D 256 MiB".into(),
+        bytes: 2.0 * COPY_BYTES as f64,
+        traced: false,
+        call: Box::new(move |stream, _| {
+            ck!(sys::cuMemcpyAsync(bufs.cd, bufs.cs, COPY_BYTES, stream), "cuMemcpyAsync");
+        }),
+    });
+    for (pieces, flag) in [(1usize, true), (1, false), (8, true), (8, false)] {
+        aggs.push(Aggressor {
+            name: format!(
+                "cuMemcpyBatchAsync D2D 256 MiB, {pieces} piece{}, {}",
+                if pieces > 1 { "s" } else { "" },
+                if flag { "PREFER_OVERLAP_WITH_COMPUTE" } else { "no flag" }
+            ),
+            bytes: 2.0 * COPY_BYTES as f64,
+            traced: false,
+            call: Box::new(move |stream, _| batch_copy(bufs.cd, bufs.cs, COPY_BYTES, pieces, flag, stream)),
+        });
+    }
+    aggs.push(Aggressor {
+        name: "cuMemsetD8Async 256 MiB".into(),
+        bytes: COPY_BYTES as f64,
+        traced: false,
+        call: Box::new(move |stream, _| {
+            ck!(sys::cuMemsetD8Async(bufs.cd, 0, COPY_BYTES, stream), "cuMemsetD8Async");
+        }),
+    });
+
+    // Back-to-back launch gap: 2000 one-CTA launches that do nothing, with and without PDL.
+    for pdl in [false, true] {
+        let f = func(g, "probe_write");
+        sync_all();
+        spin(g, g.agg, 3_000_000, 1);
+        ck!(sys::cuEventRecord(g.ev[0], g.agg), "cuEventRecord");
+        for _ in 0..2000 {
+            let (mut d, mut a, mut b, mut n, mut tr, mut base, mut p) = (bufs.d, 0u64, 0u64, 0u64, 0u64, 0u64, pdl as i32);
+            let mut params = [
+                &mut d as *mut u64 as *mut c_void,
+                &mut a as *mut u64 as *mut c_void,
+                &mut b as *mut u64 as *mut c_void,
+                &mut n as *mut u64 as *mut c_void,
+                &mut tr as *mut u64 as *mut c_void,
+                &mut base as *mut u64 as *mut c_void,
+                &mut p as *mut i32 as *mut c_void,
+            ];
+            launch(f, 16, 512, 0, g.agg, &mut params, pdl);
+        }
+        ck!(sys::cuEventRecord(g.ev[1], g.agg), "cuEventRecord");
+        sync_all();
+        let us = elapsed_ms(g.ev[0], g.ev[1]) * 1000.0 / 2000.0;
+        println!("launch gap (empty 16-CTA launches back to back{}): {us:.2} us per launch", if pdl { ", PDL" } else { "" });
+        let _ = write!(json, "{{\"launch_gap_us\":{us:.3},\"pdl\":{pdl}}},");
+    }
+
+    let victims = victims(g);
+    for (i, a) in aggs.iter().enumerate() {
+        let ms = aggressor_alone(g, a, 20);
+        let mut row = Row {
+            alone_ms: ms,
+            gbps: a.bytes / ms / 1e6,
+            ..Default::default()
+        };
+        if a.traced {
+            let (sm_ms, most, ctas) = trace_call(g, a, trace, trace_cap);
+            row.sm_ms = Some(sm_ms);
+            row.max_resident = Some(most);
+            row.launches = Some(ctas);
+        }
+        if !(ceilings_from..ceilings_to).contains(&i) {
+            for v in &victims {
+                let (al, du, n) = interference(g, v, a, ms, samples);
+                row.victims.push((v.name.to_string(), al, du, 100.0 * (du / al - 1.0), n));
+            }
+            row.displaced = Some(displaced(g, a, ms, samples));
+        }
+        print_row(&a.name, &row, json);
+    }
+}
+
+fn batch_copy(dst: u64, src: u64, bytes: usize, pieces: usize, flag: bool, stream: sys::CUstream) {
+    let piece = bytes / pieces;
+    let mut dsts: Vec<u64> = (0..pieces).map(|i| dst + (i * piece) as u64).collect();
+    let mut srcs: Vec<u64> = (0..pieces).map(|i| src + (i * piece) as u64).collect();
+    let mut sizes: Vec<usize> = (0..pieces).map(|i| if i + 1 == pieces { bytes - i * piece } else { piece }).collect();
+    let loc = sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: 0,
+    };
+    let mut attrs = [sys::CUmemcpyAttributes {
+        srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        srcLocHint: loc,
+        dstLocHint: loc,
+        flags: if flag {
+            sys::CUmemcpyFlags::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32
+        } else {
+            0
+        },
+    }];
+    let mut idx = [0usize];
+    ck!(
+        sys::cuMemcpyBatchAsync_v2(
+            dsts.as_mut_ptr(),
+            srcs.as_mut_ptr(),
+            sizes.as_mut_ptr(),
+            pieces,
+            attrs.as_mut_ptr(),
+            idx.as_mut_ptr(),
+            1,
+            stream
+        ),
+        "cuMemcpyBatchAsync"
+    );
+}
+
+fn victims(g: &Gpu) -> Vec<Victim<'_>> {
+    let mut v: Vec<Victim> = Vec::new();
+    if let Some(cb) = &g.cublas {
+        for (name, m, n, k, count) in [("gemm_1wave", 2048, 2048, 16384, 10), ("gemm_manywave", 8192, 8192, 8192, 3)] {
+            let a = malloc(m * k * 2);
+            let b = malloc(k * n * 2);
+            let c = malloc(m * n * 2);
+            fill_bf16(a, m * k, 3);
+            fill_bf16(b, k * n, 5);
+            v.push(Victim {
+                name,
+                run: Box::new(move |s| {
+                    for _ in 0..count {
+                        cb.gemm(s, m as i32, n as i32, k as i32, a, b, c);
+                    }
+                }),
+            });
+        }
+    }
+    let elems = 256usize << 20;
+    let x = malloc(elems * 4);
+    let y = malloc(elems * 4);
+    ck!(sys::cuMemsetD32_v2(x, 0x3f800000, elems), "cuMemsetD32");
+    let f = func(g, "probe_scale");
+    let sms = g.sms;
+    v.push(Victim {
+        name: "elementwise_1GiB",
+        run: Box::new(move |s| {
+            for _ in 0..4 {
+                let (mut yy, mut xx, mut n) = (y, x, (elems / 4) as u64);
+                let mut p = [
+                    &mut yy as *mut u64 as *mut c_void,
+                    &mut xx as *mut u64 as *mut c_void,
+                    &mut n as *mut u64 as *mut c_void,
+                ];
+                launch(f, sms * 8, 256, 0, s, &mut p, false);
+            }
+        }),
+    });
+    v
+}
+
+fn print_row(name: &str, r: &Row, json: &mut String) {
+    let mut line = format!("{name:70} alone {:.3} ms", r.alone_ms);
+    if r.gbps > 0.0 {
+        let _ = write!(line, ", {:.0} GB/s", r.gbps);
+    }
+    if let (Some(sm), Some(most), Some(ctas)) = (r.sm_ms, r.max_resident, r.launches) {
+        let _ = write!(line, "; {sm:.3} SM-ms/call, {ctas} CTAs, at most {most} alive at once");
+    }
+    for (v, al, du, pct, n) in &r.victims {
+        let _ = write!(line, " | {v} {al:.3} -> {du:.3} ms {pct:+.1}% (n={n})");
+    }
+    if let Some(d) = r.displaced {
+        let _ = write!(line, " | displaced {d:.0}");
+    }
+    println!("{line}");
+    let _ = write!(
+        json,
+        "{{\"name\":{name:?},\"alone_ms\":{:.5},\"gbps\":{:.1},\"sm_ms\":{},\"max_resident\":{},\"ctas\":{},\"displaced\":{},\"victims\":[{}]}},",
+        r.alone_ms,
+        r.gbps,
+        r.sm_ms.map(|x| format!("{x:.5}")).unwrap_or("null".into()),
+        r.max_resident.map(|x| x.to_string()).unwrap_or("null".into()),
+        r.launches.map(|x| x.to_string()).unwrap_or("null".into()),
+        r.displaced.map(|x| format!("{x}")).unwrap_or("null".into()),
+        r.victims
+            .iter()
+            .map(|(v, al, du, pct, n)| format!("{{\"victim\":{v:?},\"alone_ms\":{al:.5},\"during_ms\":{du:.5},\"slowdown_pct\":{pct:.3},\"n\":{n}}}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+}
+
+fn main() {
+    let mode = std::env::args().nth(1).unwrap_or_else(|| "explore".into());
+    if mode == "compile" {
+        // No GPU needed: the probe kernels compile for sm_90 (CI, with the NVRTC wheel).
+        let source = format!("{}\n{}", tide::cuda::kernels::SOURCE, KERNELS);
+        let (cubin, log) = tide::cuda::nvrtc::compile_with(
+            &source,
+            "interference_kernels.cu",
+            "sm_90",
+            tide::cuda::nvrtc::Output::Cubin,
+            &["--ptxas-options=-v"],
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        println!("{log}");
+        println!("interference kernels compiled for sm_90: {} bytes", cubin.len());
+        return;
+    }
+    let samples: usize = std::env::var("TIDE_BENCH_SAMPLES").ok().and_then(|v| v.parse().ok()).unwrap_or(9);
+    let t0 = Instant::now();
+    let Some(g) = setup() else { return };
+    let mut json = format!("{{\"device\":{:?},\"sms\":{},\"mode\":{mode:?},\"rows\":[", g.name, g.sms);
+    match mode.as_str() {
+        "explore" => explore(&g, samples, &mut json),
+        other => panic!("unknown mode {other:?} (explore)"),
+    }
+    if json.ends_with(',') {
+        json.pop();
+    }
+    json.push_str("]}");
+    if let Ok(path) = std::env::var("TIDE_BENCH_OUT") {
+        std::fs::write(&path, &json).unwrap_or_else(|e| panic!("{path}: {e}"));
+        println!("wrote {path}");
+    }
+    println!("interference {mode}: done in {:.1} s", t0.elapsed().as_secs_f64());
+}
