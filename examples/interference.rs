@@ -27,7 +27,12 @@ use cudarc::driver::sys;
 use std::ffi::c_void;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
+use tide::call::{BufferView, CallInfo};
 use tide::cuda::driver::check;
+use tide::cuda::EmulatedPeer;
+use tide::layout::{DType, GroupLayout, ParamSpec};
+use tide::plan::Op;
+use tide::topology::Topology;
 
 macro_rules! ck {
     ($e:expr, $name:expr) => {
@@ -312,6 +317,10 @@ struct Aggressor<'a> {
     name: String,
     bytes: f64,
     traced: bool,
+    /// tide's configuration while this row runs (engine rows); None: the environment's.
+    config: Option<tide::config::Config>,
+    /// SM time of one call is at most this many CTAs x the call's time (engine rows, untraced).
+    ctas_bound: Option<u32>,
     call: Box<dyn Fn(sys::CUstream, u64) + 'a>,
 }
 
@@ -328,6 +337,8 @@ struct Row {
     sm_ms: Option<f64>,
     max_resident: Option<usize>,
     launches: Option<usize>,
+    /// Upper bound of SM time per call (ms): CTAs at most resident x the call's time.
+    sm_bound: Option<f64>,
     /// Victim name -> (alone ms, during ms, slowdown %, samples).
     victims: Vec<(String, f64, f64, f64, usize)>,
     displaced: Option<f64>,
@@ -507,6 +518,8 @@ fn sum_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, kernel: &str, ctas: u32, thread
         name,
         bytes: SUM_BYTES,
         traced: true,
+        config: None,
+        ctas_bound: None,
         call: Box::new(move |stream, trace| {
             let mut off = 0u64;
             let mut launch_no = 0u64;
@@ -535,20 +548,119 @@ fn sum_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, kernel: &str, ctas: u32, thread
     }
 }
 
-fn explore(g: &Gpu, samples: usize, json: &mut String) {
-    let bufs = Bufs {
-        a: malloc(N as usize * 2),
-        b: malloc(N as usize * 2),
-        d: malloc(N as usize * 4),
-        d2: malloc(N as usize * 4),
-        cs: malloc(COPY_BYTES),
-        cd: malloc(COPY_BYTES),
+impl Bufs {
+    fn new() -> Bufs {
+        let b = Bufs {
+            a: malloc(N as usize * 2),
+            b: malloc(N as usize * 2),
+            d: malloc(N as usize * 4),
+            d2: malloc(N as usize * 4),
+            cs: malloc(COPY_BYTES),
+            cd: malloc(COPY_BYTES),
+        };
+        fill_bf16(b.a, N as usize, 11);
+        fill_bf16(b.b, N as usize, 29);
+        b
+    }
+}
+
+/// The rows that are not tide's: a full-grid upcast + add (XLA's fusion), 16 resident spinning
+/// CTAs, and the copy paths of the driver (`pieces` lists the cuMemcpyBatchAsync shapes).
+fn baseline_aggressors<'a>(g: &'a Gpu, bufs: &'a Bufs, pieces: &[(usize, usize, bool)]) -> Vec<Aggressor<'a>> {
+    let mut aggs: Vec<Aggressor> = Vec::new();
+    let plain = |name: String, bytes: f64, call: Box<dyn Fn(sys::CUstream, u64) + 'a>| Aggressor {
+        name,
+        bytes,
+        traced: false,
+        config: None,
+        ctas_bound: None,
+        call,
     };
-    fill_bf16(bufs.a, N as usize, 11);
-    fill_bf16(bufs.b, N as usize, 29);
+    {
+        let f = func(g, "probe_xla_sum2");
+        let sms = g.sms;
+        aggs.push(plain(
+            "full-grid upcast + add (XLA's fusion), 32 M elements".into(),
+            SUM_BYTES,
+            Box::new(move |stream, _| {
+                let (mut d, mut a, mut b, mut n) = (bufs.d2, bufs.a, bufs.b, N);
+                let mut p = [
+                    &mut d as *mut u64 as *mut c_void,
+                    &mut a as *mut u64 as *mut c_void,
+                    &mut b as *mut u64 as *mut c_void,
+                    &mut n as *mut u64 as *mut c_void,
+                ];
+                launch(f, sms * 16, 256, 0, stream, &mut p, false);
+            }),
+        ));
+    }
+    aggs.push(plain("16 spinning CTAs, 100 us per launch".into(), 0.0, Box::new(move |stream, _| spin(g, stream, 100_000, 16))));
+    for bytes in [COPY_BYTES, 32 << 20] {
+        aggs.push(plain(
+            format!("cuMemcpyAsync D2D {} MiB", bytes >> 20),
+            2.0 * bytes as f64,
+            Box::new(move |stream, _| {
+                ck!(sys::cuMemcpyAsync(bufs.cd, bufs.cs, bytes, stream), "cuMemcpyAsync");
+            }),
+        ));
+    }
+    for &(bytes, n, flag) in pieces {
+        aggs.push(plain(
+            format!(
+                "cuMemcpyBatchAsync D2D {} MiB, {n} piece{}, {}",
+                bytes >> 20,
+                if n > 1 { "s" } else { "" },
+                if flag { "PREFER_OVERLAP_WITH_COMPUTE" } else { "no flag" }
+            ),
+            2.0 * bytes as f64,
+            Box::new(move |stream, _| batch_copy(bufs.cd, bufs.cs, bytes, n, flag, stream)),
+        ));
+    }
+    aggs.push(plain(
+        "cuMemsetD8Async 256 MiB".into(),
+        COPY_BYTES as f64,
+        Box::new(move |stream, _| {
+            ck!(sys::cuMemsetD8Async(bufs.cd, 0, COPY_BYTES, stream), "cuMemsetD8Async");
+        }),
+    ));
+    aggs
+}
+
+/// Every row: the aggressor alone (and its CTA trace), then, unless `alone_only(i)`, against each
+/// victim and the SM-id probe.
+fn measure_rows(g: &Gpu, aggs: &[Aggressor], samples: usize, alone_only: &dyn Fn(usize) -> bool, json: &mut String) {
     let trace_cap = 1 << 16;
     let trace = malloc(trace_cap * 24);
+    let victims = victims(g);
+    for (i, a) in aggs.iter().enumerate() {
+        tide::config::set_override(a.config.clone());
+        let ms = aggressor_alone(g, a, 20);
+        let mut row = Row {
+            alone_ms: ms,
+            gbps: a.bytes / ms / 1e6,
+            ..Default::default()
+        };
+        if a.traced {
+            let (sm_ms, most, ctas) = trace_call(g, a, trace, trace_cap);
+            row.sm_ms = Some(sm_ms);
+            row.max_resident = Some(most);
+            row.launches = Some(ctas);
+        }
+        row.sm_bound = a.ctas_bound.map(|c| c as f64 * ms);
+        if !alone_only(i) {
+            for v in &victims {
+                let (al, du, n) = interference(g, v, a, ms, samples);
+                row.victims.push((v.name.to_string(), al, du, 100.0 * (du / al - 1.0), n));
+            }
+            row.displaced = Some(displaced(g, a, ms, samples));
+        }
+        tide::config::set_override(None);
+        print_row(&a.name, &row, json);
+    }
+}
 
+fn explore(g: &Gpu, samples: usize, json: &mut String) {
+    let bufs = Bufs::new();
     // Correctness of the probe bodies against tide's kernel (bitwise): st, u16, 1024, bulk x2.
     {
         let reference = sum_aggressor(g, &bufs, "probe_st", 16, 512, 0, false, 0, None);
@@ -604,60 +716,6 @@ fn explore(g: &Gpu, samples: usize, json: &mut String) {
         }
     }
     let ceilings_to = aggs.len();
-    {
-        let f = func(g, "probe_xla_sum2");
-        let sms = g.sms;
-        aggs.push(Aggressor {
-            name: "full-grid upcast + add (XLA's fusion)".into(),
-            bytes: SUM_BYTES,
-            traced: false,
-            call: Box::new(move |stream, _| {
-                let (mut d, mut a, mut b, mut n) = (bufs.d2, bufs.a, bufs.b, N);
-                let mut p = [
-                    &mut d as *mut u64 as *mut c_void,
-                    &mut a as *mut u64 as *mut c_void,
-                    &mut b as *mut u64 as *mut c_void,
-                    &mut n as *mut u64 as *mut c_void,
-                ];
-                launch(f, sms * 16, 256, 0, stream, &mut p, false);
-            }),
-        });
-    }
-    aggs.push(Aggressor {
-        name: "16 spinning CTAs, 100 us per launch".into(),
-        bytes: 0.0,
-        traced: false,
-        call: Box::new(move |stream, _| spin(g, stream, 100_000, 16)),
-    });
-    aggs.push(Aggressor {
-        name: "cuMemcpyAsync D2D 256 MiB".into(),
-        bytes: 2.0 * COPY_BYTES as f64,
-        traced: false,
-        call: Box::new(move |stream, _| {
-            ck!(sys::cuMemcpyAsync(bufs.cd, bufs.cs, COPY_BYTES, stream), "cuMemcpyAsync");
-        }),
-    });
-    for (pieces, flag) in [(1usize, true), (1, false), (8, true), (8, false)] {
-        aggs.push(Aggressor {
-            name: format!(
-                "cuMemcpyBatchAsync D2D 256 MiB, {pieces} piece{}, {}",
-                if pieces > 1 { "s" } else { "" },
-                if flag { "PREFER_OVERLAP_WITH_COMPUTE" } else { "no flag" }
-            ),
-            bytes: 2.0 * COPY_BYTES as f64,
-            traced: false,
-            call: Box::new(move |stream, _| batch_copy(bufs.cd, bufs.cs, COPY_BYTES, pieces, flag, stream)),
-        });
-    }
-    aggs.push(Aggressor {
-        name: "cuMemsetD8Async 256 MiB".into(),
-        bytes: COPY_BYTES as f64,
-        traced: false,
-        call: Box::new(move |stream, _| {
-            ck!(sys::cuMemsetD8Async(bufs.cd, 0, COPY_BYTES, stream), "cuMemsetD8Async");
-        }),
-    });
-
     // Back-to-back launch gap: 2000 one-CTA launches that do nothing, with and without PDL.
     for pdl in [false, true] {
         let f = func(g, "probe_write");
@@ -684,29 +742,194 @@ fn explore(g: &Gpu, samples: usize, json: &mut String) {
         let _ = write!(json, "{{\"launch_gap_us\":{us:.3},\"pdl\":{pdl}}},");
     }
 
-    let victims = victims(g);
-    for (i, a) in aggs.iter().enumerate() {
-        let ms = aggressor_alone(g, a, 20);
-        let mut row = Row {
-            alone_ms: ms,
-            gbps: a.bytes / ms / 1e6,
-            ..Default::default()
+    aggs.extend(baseline_aggressors(
+        g,
+        &bufs,
+        &[
+            (COPY_BYTES, 1, true),
+            (COPY_BYTES, 1, false),
+            (COPY_BYTES, 2, true),
+            (COPY_BYTES, 4, true),
+            (COPY_BYTES, 8, true),
+            (COPY_BYTES, 8, false),
+            (32 << 20, 1, true),
+            (32 << 20, 2, true),
+            (4 << 20, 2, true),
+        ],
+    ));
+    measure_rows(g, &aggs, samples, &|i| (ceilings_from..ceilings_to).contains(&i), json);
+}
+
+
+// ----- engine mode: tide's calls as the engine issues them -----
+
+/// A Llama-3-8B layer (d 4096, ffn 14336, 8 KV heads of 128): 218 M bf16 parameters, 436 MB.
+fn layer_specs() -> Vec<ParamSpec> {
+    let (h, f, kv) = (4096, 14336, 1024);
+    let b = DType::BF16;
+    vec![
+        ParamSpec::new("q", &[h, h], b),
+        ParamSpec::new("k", &[kv, h], b),
+        ParamSpec::new("v", &[kv, h], b),
+        ParamSpec::new("o", &[h, h], b),
+        ParamSpec::new("gate", &[f, h], b),
+        ParamSpec::new("up", &[f, h], b),
+        ParamSpec::new("down", &[h, f], b),
+        ParamSpec::new("norm1", &[h], b),
+        ParamSpec::new("norm2", &[h], b),
+    ]
+}
+
+/// Rank 0's call of a world-`world` collective over the layer and its emulated peers' buffers.
+struct EngineCall {
+    call: CallInfo,
+    peers: Vec<EmulatedPeer>,
+    /// Bytes rank 0's work reads and writes per call.
+    bytes: f64,
+}
+
+fn engine_call(op: Op, world: usize, site: i64) -> EngineCall {
+    let layout = GroupLayout::new(&layer_specs(), world).unwrap();
+    let (mut ins, mut outs) = (Vec::new(), Vec::new());
+    let mut peers = vec![EmulatedPeer::default(); world - 1];
+    let mut bytes = 0f64;
+    for (i, p) in layout.params.iter().enumerate() {
+        let shard_elems = p.shard_rows * p.row_elems;
+        let full_elems = p.full_bytes() / 2;
+        let mut shard_dims = vec![p.shard_rows];
+        shard_dims.extend(p.shape.iter().skip(1));
+        let (in_elems, in_dims, out_bytes, out_dims, out_dt) = match op {
+            Op::AllGather => (shard_elems, shard_dims, p.full_bytes(), p.shape.clone(), p.dtype),
+            Op::ReduceScatter => (full_elems, p.shape.clone(), shard_elems * 4, shard_dims, DType::F32),
         };
-        if a.traced {
-            let (sm_ms, most, ctas) = trace_call(g, a, trace, trace_cap);
-            row.sm_ms = Some(sm_ms);
-            row.max_resident = Some(most);
-            row.launches = Some(ctas);
+        let x = malloc(in_elems * 2);
+        fill_bf16(x, in_elems, 7 + i as u64);
+        ins.push(BufferView { ptr: x as usize, dtype: p.dtype, dims: in_dims });
+        outs.push(BufferView { ptr: malloc(out_bytes) as usize, dtype: out_dt, dims: out_dims });
+        for (q, peer) in peers.iter_mut().enumerate() {
+            let y = malloc(in_elems * 2);
+            fill_bf16(y, in_elems, 1000 * (q as u64 + 1) + i as u64);
+            peer.inputs.push((y, in_elems * 2));
         }
-        if !(ceilings_from..ceilings_to).contains(&i) {
-            for v in &victims {
-                let (al, du, n) = interference(g, v, a, ms, samples);
-                row.victims.push((v.name.to_string(), al, du, 100.0 * (du / al - 1.0), n));
+        bytes += match op {
+            // Every shard read once and written once into the output.
+            Op::AllGather => 2.0 * p.full_bytes() as f64,
+            // Rank 0's rows: the world's slices read (peers' staged: read, written, read again),
+            // the fp32 sum written.
+            Op::ReduceScatter => {
+                let mine = (p.valid_rows(0) * p.row_elems) as f64;
+                mine * (2.0 * world as f64 + 4.0 * (world as f64 - 1.0) + 4.0)
             }
-            row.displaced = Some(displaced(g, a, ms, samples));
-        }
-        print_row(&a.name, &row, json);
+        };
     }
+    let call = CallInfo {
+        op,
+        site,
+        run_id: 0,
+        rank_devices: Default::default(),
+        job: 0,
+        device_ordinal: 0,
+        rank: 0,
+        group: 0,
+        world,
+        topology: Topology::single_node(world),
+        names: layout.params.iter().map(|p| p.name.clone()).collect(),
+        inputs: ins,
+        outputs: outs,
+        stream: 0,
+    };
+    EngineCall { call, peers, bytes }
+}
+
+fn engine_aggressor<'a>(name: String, ec: &'a EngineCall, config: tide::config::Config) -> Aggressor<'a> {
+    let ctas = config.rs_max_ctas;
+    Aggressor {
+        name,
+        bytes: ec.bytes,
+        traced: false,
+        ctas_bound: (ec.call.op == Op::ReduceScatter).then_some(ctas),
+        config: Some(config),
+        call: Box::new(move |stream, _| {
+            let mut call = ec.call.clone();
+            call.stream = stream as usize;
+            let r = if call.world == 1 {
+                tide::cuda::execute(&call)
+            } else {
+                tide::cuda::execute_emulated(&call, &ec.peers)
+            };
+            r.unwrap_or_else(|e| panic!("{e}"));
+        }),
+    }
+}
+
+fn engine(g: &Gpu, samples: usize, json: &mut String) {
+    let base = {
+        let mut c = tide::config::Config::from_env();
+        c.timeout_s = 60.0;
+        c.multicast = false;
+        c
+    };
+    let with = |f: &dyn Fn(&mut tide::config::Config)| {
+        let mut c = base.clone();
+        f(&mut c);
+        c
+    };
+    let calls: Vec<(Op, usize, EngineCall)> = [(Op::ReduceScatter, 1), (Op::ReduceScatter, 2), (Op::ReduceScatter, 4), (Op::ReduceScatter, 8), (Op::AllGather, 1), (Op::AllGather, 2), (Op::AllGather, 8)]
+        .into_iter()
+        .enumerate()
+        .map(|(k, (op, world))| (op, world, engine_call(op, world, 9000 + k as i64)))
+        .collect();
+    let find = |op: Op, world: usize| &calls.iter().find(|c| c.0 == op && c.1 == world).unwrap().2;
+    println!(
+        "engine: Llama-3-8B layer, 9 bf16 parameters, 436 MB; rank 0 of world P, peers emulated by buffers of GPU 0 \
+         (TIDE_RS_MAX_CTAS {}, TIDE_RS_CTA_BYTES {}, TIDE_CE_PIECE_BYTES {})",
+        base.rs_max_ctas, base.rs_cta_bytes, base.ce_piece_bytes
+    );
+    let bufs = Bufs::new();
+    let mut aggs: Vec<Aggressor> = Vec::new();
+    let rs_name = |world: usize, what: &str| format!("RS world {world}{}: {what}", if world > 1 { " (emulated)" } else { "" });
+    for (cta, what) in [(0usize, "one grid-stride launch per sum (before)"), (256 << 10, "256 KiB/CTA"), (base.rs_cta_bytes, "default"), (1 << 20, "1 MiB/CTA")] {
+        aggs.push(engine_aggressor(
+            rs_name(1, &format!("{what}, TIDE_RS_CTA_BYTES={cta}")),
+            find(Op::ReduceScatter, 1),
+            with(&|c| c.rs_cta_bytes = cta),
+        ));
+    }
+    for world in [2, 4, 8] {
+        aggs.push(engine_aggressor(rs_name(world, "default"), find(Op::ReduceScatter, world), base.clone()));
+    }
+    aggs.push(engine_aggressor(
+        rs_name(8, "one grid-stride launch per sum (before), TIDE_RS_CTA_BYTES=0"),
+        find(Op::ReduceScatter, 8),
+        with(&|c| c.rs_cta_bytes = 0),
+    ));
+    let ag_name = |world: usize, what: &str| format!("AG world {world}{}: {what}", if world > 1 { " (emulated)" } else { "" });
+    aggs.push(engine_aggressor(ag_name(1, "default"), find(Op::AllGather, 1), base.clone()));
+    aggs.push(engine_aggressor(
+        ag_name(1, "pieces up to 4 GiB, TIDE_CE_PIECE_BYTES=4294967296"),
+        find(Op::AllGather, 1),
+        with(&|c| c.ce_piece_bytes = 1 << 32),
+    ));
+    aggs.push(engine_aggressor(
+        ag_name(1, "8 MiB pieces, TIDE_CE_PIECE_BYTES=8388608"),
+        find(Op::AllGather, 1),
+        with(&|c| c.ce_piece_bytes = 8 << 20),
+    ));
+    aggs.push(engine_aggressor(
+        ag_name(1, "cuMemcpyAsync per copy (before, for a lone copy), TIDE_COPY_BATCH=0"),
+        find(Op::AllGather, 1),
+        with(&|c| c.copy_batch = false),
+    ));
+    for world in [2, 8] {
+        aggs.push(engine_aggressor(ag_name(world, "default"), find(Op::AllGather, world), base.clone()));
+    }
+    aggs.extend(baseline_aggressors(
+        g,
+        &bufs,
+        &[(COPY_BYTES, 1, true), (COPY_BYTES, 2, true), (COPY_BYTES, 8, true), (32 << 20, 1, true), (32 << 20, 2, true), (4 << 20, 2, true)],
+    ));
+    aggs.push(sum_aggressor(g, &bufs, "probe_st", 16, 512, 0, false, 0, None));
+    measure_rows(g, &aggs, samples, &|_| false, json);
 }
 
 fn batch_copy(dst: u64, src: u64, bytes: usize, pieces: usize, flag: bool, stream: sys::CUstream) {
@@ -794,6 +1017,9 @@ fn print_row(name: &str, r: &Row, json: &mut String) {
     if let (Some(sm), Some(most), Some(ctas)) = (r.sm_ms, r.max_resident, r.launches) {
         let _ = write!(line, "; {sm:.3} SM-ms/call, {ctas} CTAs, at most {most} alive at once");
     }
+    if let Some(b) = r.sm_bound {
+        let _ = write!(line, "; <= {b:.3} SM-ms/call");
+    }
     for (v, al, du, pct, n) in &r.victims {
         let _ = write!(line, " | {v} {al:.3} -> {du:.3} ms {pct:+.1}% (n={n})");
     }
@@ -803,13 +1029,14 @@ fn print_row(name: &str, r: &Row, json: &mut String) {
     println!("{line}");
     let _ = write!(
         json,
-        "{{\"name\":{name:?},\"alone_ms\":{:.5},\"gbps\":{:.1},\"sm_ms\":{},\"max_resident\":{},\"ctas\":{},\"displaced\":{},\"victims\":[{}]}},",
+        "{{\"name\":{name:?},\"alone_ms\":{:.5},\"gbps\":{:.1},\"sm_ms\":{},\"max_resident\":{},\"ctas\":{},\"displaced\":{},\"sm_bound_ms\":{},\"victims\":[{}]}},",
         r.alone_ms,
         r.gbps,
         r.sm_ms.map(|x| format!("{x:.5}")).unwrap_or("null".into()),
         r.max_resident.map(|x| x.to_string()).unwrap_or("null".into()),
         r.launches.map(|x| x.to_string()).unwrap_or("null".into()),
         r.displaced.map(|x| format!("{x}")).unwrap_or("null".into()),
+        r.sm_bound.map(|x| format!("{x:.5}")).unwrap_or("null".into()),
         r.victims
             .iter()
             .map(|(v, al, du, pct, n)| format!("{{\"victim\":{v:?},\"alone_ms\":{al:.5},\"during_ms\":{du:.5},\"slowdown_pct\":{pct:.3},\"n\":{n}}}"))
@@ -841,7 +1068,8 @@ fn main() {
     let mut json = format!("{{\"device\":{:?},\"sms\":{},\"mode\":{mode:?},\"rows\":[", g.name, g.sms);
     match mode.as_str() {
         "explore" => explore(&g, samples, &mut json),
-        other => panic!("unknown mode {other:?} (explore)"),
+        "engine" => engine(&g, samples, &mut json),
+        other => panic!("unknown mode {other:?} (explore, engine, compile)"),
     }
     if json.ends_with(',') {
         json.pop();

@@ -230,10 +230,11 @@ template <class E>
 TIDE_DEV void tide_sum_quads(float* dst, const TideSrcs& srcs, int nsrc, unsigned long long nquad, int accumulate,
                              TideGrid g) {
     switch (nsrc) {
-        // U * NSRC 8-byte loads in flight per thread (16 for 1 to 4 sources: 128 bytes per thread,
-        // 64 KiB per 512-thread CTA), bounded by the registers of __launch_bounds__(512) without
-        // spills (tests/kernels_nvrtc.rs).
-        case 1: tide_sum_quad<E, 1, 16>(dst, srcs, nquad, accumulate, g); break;
+        // U * NSRC 8-byte loads in flight per thread (12 to 16 for 1 to 8 sources: about 128 bytes
+        // per thread, 64 KiB per 512-thread CTA), within the 64 registers of
+        // __launch_bounds__(512, 2) without spills (tests/kernels_nvrtc.rs). One CTA then holds
+        // half an SM's registers, so another kernel's CTAs can still share its SM (issue #22).
+        case 1: tide_sum_quad<E, 1, 12>(dst, srcs, nquad, accumulate, g); break;
         case 2: tide_sum_quad<E, 2, 8>(dst, srcs, nquad, accumulate, g); break;
         case 3: tide_sum_quad<E, 3, 4>(dst, srcs, nquad, accumulate, g); break;
         case 4: tide_sum_quad<E, 4, 4>(dst, srcs, nquad, accumulate, g); break;
@@ -280,14 +281,15 @@ TIDE_DEV void tide_sum(float* dst, const TideSrcs& srcs, int nsrc, unsigned long
         const unsigned long long nvec = vectorized ? n / E::PER_VEC : 0;
         if (nvec > 0) {
             switch (nsrc) {
-                // U * NSRC 16-byte loads in flight per thread (8 to 16 for 1 to 4 sources): with
-                // few CTAs (TIDE_RS_MAX_CTAS) the bytes in flight per SM set the bandwidth. 2
-                // sources: 16 loads = 256 bytes per thread, 128 KiB per 512-thread CTA; no spills on
-                // sm_90 (tests/kernels_nvrtc.rs).
+                // U * NSRC 16-byte loads in flight per thread (5 to 8; 128 bytes per thread for 1
+                // to 4 sources, 64 KiB per 512-thread CTA), within the 64 registers of
+                // __launch_bounds__(512, 2) without spills on sm_90 (tests/kernels_nvrtc.rs). On one
+                // H200 an SM moves at most ~95 GB/s (read + written) whatever is in flight (read-only
+                // 79, write-only 63: bench/results/2026-12-03-1h200), so more loads buy nothing.
                 case 1: tide_sum_vec<E, 1, 8>(dst, srcs, nvec, accumulate, g); break;
-                case 2: tide_sum_vec<E, 2, 8>(dst, srcs, nvec, accumulate, g); break;
-                case 3: tide_sum_vec<E, 3, 4>(dst, srcs, nvec, accumulate, g); break;
-                case 4: tide_sum_vec<E, 4, 4>(dst, srcs, nvec, accumulate, g); break;
+                case 2: tide_sum_vec<E, 2, 4>(dst, srcs, nvec, accumulate, g); break;
+                case 3: tide_sum_vec<E, 3, 2>(dst, srcs, nvec, accumulate, g); break;
+                case 4: tide_sum_vec<E, 4, 2>(dst, srcs, nvec, accumulate, g); break;
                 case 5: tide_sum_vec<E, 5, 1>(dst, srcs, nvec, accumulate, g); break;
                 case 6: tide_sum_vec<E, 6, 1>(dst, srcs, nvec, accumulate, g); break;
                 case 7: tide_sum_vec<E, 7, 1>(dst, srcs, nvec, accumulate, g); break;
@@ -298,17 +300,17 @@ TIDE_DEV void tide_sum(float* dst, const TideSrcs& srcs, int nsrc, unsigned long
     }
 }
 
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
 rs_sum_bf16_f32(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized) {
     tide_sum<TideBf16>(dst, srcs, nsrc, n, accumulate, vectorized);
 }
 
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
 rs_sum_f16_f32(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized) {
     tide_sum<TideF16>(dst, srcs, nsrc, n, accumulate, vectorized);
 }
 
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
 rs_sum_f32_f32(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized) {
     tide_sum<TideF32>(dst, srcs, nsrc, n, accumulate, vectorized);
 }
@@ -407,17 +409,17 @@ TIDE_DEV void tide_sum_batch(const TideSumBatch& b, int count) {
     tide_sum<E>((float*)b.dst[k], s, b.nsrc[k], b.n[k], b.accumulate[k], b.vectorized[k], tide_one_cta());
 }
 
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
 rs_sum_batch_bf16_f32(const __grid_constant__ TideSumBatch b, int count) {
     tide_sum_batch<TideBf16>(b, count);
 }
 
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
 rs_sum_batch_f16_f32(const __grid_constant__ TideSumBatch b, int count) {
     tide_sum_batch<TideF16>(b, count);
 }
 
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
 rs_sum_batch_f32_f32(const __grid_constant__ TideSumBatch b, int count) {
     tide_sum_batch<TideF32>(b, count);
 }

@@ -22,6 +22,13 @@ pub struct Config {
     /// TIDE_RS_MAX_CTAS (default 16; an integer in [1, 1024]): upper bound on CTAs of one fp32
     /// reduction kernel launch.
     pub rs_max_ctas: u32,
+    /// TIDE_RS_CTA_BYTES (default 524288; an integer in [0, 2^32], 0 = one grid-stride launch per
+    /// reduction): bytes one CTA of a reduction launch reads and writes. Each reduction is issued as
+    /// launches of at most TIDE_RS_MAX_CTAS x TIDE_RS_CTA_BYTES bytes, so a CTA lives a few
+    /// microseconds and a compute kernel launched meanwhile waits at most that long for the SMs tide
+    /// holds (issue #22: on one H200, 16 CTAs of 512 KiB: a one-wave GEMM beside it +2 %, resident
+    /// CTAs +49 to +68 %). Smaller: less interference, more launches (2.5 us each); 0: fastest alone.
+    pub rs_cta_bytes: usize,
     /// TIDE_RS_STAGE_SLOTS (default 3; an integer in [1, 64]): number of staging slots in the
     /// reduce-scatter pipeline (3 beat 2 on 2 H200s: bench/results/2026-11-30-cuda-bench.md).
     pub rs_stage_slots: usize,
@@ -54,6 +61,11 @@ pub struct Config {
     /// On: 1.2-1.6x faster all-gathers on 2 H200s (bench/results/2026-11-30-cuda-bench.md); the engine
     /// falls back to single copies where the driver lacks the symbol.
     pub copy_batch: bool,
+    /// TIDE_CE_PIECE_BYTES (default 33554432; an integer in [4096, 2^32]): the largest piece of a
+    /// copy-engine batch: each batch's copies go in pieces of at most this many bytes, and at least
+    /// two pieces (`cuda::fuse::ce_pieces`). One H200 runs a lone same-device copy on SMs, the same
+    /// bytes in 8 pieces of 32 MiB on copy engines (issue #22).
+    pub ce_piece_bytes: usize,
     /// TIDE_MAX_IN_FLIGHT (default 4, an integer in [1, 16]): CUDA calls of one op (all-gather,
     /// reduce-scatter) that may be started and not yet done at once per device. Each owns an
     /// in-flight slot: a tide stream, side streams, events and (reduce-scatter) its own stage slots,
@@ -266,6 +278,7 @@ impl Config {
                 &parse_timeout_s,
             ),
             rs_max_ctas: r.int("TIDE_RS_MAX_CTAS", 16, 1, 1024) as u32,
+            rs_cta_bytes: r.int("TIDE_RS_CTA_BYTES", 512 << 10, 0, 1 << 32) as usize,
             rs_stage_slots: r.int("TIDE_RS_STAGE_SLOTS", 3, 1, 64) as usize,
             rs_slot_bytes: r.int("TIDE_RS_SLOT_BYTES", 32 << 20, 4096, 1 << 32) as usize,
             ag_streams: r.int("TIDE_AG_STREAMS", 1, 1, 16) as usize,
@@ -273,6 +286,7 @@ impl Config {
             rs_copy_streams: r.int("TIDE_RS_COPY_STREAMS", 1, 1, 16) as usize,
             local_copy: r.choice("TIDE_LOCAL_COPY", LocalCopy::CopyEngine, "ce or sm"),
             copy_batch: r.flag("TIDE_COPY_BATCH", true),
+            ce_piece_bytes: r.int("TIDE_CE_PIECE_BYTES", 32 << 20, 4096, 1 << 32) as usize,
             max_in_flight: r.int("TIDE_MAX_IN_FLIGHT", 4, 1, 16) as usize,
             fuse_bytes: r.int("TIDE_FUSE_BYTES", 512 << 10, 0, 1 << 30) as usize,
             nvrtc_lib_dir: r.raw("TIDE_NVRTC_LIB_DIR"),
@@ -408,6 +422,9 @@ mod tests {
         let cases = [
             ("TIDE_RS_MAX_CTAS", "0", "[1, 1024]"),
             ("TIDE_RS_MAX_CTAS", "4096", "[1, 1024]"),
+            ("TIDE_RS_CTA_BYTES", "-1", "[0, 4294967296]"),
+            ("TIDE_RS_CTA_BYTES", "512K", "[0, 4294967296]"),
+            ("TIDE_CE_PIECE_BYTES", "0", "[4096, 4294967296]"),
             ("TIDE_RS_STAGE_SLOTS", "-1", "[1, 64]"),
             ("TIDE_RS_SLOT_BYTES", "100", "[4096, 4294967296]"),
             ("TIDE_RS_SLOT_BYTES", "32MiB", "[4096, 4294967296]"),

@@ -9,7 +9,7 @@
 
 #define TIDE_HOST_EMULATION 1
 #define __global__
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 struct uint4 { unsigned int x, y, z, w; };
 struct uint2 { unsigned int x, y; };
 struct float4 { float x, y, z, w; };

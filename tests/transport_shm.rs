@@ -24,6 +24,14 @@ fn opts(timeout_s: f64) -> ShmOptions {
 }
 
 /// A job id no other test (or earlier run) uses.
+/// `rail::bytes_received` counts every rail of this process: tests that check it hold this lock,
+/// and so does every test that moves bytes over a rail in this process (tests run in parallel).
+static RAIL_COUNTER: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn rail_lock() -> std::sync::MutexGuard<'static, ()> {
+    RAIL_COUNTER.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn fresh_job(tag: u64) -> u64 {
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -258,6 +266,7 @@ fn rail_files(job: u64, dir: &str, me: usize, per_process: &[Vec<usize>]) {
 
 #[test]
 fn threads_match_single_process_engine() {
+    let _rail = rail_lock();
     for (k, topo) in [
         (1, 2),
         (1, 3),
@@ -294,6 +303,7 @@ fn threads_match_single_process_engine() {
 /// both ops, odd shapes, bitwise equal to the single-process engine.
 #[test]
 fn many_nodes_over_the_rail() {
+    let _rail = rail_lock();
     for (k, (nodes, gpus)) in [(8usize, 8usize), (3, 5)].into_iter().enumerate() {
         let topo = Topology::new(nodes, gpus).unwrap();
         let job = fresh_job(150 + k as u64);
@@ -332,6 +342,7 @@ fn many_nodes_over_the_rail() {
 /// different order per rank; every result bitwise equal to the single-process engine.
 #[test]
 fn concurrent_call_sites_in_any_order() {
+    let _rail = rail_lock();
     for (k, (nodes, gpus)) in [(1usize, 3usize), (2, 2)].into_iter().enumerate() {
         let topo = Topology::new(nodes, gpus).unwrap();
         let job = fresh_job(170 + k as u64);
@@ -518,6 +529,7 @@ fn report(out: &std::process::Output) -> String {
 
 #[test]
 fn processes_match_single_process_engine() {
+    let _rail = rail_lock();
     type Case = ((usize, usize), Vec<Vec<usize>>);
     let cases: Vec<Case> = vec![
         ((1, 2), vec![vec![0], vec![1]]),
@@ -550,6 +562,7 @@ fn processes_match_single_process_engine() {
 
 #[test]
 fn dead_peer_is_named_within_bounded_time() {
+    let _rail = rail_lock();
     // 1x3: rank 1 shares the node's control plane; 3x1: it is on another node (the rail);
     // 2x2 with one rank per process: rank 1 is a node peer of rank 0 and a rail peer of rank 3.
     for (k, (nodes, gpus)) in [(1, 3), (3, 1), (2, 2)].into_iter().enumerate() {
@@ -581,6 +594,7 @@ fn dead_peer_is_named_within_bounded_time() {
 /// SKIPPED otherwise.
 #[test]
 fn nodes_share_no_memory() {
+    let _rail = rail_lock();
     let probe = Command::new("unshare")
         .args([
             "-m",
@@ -633,6 +647,7 @@ fn nodes_share_no_memory() {
 
 #[test]
 fn timeout_names_the_missing_rank() {
+    let _rail = rail_lock();
     let topo = Topology::new(1, 2).unwrap();
     let plan = build(Op::AllGather, topo, 1);
     let job = fresh_job(400);
@@ -666,6 +681,7 @@ fn fail_before_call(plan: &Plan, rank: usize, job: u64, why: &str) {
 
 #[test]
 fn peer_failure_propagates_fast() {
+    let _rail = rail_lock();
     let topo = Topology::new(1, 3).unwrap();
     let plan = build(Op::ReduceScatter, topo, 2);
     let job = fresh_job(500);

@@ -82,6 +82,45 @@ pub fn sum_joins(pending: &[SumSeg], s: &SumSeg, limit: usize) -> bool {
         && !pending.iter().any(|p| p.conflicts(s))
 }
 
+/// The copies a copy-engine batch issues (issue #22): each copy in pieces of at most `max_piece`
+/// bytes, and at least `CE_MIN_PIECES` pieces in all where the bytes allow, split at multiples of
+/// 4 KiB from each copy's start (of 256, 16 or 1 bytes for small copies). Measured on one H200
+/// (bench/results/2026-12-03-1h200): a same-device copy of 256 MiB issued as ONE copy, by
+/// cuMemcpyAsync or a one-entry cuMemcpyBatchAsync, runs on SMs (a one-wave GEMM beside it +63 to
+/// +67 %); the same bytes as 8 pieces of one cuMemcpyBatchAsync run on copy engines (+3.5 %).
+/// Pieces of one copy are disjoint, so they may run in any order, as a batch's copies do.
+pub fn ce_pieces(copies: &[PendingCopy], max_piece: usize) -> Vec<PendingCopy> {
+    let max_piece = max_piece.max(4096);
+    let mut out: Vec<PendingCopy> = Vec::new();
+    for c in copies {
+        let n = c.bytes.div_ceil(max_piece).max(1);
+        let size = c.bytes.div_ceil(n).div_ceil(4096) * 4096;
+        let mut off = 0;
+        while off < c.bytes || (off == 0 && c.bytes == 0) {
+            let b = size.min(c.bytes - off);
+            out.push(PendingCopy { dst: c.dst + off as u64, src: c.src + off as u64, bytes: b, ..*c });
+            off += b.max(1);
+        }
+    }
+    // Fewer than CE_MIN_PIECES: halve the largest piece (while it can be halved).
+    while out.len() < CE_MIN_PIECES {
+        let Some((k, big)) = out.iter().enumerate().max_by_key(|(_, c)| c.bytes).map(|(k, c)| (k, *c)) else {
+            break;
+        };
+        let unit = [4096usize, 256, 16, 1].into_iter().find(|&u| big.bytes >= 2 * u).unwrap_or(1);
+        let half = (big.bytes / 2) / unit * unit;
+        if half == 0 {
+            break;
+        }
+        out[k].bytes = half;
+        out.insert(k + 1, PendingCopy { dst: big.dst + half as u64, src: big.src + half as u64, bytes: big.bytes - half, ..big });
+    }
+    out
+}
+
+/// Copies of one copy-engine batch: at least this many (`ce_pieces`).
+pub const CE_MIN_PIECES: usize = 2;
+
 /// The descriptor structs of batched copy launches (`COPY_BATCH` segments each).
 pub fn pack_copies(copies: &[PendingCopy]) -> Vec<(CopyBatch, i32)> {
     copies
@@ -189,6 +228,42 @@ mod tests {
         assert!(!sum_joins(&full, &sum(1 << 20, &[1 << 30], 8, DType::BF16), l), "full");
         assert!(!sum_joins(&full[..3], &sum(1 << 20, &[1 << 30], 8, DType::BF16), sum_batch_limit(3)), "CTA bound");
         assert_eq!((sum_batch_limit(0), sum_batch_limit(16), sum_batch_limit(132)), (1, 16, 16));
+    }
+
+    #[test]
+    fn ce_pieces_cover_each_copy_once_in_bounded_pieces() {
+        let covered = |pieces: &[PendingCopy], c: &PendingCopy| -> usize {
+            let mut mine: Vec<&PendingCopy> = pieces.iter().filter(|p| p.dst >= c.dst && p.dst < c.dst + c.bytes.max(1) as u64).collect();
+            mine.sort_by_key(|p| p.dst);
+            let mut next = c.dst;
+            for p in &mine {
+                assert_eq!(p.dst, next, "contiguous");
+                assert_eq!(p.src - c.src, p.dst - c.dst, "source follows destination");
+                next = p.dst + p.bytes as u64;
+            }
+            (next - c.dst) as usize
+        };
+        for sizes in [vec![256usize << 20], vec![100], vec![1], vec![0], vec![4096, 12345], vec![(96 << 20) + 3, 5, 64 << 20]] {
+            let copies: Vec<PendingCopy> = sizes.iter().enumerate().map(|(k, &b)| copy((k as u64) << 32, (1 << 40) + ((k as u64) << 32), b)).collect();
+            for max_piece in [4096usize, 1 << 20, 32 << 20] {
+                let pieces = ce_pieces(&copies, max_piece);
+                for c in &copies {
+                    assert_eq!(covered(&pieces, c), c.bytes, "{sizes:?} {max_piece}");
+                }
+                assert!(pieces.iter().all(|p| p.bytes <= max_piece.max(4096)), "{sizes:?} {max_piece}: {pieces:?}");
+                let total: usize = sizes.iter().sum();
+                if total >= 2 {
+                    assert!(pieces.len() >= CE_MIN_PIECES, "{sizes:?}: {pieces:?}");
+                }
+            }
+        }
+        // One 256 MiB copy in 32 MiB pieces: 8 of them, 4 KiB-aligned.
+        let p = ce_pieces(&[copy(1 << 32, 1 << 33, 256 << 20)], 32 << 20);
+        assert_eq!(p.len(), 8);
+        assert!(p.iter().all(|c| c.bytes == 32 << 20 && c.dst % 4096 == 0));
+        // A small lone copy is halved: 5000 bytes -> 2304 + 2696 (256-byte unit).
+        let p = ce_pieces(&[copy(0, 1 << 20, 5000)], 32 << 20);
+        assert_eq!(p.iter().map(|c| c.bytes).collect::<Vec<_>>(), vec![2304, 2696]);
     }
 
     #[test]

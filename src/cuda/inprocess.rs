@@ -91,10 +91,47 @@ impl SlotHandles {
 }
 
 fn start_on_slot(call: &CallInfo, seq: u64) -> Result<SlotLease> {
+    on_slot(
+        call,
+        &|err| abandon(call, seq, err),
+        |local, cfg| {
+            let what = format!("tide {} site {} group {}", op_name(call.op), call.site, call.group);
+            let key = Key {
+                site: call.site,
+                group: call.group,
+                seq,
+            };
+            let place = call.place("cuda", crate::deadlock::CONFIRM_AFTER_CUDA);
+            let session = Session::join_at(
+                &what,
+                key,
+                call.rank,
+                call.world,
+                local.info.clone(),
+                cfg.timeout(),
+                place.as_ref(),
+            )?;
+            Ok(meeting::InProcess {
+                session,
+                rank: call.rank,
+            })
+        },
+    )
+}
+
+/// A call on an in-flight slot of its device, its ranks meeting through `meet` (given this rank's
+/// published side once the slot is prepared; `fail_early` tells the peers of a failure before
+/// that): under the device lock the slot, the plan, the slot's resources and rule A1; then,
+/// without it, the meeting and `run_slot`. Returns the slot's lease (`start_done`).
+pub(crate) fn on_slot<M: Meeting>(
+    call: &CallInfo,
+    fail_early: &dyn Fn(&TideError),
+    meet: impl FnOnce(&Local, &Config) -> Result<M>,
+) -> Result<SlotLease> {
     let cfg = crate::config::current();
     let cfg = &*cfg;
     let fail_early = |err: TideError| -> Result<SlotLease> {
-        abandon(call, seq, &err);
+        fail_early(&err);
         Err(err)
     };
     if let Err(e) = driver::init() {
@@ -125,26 +162,7 @@ fn start_on_slot(call: &CallInfo, seq: u64) -> Result<SlotLease> {
         Ok(p) => p,
         Err(e) => return fail_early(e),
     };
-    let what = format!("tide {} site {} group {}", op_name(call.op), call.site, call.group);
-    let key = Key {
-        site: call.site,
-        group: call.group,
-        seq,
-    };
-    let place = call.place("cuda", crate::deadlock::CONFIRM_AFTER_CUDA);
-    let session = Session::join_at(
-        &what,
-        key,
-        call.rank,
-        call.world,
-        local.info.clone(),
-        cfg.timeout(),
-        place.as_ref(),
-    )?;
-    let meeting = meeting::InProcess {
-        session,
-        rank: call.rank,
-    };
+    let meeting = meet(&local, cfg)?;
     let result = meeting::end_call(&meeting, || run_slot(call, &lock_dev, &h, &local, &meeting, cfg));
     lease.end_start(call, result)
 }

@@ -284,8 +284,9 @@ impl Issuer<'_> {
     }
 
     /// Issues the copies pending on stream `s`: small ones as batched launches (TIDE_FUSE_BYTES),
-    /// the rest as one cuMemcpyAsync each, or one cuMemcpyBatchAsync for several (source order:
-    /// stream; hints: the devices holding source and destination).
+    /// the rest as one cuMemcpyBatchAsync in pieces (`fuse::ce_pieces`; source order: stream;
+    /// hints: the devices holding source and destination), or one cuMemcpyAsync each where the
+    /// driver has no batch API or TIDE_COPY_BATCH=0.
     fn flush_copies(&self, s: usize, pending: &mut [Vec<fuse::PendingCopy>]) -> Result<()> {
         let Some(list) = pending.get_mut(s) else {
             return Ok(());
@@ -318,30 +319,40 @@ impl Issuer<'_> {
                 copies.len()
             )));
         }
-        let api_batch = cfg.copy_batch && driver::init().map(|v| v >= 13000).unwrap_or(false);
-        let what = || {
-            format!(
-                "rank {rank} device {ord}: {} copies on stream {s}, {} bytes",
-                copies.len(),
-                copies.iter().map(|c| c.bytes).sum::<usize>()
-            )
-        };
-        if copies.len() == 1 || !api_batch || !driver::batch_copy_supported() {
+        let api_batch = cfg.copy_batch && driver::init().map(|v| v >= 13000).unwrap_or(false) && driver::batch_copy_supported();
+        if !api_batch {
+            let what = || format!("rank {rank} device {ord}: copy on stream {s}");
             for c in &copies {
                 // SAFETY: addresses bounds-checked by `address`; ordering per the module header.
                 unsafe { driver::memcpy_async(c.dst, c.src, c.bytes, stream, what)? };
             }
             return Ok(());
         }
-        // SAFETY: as above, for every copy of the batch.
-        unsafe { driver::memcpy_batch_async(&copies, stream, what) }
+        // One batch, a lone copy too, in pieces (`fuse::ce_pieces`): a lone same-device copy
+        // would run on SMs.
+        let pieces = fuse::ce_pieces(&copies, cfg.ce_piece_bytes);
+        let what = || {
+            format!(
+                "rank {rank} device {ord}: {} copies on stream {s} ({} pieces), {} bytes",
+                copies.len(),
+                pieces.len(),
+                copies.iter().map(|c| c.bytes).sum::<usize>()
+            )
+        };
+        // SAFETY: as above, for every piece of every copy of the batch.
+        unsafe { driver::memcpy_batch_async(&pieces, stream, what) }
     }
 
     /// A Reduce as one batched-sum segment, if it qualifies (TIDE_FUSE_BYTES): one launch's worth
-    /// of sources (at most `kernels::MAX_SRCS` of one dtype), output smaller than TIDE_FUSE_BYTES.
+    /// of sources (at most `kernels::MAX_SRCS` of one dtype), output smaller than TIDE_FUSE_BYTES,
+    /// at most TIDE_RS_CTA_BYTES read and written.
     /// Ranges are bounds-checked here.
     fn sum_segment(&self, dst: &Region, srcs: &[Operand], elems: usize) -> Result<Option<fuse::SumSeg>> {
+        // One CTA does a segment alone: it moves at most TIDE_RS_CTA_BYTES, as a CTA of a
+        // launch does (issue #22), so it lives as briefly.
+        let moved = elems.saturating_mul(4 + srcs.iter().map(|o| o.dtype.size_bytes()).sum::<usize>());
         if elems.saturating_mul(4) >= self.cfg.fuse_bytes
+            || (self.cfg.rs_cta_bytes > 0 && moved > self.cfg.rs_cta_bytes)
             || srcs.is_empty()
             || srcs.len() > kernels::MAX_SRCS
             || srcs.iter().any(|o| o.dtype != srcs[0].dtype)

@@ -10,6 +10,7 @@
 //! | --- | --- | --- |
 //! | the call | `start_done` | the funnel of every call: sync / start / done, the in-flight records (A1, A4) |
 //! | the paths | `inprocess`, `multiproc` (+ `mailbox`, `rail`) | how ranks meet: a `rendezvous::Session` in-process; shared-memory mailboxes, IPC and the NCCL rail across processes |
+//! | emulation | `emulate` | one rank of a world-P call alone on its GPU, peers as local buffers (benchmarks, tests) |
 //! | the meeting | `meeting` | the `Meeting` seam, what ranks publish (`RankInfo`), the end of a call, the panic guard |
 //! | preparing | `prepare` | XLA's stream checked, the plan and schedule (cached), the published lists, the multicast gate |
 //! | issuing | `issue` | the one phase loop and end of call over a `Meeting` (rules 3-5, A2-A3), each command, batching |
@@ -130,6 +131,7 @@
 
 pub mod device;
 pub mod driver;
+pub mod emulate;
 pub mod fuse;
 mod inprocess;
 pub mod ipc;
@@ -146,4 +148,5 @@ pub mod signal;
 mod start_done;
 
 pub use meeting::RankInfo;
+pub use emulate::{execute_emulated, EmulatedPeer};
 pub use start_done::{execute, execute_phase};

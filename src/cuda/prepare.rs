@@ -37,6 +37,8 @@ pub struct PlanSettings {
     pub slot_bytes: usize,
     pub streams: usize,
     pub local_copy: crate::config::LocalCopy,
+    /// Bytes of one reduction launch (`schedule::sum_pieces`): TIDE_RS_MAX_CTAS x TIDE_RS_CTA_BYTES.
+    pub sum_piece_bytes: usize,
 }
 
 impl PlanSettings {
@@ -49,6 +51,7 @@ impl PlanSettings {
                 Op::ReduceScatter => c.rs_copy_streams,
             },
             local_copy: c.local_copy,
+            sum_piece_bytes: (c.rs_max_ctas as usize).saturating_mul(c.rs_cta_bytes),
         }
     }
 }
@@ -111,7 +114,7 @@ fn build(call: &CallInfo, cfg: &Config, settings: PlanSettings) -> Result<Prepar
     let schedule = schedule::build(
         &plan,
         call.rank,
-        &SchedOptions::new(settings.streams, settings.local_copy),
+        &SchedOptions::new(settings.streams, settings.local_copy).with_sum_pieces(settings.sum_piece_bytes),
     )?;
     Ok(Prepared {
         op: call.op,

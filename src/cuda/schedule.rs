@@ -15,7 +15,11 @@
 //!   multiples of `split_align` from the copy's start).
 //! - Local copies under `LocalCopy::CopyEngine` (both ends on this rank) go, whole, on one more side
 //!   stream, `copy_streams + 1`, so they overlap the peer copies rather than queue behind them.
-//! - Reduce, Zero and SM local copies go on MAIN (XLA's stream).
+//! - Reduce, Zero and SM local copies go on MAIN (XLA's stream). A Reduce is split into *sum
+//!   pieces* of at most `sum_piece_bytes` bytes read + written (one kernel launch each, whose CTAs
+//!   then live a few microseconds: issue #22), at multiples of `SUM_PIECE_ALIGN` elements so every
+//!   piece keeps the step's 16-byte alignment; each piece is its own unit on MAIN, so a copy into
+//!   a stage slot waits only for the last piece that reads it.
 //!
 //! Ordering inside the rank (plan semantics: one executor's steps act in listed order wherever the
 //! byte ranges they touch overlap with at least one write): step B depends on every earlier step A
@@ -135,7 +139,13 @@ pub struct SchedOptions {
     pub local_copy: LocalCopy,
     pub min_piece_bytes: usize,
     pub split_align: usize,
+    /// Bytes (read + written) of one sum piece: one reduction launch (0: a Reduce is one launch).
+    pub sum_piece_bytes: usize,
 }
+
+/// Sum pieces start at multiples of this many elements from their step's start (256 bytes of fp32
+/// output, 128 of 2-byte sources): the 16-byte vector path stays aligned in every piece.
+pub const SUM_PIECE_ALIGN: usize = 64;
 
 impl SchedOptions {
     pub fn new(copy_streams: usize, local_copy: LocalCopy) -> SchedOptions {
@@ -144,8 +154,41 @@ impl SchedOptions {
             local_copy,
             min_piece_bytes: 1 << 20,
             split_align: 4096,
+            sum_piece_bytes: 0,
         }
     }
+
+    /// The same options with reductions split into pieces of `bytes` (0: whole).
+    pub fn with_sum_pieces(mut self, bytes: usize) -> SchedOptions {
+        self.sum_piece_bytes = bytes;
+        self
+    }
+}
+
+/// How a Reduce of `elems` elements whose sources are `src_bytes` bytes per element in all (fp32
+/// output: 4 more) is split into launches of at most `piece_bytes` bytes read + written: (first
+/// element, elements) of each piece, in order, covering `0..elems` exactly once. Pieces are of
+/// equal size rounded up to `SUM_PIECE_ALIGN` elements (the last one shorter), never smaller than
+/// `SUM_PIECE_ALIGN` elements; `piece_bytes` 0 gives one piece.
+pub fn sum_pieces(elems: usize, src_bytes: usize, piece_bytes: usize) -> Vec<(usize, usize)> {
+    if elems == 0 {
+        return Vec::new();
+    }
+    let per_elem = src_bytes.saturating_add(4);
+    if piece_bytes == 0 {
+        return vec![(0, elems)];
+    }
+    let cap = (piece_bytes / per_elem).max(SUM_PIECE_ALIGN);
+    let count = elems.div_ceil(cap);
+    let size = elems.div_ceil(count).div_ceil(SUM_PIECE_ALIGN) * SUM_PIECE_ALIGN;
+    let mut out = Vec::with_capacity(count);
+    let mut start = 0;
+    while start < elems {
+        let n = size.min(elems - start);
+        out.push((start, n));
+        start += n;
+    }
+    out
 }
 
 /// One byte range a step touches.
@@ -465,6 +508,34 @@ fn assign_streams(mine: &[(usize, &Action)], rank: usize, opts: &SchedOptions, s
                 }
             }
             i = j;
+        } else if let (k, Action::Reduce { dst, srcs, elems }) = mine[i] {
+            let src_bytes: usize = srcs.iter().map(|o| o.dtype.size_bytes()).sum();
+            for (first, n) in sum_pieces(*elems, src_bytes, opts.sum_piece_bytes) {
+                let mut d = *dst;
+                d.offset += first * 4;
+                let piece_srcs: Vec<Operand> = srcs
+                    .iter()
+                    .map(|o| {
+                        let mut o = *o;
+                        o.region.offset += first * o.dtype.size_bytes();
+                        o
+                    })
+                    .collect();
+                step_units[i].push(units.len());
+                units.push(Unit {
+                    step: k,
+                    stream: MAIN,
+                    cmd: Cmd::Reduce {
+                        stream: MAIN,
+                        step: k,
+                        dst: d,
+                        srcs: piece_srcs,
+                        elems: n,
+                    },
+                });
+            }
+            needs_kernels = true;
+            i += 1;
         } else {
             let (k, a) = mine[i];
             let cmd = match a {
@@ -482,15 +553,9 @@ fn assign_streams(mine: &[(usize, &Action)], rank: usize, opts: &SchedOptions, s
                     dst: *dst,
                     bytes: *bytes,
                 },
-                Action::Reduce { dst, srcs, elems } => Cmd::Reduce {
-                    stream: MAIN,
-                    step: k,
-                    dst: *dst,
-                    srcs: srcs.clone(),
-                    elems: *elems,
-                },
+                Action::Reduce { .. } => unreachable!("Reduce steps are split into sum pieces above"),
             };
-            if matches!(cmd, Cmd::Reduce { .. } | Cmd::Copy { .. }) {
+            if matches!(cmd, Cmd::Copy { .. }) {
                 needs_kernels = true;
             }
             step_units[i].push(units.len());
@@ -568,16 +633,17 @@ fn touched_ranks(units: &[Unit], nstreams: usize) -> Vec<Vec<usize>> {
     touched
 }
 
-/// Units that need an event recorded after them: a dependency of a unit on another stream.
+/// Units that need an event recorded after them: for each step another stream depends on, the
+/// last of its units on each of its streams (a stream's units complete in order, so waiting on
+/// the last covers the others: `Emitter::dependency_waits` visits a step's units last first).
 fn needs_record(units: &[Unit], step_units: &[Vec<usize>], deps: &[Vec<usize>]) -> Vec<bool> {
     let mut needs_record = vec![false; units.len()];
     for (mi, d) in deps.iter().enumerate() {
         for &dep in d {
             for &du in &step_units[dep] {
-                if step_units[mi]
-                    .iter()
-                    .any(|&u| units[u].stream != units[du].stream)
-                {
+                let ds = units[du].stream;
+                let last_on_stream = !step_units[dep].iter().any(|&o| o > du && units[o].stream == ds);
+                if last_on_stream && step_units[mi].iter().any(|&u| units[u].stream != ds) {
                     needs_record[du] = true;
                 }
             }
@@ -651,7 +717,8 @@ impl Emitter {
     /// other streams and not yet ordered before it.
     fn dependency_waits(&mut self, s: usize, p: usize, u: usize, deps: &[usize], units: &[Unit], step_units: &[Vec<usize>]) -> Result<()> {
         for &dep in deps {
-            for &du in &step_units[dep] {
+            // Last first: the wait on a stream's last unit of the step orders the earlier ones.
+            for &du in step_units[dep].iter().rev() {
                 let ds = units[du].stream;
                 if ds == s || self.clock[s][ds] >= self.pos[du] {
                     continue;
@@ -1079,7 +1146,87 @@ mod tests {
             local_copy: local,
             min_piece_bytes: min_piece,
             split_align: 16,
+            sum_piece_bytes: 0,
         }
+    }
+
+    #[test]
+    fn sum_pieces_cover_every_element_once_aligned_and_bounded() {
+        for elems in [0usize, 1, 63, 64, 65, 100, 4096, 4099, 100_003, 1 << 20] {
+            for src_bytes in [2usize, 4, 8, 16, 32] {
+                for piece_bytes in [0usize, 1, 100, 512, 4096, 1 << 16, 3 << 20] {
+                    let pieces = sum_pieces(elems, src_bytes, piece_bytes);
+                    let mut next = 0;
+                    for &(first, n) in &pieces {
+                        assert_eq!(first, next, "{elems} {src_bytes} {piece_bytes}: {pieces:?}");
+                        assert!(n > 0);
+                        assert_eq!(first % SUM_PIECE_ALIGN, 0);
+                        next = first + n;
+                    }
+                    assert_eq!(next, elems, "{elems} {src_bytes} {piece_bytes}");
+                    if piece_bytes == 0 {
+                        assert!(pieces.len() <= 1);
+                        continue;
+                    }
+                    let cap = (piece_bytes / (src_bytes + 4)).max(SUM_PIECE_ALIGN);
+                    let largest = pieces.iter().map(|p| p.1).max().unwrap_or(0);
+                    // At most one alignment unit above the cap, and no more pieces than needed.
+                    assert!(largest <= cap + SUM_PIECE_ALIGN, "{elems} {src_bytes} {piece_bytes}: {largest} > {cap}");
+                    assert!(pieces.len() <= elems.div_ceil(cap));
+                }
+            }
+        }
+        // Equal pieces, not a tiny tail: 4099 bf16 elements from 2 sources in 4 KiB pieces.
+        assert_eq!(sum_pieces(4099, 4, 4096), vec![(0, 512), (512, 512), (1024, 512), (1536, 512), (2048, 512), (2560, 512), (3072, 512), (3584, 512), (4096, 3)]);
+        assert_eq!(sum_pieces(1000, 2, 3000), vec![(0, 512), (512, 488)]);
+    }
+
+    #[test]
+    fn reduces_split_into_pieces_on_main_with_offsets() {
+        // World 1: the whole reduce-scatter is one Reduce per parameter (a cast) and a Zero.
+        let layout = real_layout(1);
+        let rs = crate::plan::reduce_scatter(&layout, Topology::single_node(1), Default::default()).unwrap();
+        let s = build(&rs, 0, &opts(1, LocalCopy::CopyEngine, 64).with_sum_pieces(1024)).unwrap();
+        let reduces: Vec<&Cmd> = s.phases[0].cmds.iter().filter(|c| matches!(c, Cmd::Reduce { .. })).collect();
+        // "big" (4096 bf16, 6 bytes per element read + written): 170 elements fit 1024 bytes, so
+        // pieces of 192 (rounded up to 64) -> 22 pieces; every piece on MAIN, offsets contiguous.
+        let big = layout.params.iter().position(|p| p.name == "big").unwrap();
+        let mut next = 0;
+        for c in &reduces {
+            if let Cmd::Reduce { stream, dst, srcs, elems, .. } = c {
+                assert_eq!(*stream, MAIN);
+                if dst.index == big {
+                    assert_eq!(dst.offset, next * 4);
+                    assert_eq!(srcs[0].region.offset, next * 2);
+                    assert!(*elems <= 192);
+                    next += elems;
+                }
+            }
+        }
+        assert_eq!(next, 4096);
+        assert_eq!(reduces.iter().filter(|c| matches!(c, Cmd::Reduce { dst, .. } if dst.index == big)).count(), 22);
+        // No events: everything is on MAIN.
+        assert_eq!(s.events, 0);
+    }
+
+    #[test]
+    fn a_reused_slot_waits_once_for_the_last_piece_reading_it() {
+        // 2 ranks, 4 chunks of 16 elements through 2 slots, each chunk's reduce in 4 pieces (16 x
+        // 2 bytes x 2 sources + 4 = 8 bytes per element, pieces of 64 elements: 16 -> 1 piece; use
+        // chunks of 256 elements instead: 4 pieces each).
+        let plan = rs_plan(2, &[1024], 256, 2, false, 0);
+        let whole = build(&plan, 0, &opts(1, LocalCopy::CopyEngine, 1 << 20)).unwrap();
+        let split = build(&plan, 0, &opts(1, LocalCopy::CopyEngine, 1 << 20).with_sum_pieces(64 * 8)).unwrap();
+        let count = |s: &Schedule, f: &dyn Fn(&Cmd) -> bool| s.phases[0].cmds.iter().filter(|c| f(c)).count();
+        let reduces = |c: &Cmd| matches!(c, Cmd::Reduce { .. });
+        let waits = |c: &Cmd| matches!(c, Cmd::Wait { .. });
+        let records = |c: &Cmd| matches!(c, Cmd::Record { .. });
+        assert_eq!(count(&whole, &reduces), 4);
+        assert_eq!(count(&split, &reduces), 16);
+        // The same waits and records: one record after the last piece of a chunk, not one per piece.
+        assert_eq!(count(&split, &waits), count(&whole, &waits), "{:#?}", split.phases[0].cmds);
+        assert_eq!(count(&split, &records), count(&whole, &records));
+        check_plan(&plan, &opts(1, LocalCopy::CopyEngine, 64).with_sum_pieces(64 * 8), 40);
     }
 
     #[test]
@@ -1421,6 +1568,9 @@ mod tests {
                 for o in [
                     opts(1, LocalCopy::CopyEngine, 64),
                     opts(2, LocalCopy::CopyEngine, 64),
+                    // Reductions in pieces of 64 to a few hundred elements (issue #22).
+                    opts(1, LocalCopy::CopyEngine, 64).with_sum_pieces(600),
+                    opts(2, LocalCopy::CopyEngine, 64).with_sum_pieces(3000),
                 ] {
                     check_plan(&rs, &o, 4);
                 }
@@ -1668,6 +1818,11 @@ mod tests {
             v.push((
                 crate::plan::reduce_scatter(&layout, topo, rs).unwrap(),
                 opts(2, LocalCopy::CopyEngine, 256),
+            ));
+            // Reductions in sum pieces (issue #22): slot reuse waits on the last piece only.
+            v.push((
+                crate::plan::reduce_scatter(&layout, topo, rs).unwrap(),
+                opts(2, LocalCopy::CopyEngine, 256).with_sum_pieces(64 * 6),
             ));
         }
         v

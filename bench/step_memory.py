@@ -1,0 +1,106 @@
+"""Where a training step's memory goes, from XLA's own plan, without running it: compiles
+examples/llama.py's train step for a model (abstract state: nothing allocated) under each backend
+and prints XLA's memory analysis (arguments, outputs, aliased, temporaries) and, from the buffer
+assignment XLA dumps, the largest buffers live at the step's peak.
+
+    python3 bench/step_memory.py --model 8b-layers --remat dots          # CPU compile, 1 device
+    python3 bench/step_memory.py --model 8b-layers --remat dots --devices 1 --runs tide-native,tide,jax-fp32
+
+Runs: `tide` (tide_jax, world 1: the collectives are local, no native call), `tide-native` (the
+same with the native calls, TIDE_WORLD1_NATIVE=1), `jax-fp32` (plain JAX, fp32 gradient sums).
+On a CPU the plan is XLA:CPU's (its fusions and schedule differ from XLA:GPU's); on a GPU, XLA:GPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+import re
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+def peak_buffers(dump_dir: str, top: int) -> list[str]:
+    """The buffer assignment's peak-buffer lines of the train step (XLA's dump; XLA:CPU writes none)."""
+    files = sorted(glob.glob(os.path.join(dump_dir, "*jit_step*buffer-assignment.txt")), key=os.path.getmtime)
+    if not files:
+        return ["(no buffer assignment dumped)"]
+    text = open(files[-1]).read()
+    m = re.search(r"Peak buffers:\n(.*?)(\n\n|\Z)", text, re.S)
+    if not m:
+        return [f"(no 'Peak buffers' section in {os.path.basename(files[-1])})"]
+    out, cur = [], None
+    for line in m.group(1).splitlines():
+        if line.strip().startswith("Buffer "):
+            cur = [line.strip()]
+            out.append(cur)
+        elif cur is not None and line.strip():
+            cur.append(line.strip())
+    return [" | ".join(b)[:300] for b in out[:top]]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="8b-layers")
+    ap.add_argument("--remat", default="dots")
+    ap.add_argument("--reshard", default="on", choices=["on", "off"])
+    ap.add_argument("--runs", default="tide-native,tide,jax-fp32")
+    ap.add_argument("--devices", type=int, default=1)
+    ap.add_argument("--top", type=int, default=12, help="peak buffers to list per run")
+    args = ap.parse_args()
+    dump_root = os.environ.get("TIDE_STEP_MEMORY_DUMP") or tempfile.mkdtemp(prefix="tide-step-memory-")
+    os.makedirs(dump_root, exist_ok=True)
+    if not os.path.exists("/dev/nvidiactl"):
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_root} --xla_dump_hlo_as_text"
+                               " --xla_dump_hlo_module_re=.*jit_step.*")
+    sys.path.insert(0, os.path.join(REPO, "python"))
+    sys.path.append(os.path.join(REPO, "examples"))
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import llama
+    import tide_jax
+    from tide_jax import _ops
+
+    devices = jax.devices()[: args.devices]
+    mesh = Mesh(np.array(devices), (llama.AXIS,))
+    cfg = llama.MODELS[args.model]
+    cfg = dataclasses.replace(cfg, remat=args.remat, reshard=args.reshard == "on",
+                              attention=llama.choose_attention(cfg, devices[0].platform, lambda *a: None))
+    lays = llama.Layouts.build(cfg, mesh)
+    tx = llama.optimizer(llama.OptConfig(steps=10, lr=cfg.lr, warmup=1), cfg)
+    state = llama.abstract_state(cfg, lays, tx)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    batch = cfg.batch_per_device * len(devices)
+    tokens = jax.ShapeDtypeStruct((batch, cfg.seq), jnp.int32,
+                                  sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(llama.AXIS)))
+    gib = 1 << 30
+    print(f"model {args.model}: {cfg.n_params() / 1e6:.0f}M params, {cfg.layers} layers, d {cfg.d_model}; "
+          f"remat {args.remat}, reshard {args.reshard}; {len(devices)} x {devices[0].device_kind}")
+    for run in args.runs.split(","):
+        _ops._world1_native = run == "tide-native"
+        backend = llama.Backend("tide" if run.startswith("tide") else "jax", "fp32")
+        step = llama.make_train_step(cfg, backend, lays, mesh, tx, shardings)
+        compiled = step.lower(state, tokens).compile()
+        m = compiled.memory_analysis()
+        total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+        print(f"{run:12s} step {total / gib:7.3f} GiB = arguments {m.argument_size_in_bytes / gib:.3f} + outputs "
+              f"{m.output_size_in_bytes / gib:.3f} - aliased {m.alias_size_in_bytes / gib:.3f} + temporaries "
+              f"{m.temp_size_in_bytes / gib:.3f}")
+        for line in peak_buffers(dump_root, args.top):
+            print("    " + line)
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
