@@ -16,7 +16,9 @@
 //   tide's CPU engine. A sum over more than TIDE_MAX_SRCS sources is several launches, the later ones
 //   with accumulate = 1 (the same sequence of fp32 additions). vectorized != 0 promises that dst and
 //   every source are 16-byte aligned (the host checks); elements past the last whole quad or vector
-//   are done by a scalar tail. Grid-stride loops: any grid size is correct.
+//   are done by a scalar tail. Grid-stride loops: any grid size is correct. The host launches each
+//   reduction as short launches of at most TIDE_RS_MAX_CTAS CTAs over pieces of it (sum pieces,
+//   src/cuda/schedule.rs), so a CTA lives microseconds (docs/design.md "Stealing nothing").
 //
 // tide_copy(dst, src, bytes, width): copies bytes; width (16, 8, 4, 2 or 1) divides both addresses.
 

@@ -82,9 +82,11 @@
 //!    whose buffers it touches (side streams: their own rank's too, which follows the rank's
 //!    previous `done` by rule 1; a side stream touching only peers would wait on `done` itself).
 //!    So no peer buffer is read before its producer wrote it, and no output is written while XLA
-//!    might still use it. Copies go on side streams (copy engines; cuMemcpyAsync on unified
-//!    addresses with peer access enabled), balanced by bytes; Reduce (the `rs_sum_*` kernels, at most
-//!    TIDE_RS_MAX_CTAS CTAs), Zero (cuMemsetD8Async) and SM local copies go on MAIN. Inside the rank,
+//!    might still use it. Copies go on side streams (copy engines: one cuMemcpyBatchAsync per run of
+//!    a stream's copies, in pieces, on unified addresses with peer access enabled), balanced by
+//!    bytes; Reduce (the `rs_sum_*` kernels, at most TIDE_RS_MAX_CTAS CTAs per launch, one launch
+//!    per sum piece: docs/design.md "Stealing nothing from compute"), Zero (cuMemsetD8Async) and SM
+//!    local copies go on MAIN. Inside the rank,
 //!    steps that touch overlapping bytes (one writing) are ordered by local events: a copy into a
 //!    stage slot waits for the last Reduce that read the slot, a Reduce for the copies into its slots.
 //! 4. Between phases: MAIN joins the side streams, records the phase event, host barrier, then each
