@@ -10,6 +10,12 @@
 //! 2. `<jaxlib>/include` of the Python in `PYO3_PYTHON`, `PYTHON_SYS_EXECUTABLE`, or `python3`.
 //!
 //! Headers newer than API 0.3 fail the build unless `TIDE_ALLOW_NEWER_XLA_HEADERS=1`.
+//!
+//! Build stamp (`src/info.rs`, `tide_build_info`): the git commit of the source (`TIDE_GIT_COMMIT`
+//! overrides it; `unknown` outside a git checkout, e.g. from an sdist) and whether the files that make
+//! the library differ from it, the XLA FFI API and jaxlib version of the headers, the profile and
+//! rustc, as `TIDE_BUILD_*` compile-time variables. The script reruns when HEAD moves or those files
+//! change, so the stamp never describes another build.
 
 use std::env;
 use std::path::{Path, PathBuf};
@@ -27,6 +33,7 @@ fn main() {
         "TIDE_ALLOW_NEWER_XLA_HEADERS",
         "PYO3_PYTHON",
         "PYTHON_SYS_EXECUTABLE",
+        "TIDE_GIT_COMMIT",
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -84,6 +91,8 @@ fn main() {
         }
     }
 
+    stamp(&include, api);
+
     cxx_build::bridge("src/ffi/mod.rs")
         .file("cxxbridge/tide_ffi.cc")
         // As a system include: XLA's headers are not warning-clean and their warnings are not ours.
@@ -92,6 +101,117 @@ fn main() {
         .flag_if_supported("-fvisibility=hidden")
         .flag_if_supported("-Wno-unused-parameter")
         .compile("tide_ffi");
+}
+
+/// The files whose change makes another library (the dirty check and its reruns).
+const SOURCES: [&str; 6] = ["src", "kernels", "cxxbridge", "build.rs", "Cargo.toml", "Cargo.lock"];
+
+/// Sets the `TIDE_BUILD_*` variables `src/info.rs` bakes into `tide_build_info`.
+fn stamp(include: &Path, api: (u32, u32)) {
+    let root = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| ".".into()));
+    let (commit, dirty) = match env::var("TIDE_GIT_COMMIT") {
+        Ok(c) if !c.trim().is_empty() => (c.trim().to_string(), "unknown (TIDE_GIT_COMMIT)".to_string()),
+        _ => git_commit(&root),
+    };
+    let rustc = env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let rustc_version = Command::new(rustc)
+        .arg("--version")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into());
+    let var = |k: &str| env::var(k).unwrap_or_else(|_| "?".into());
+    let vars = [
+        ("TIDE_BUILD_COMMIT", commit),
+        ("TIDE_BUILD_DIRTY", dirty),
+        ("TIDE_BUILD_FFI_API", format!("{}.{}", api.0, api.1)),
+        ("TIDE_BUILD_JAXLIB", jaxlib_version(include)),
+        ("TIDE_BUILD_HEADERS", include.display().to_string()),
+        (
+            "TIDE_BUILD_PROFILE",
+            format!("{} (opt-level {})", var("PROFILE"), var("OPT_LEVEL")),
+        ),
+        ("TIDE_BUILD_RUSTC", rustc_version),
+        ("TIDE_BUILD_TARGET", var("TARGET")),
+    ];
+    for (k, v) in vars {
+        // One line each: the values end up in a "key: value" text.
+        println!("cargo:rustc-env={k}={}", v.replace(['\n', '\r'], " "));
+    }
+}
+
+/// (commit, dirty) of the checkout at `root`: the HEAD commit and whether `SOURCES` differ from it
+/// ("yes", "no"), or ("unknown", reason) without git. Registers the reruns: HEAD, the branch's ref,
+/// packed refs, and `SOURCES` (a directory reruns on any change inside it).
+fn git_commit(root: &Path) -> (String, String) {
+    let git = |args: &[&str]| -> Option<String> {
+        let out = Command::new("git").current_dir(root).args(args).output().ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+    };
+    let Some(commit) = git(&["rev-parse", "--verify", "HEAD"]) else {
+        return ("unknown".into(), "unknown (not a git checkout)".into());
+    };
+    let abs = |p: String| -> PathBuf {
+        let p = PathBuf::from(p);
+        if p.is_absolute() {
+            p
+        } else {
+            root.join(p)
+        }
+    };
+    let mut watch: Vec<PathBuf> = Vec::new();
+    if let Some(dir) = git(&["rev-parse", "--git-dir"]) {
+        watch.push(abs(dir).join("HEAD"));
+    }
+    if let Some(common) = git(&["rev-parse", "--git-common-dir"]) {
+        let common = abs(common);
+        watch.push(common.join("packed-refs"));
+        if let Some(branch) = git(&["symbolic-ref", "-q", "HEAD"]) {
+            watch.push(common.join(branch));
+        }
+    }
+    // Only files that exist: cargo reruns a script whose watched path is missing on every build.
+    for p in watch.iter().filter(|p| p.exists()) {
+        println!("cargo:rerun-if-changed={}", p.display());
+    }
+    for s in SOURCES {
+        println!("cargo:rerun-if-changed={s}");
+    }
+    let mut args = vec!["status", "--porcelain", "--untracked-files=no", "--"];
+    args.extend(SOURCES);
+    let dirty = match git(&args) {
+        Some(s) if s.is_empty() => "no",
+        Some(_) => "yes",
+        None => "unknown",
+    };
+    (commit, dirty.into())
+}
+
+/// The version of the jaxlib whose `include` directory this is (`<jaxlib>/version.py`, next to it),
+/// or "unknown" (headers from elsewhere, through TIDE_XLA_FFI_INCLUDE).
+fn jaxlib_version(include: &Path) -> String {
+    let Some(text) = include
+        .parent()
+        .and_then(|d| std::fs::read_to_string(d.join("version.py")).ok())
+    else {
+        return "unknown".into();
+    };
+    // `_release_version: str = '0.10.2'` (release wheels), else `_version = "0.10.2"`.
+    let value = |name: &str| {
+        text.lines().find_map(|l| {
+            let rest = l.trim().strip_prefix(name)?;
+            let rest = rest.trim_start_matches(|c: char| c == ':' || c == ' ' || c.is_alphabetic());
+            let rest = rest.trim().strip_prefix('=')?.trim();
+            let q = rest.chars().next().filter(|c| *c == '"' || *c == '\'')?;
+            Some(rest[1..].split(q).next()?.to_string())
+        })
+    };
+    value("_release_version")
+        .or_else(|| value("_version"))
+        .unwrap_or_else(|| "unknown".into())
 }
 
 fn fail(msg: &str) -> ! {

@@ -6,6 +6,7 @@
 //! - `engine::cpu`: runs plans on host memory, ranks as threads; the test oracle and the JAX CPU backend.
 //! - `cuda`: runs plans on GPUs with copy engines and short-lived reduction kernels.
 //! - `ffi`: the thin XLA FFI edge (C++ in `cxxbridge/`, bridged with cxx).
+//! - `info`: the build stamp and the runtime probe behind `tide_jax.info()`.
 
 pub mod call;
 pub mod config;
@@ -15,6 +16,7 @@ pub mod engine;
 pub mod error;
 pub mod ffi;
 pub mod inflight;
+pub mod info;
 pub mod layout;
 pub mod plan;
 pub mod rendezvous;

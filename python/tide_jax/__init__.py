@@ -9,6 +9,9 @@
         params = tide_jax.gather_params(shards, lay)    # bf16 full params; grads reduce-scattered
         ...                                             # in fp32 into the fp32 shards
 
+`tide_jax.info()` (or `python -m tide_jax.info`): the library loaded, its build, the CUDA and NCCL
+it finds, for bug reports.
+
 Backends: "tide" (the native library, default) or "jax" (pure-JAX twins in `tide_jax.reference`),
 chosen with `set_backend` or TIDE_BACKEND.
 
@@ -41,6 +44,15 @@ from ._dispatch import dispatch_lock
 __version__ = "0.1.0"
 
 
+def info() -> str:
+    """Which tide_jax and native library this process uses, the library's build (version, commit,
+    XLA FFI API and jaxlib of its headers), the CUDA driver, NVRTC and NCCL it finds, JAX and the
+    platform: one block to paste into a bug report (`python -m tide_jax.info` prints it)."""
+    from ._info import info as report
+
+    return report()
+
+
 def __getattr__(name):
     # The front doors import flax / equinox, optional dependencies: only when asked for
     # (`tide_jax.nnx`, `from tide_jax import equinox`), never by `import tide_jax`.
@@ -68,6 +80,7 @@ __all__ = [
     "gather_params",
     "initialize",
     "get_backend",
+    "info",
     "layout",
     "library_path",
     "reduce_scatter",

@@ -63,6 +63,16 @@ def _candidates() -> list[tuple[str, str]]:
     return out
 
 
+def library_origin() -> str:
+    """Where the library that would be (or was) loaded comes from: "$TIDE_LIBRARY", "installed
+    package" or "source checkout"."""
+    path = library_path()
+    for where, candidate in _candidates():
+        if candidate == path:
+            return where
+    return "?"
+
+
 def library_path() -> str:
     """Path of the native library that would be (or was) loaded; raises if there is none."""
     if _lib_path is not None:
@@ -113,6 +123,52 @@ def _check_settings(lib) -> None:
     n = fn(buf, len(buf))
     if n:
         raise SettingError(buf.raw[: min(n, len(buf))].decode("utf-8", "replace"))
+
+
+def _key_values(text: str) -> dict[str, str]:
+    out = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(": ")
+        if sep:
+            out[key.strip()] = value.strip()
+    return out
+
+
+def build_info(lib=None) -> dict[str, str] | None:
+    """The library's build stamp (src/info.rs `tide_build_info`): version, commit, uncommitted
+    changes, xla ffi api, jaxlib headers, headers from, profile, rustc, target; None for a library
+    built before the stamp existed (a stale library)."""
+    lib = load() if lib is None else lib
+    fn = getattr(lib, "tide_build_info", None)
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_char_p
+    fn.argtypes = []
+    return _key_values(fn().decode("utf-8", "replace"))
+
+
+def runtime_info(lib=None) -> dict[str, str] | None:
+    """What the library finds now (src/info.rs `tide_runtime_info`): cuda driver, cuda devices,
+    nvrtc, nccl ("not found: why" where absent), and `loaded <lib>` files; None for a library built
+    before the probe existed. Loads NVRTC and NCCL into the process if they are found."""
+    lib = load() if lib is None else lib
+    fn = getattr(lib, "tide_runtime_info", None)
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_size_t
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    buf = ctypes.create_string_buffer(8192)
+    n = fn(buf, len(buf))
+    if n > len(buf):
+        buf = ctypes.create_string_buffer(n)
+        n = fn(buf, len(buf))
+    text = buf.raw[: min(n, len(buf))].decode("utf-8", "replace")
+    out = {}
+    for line in text.splitlines():  # `loaded libnccl` may repeat: keep every file
+        key, sep, value = line.partition(": ")
+        if sep:
+            out[key] = f"{out[key]}\n{value}" if key in out else value
+    return out
 
 
 def ensure_registered(platform: str = "cpu") -> None:

@@ -158,6 +158,17 @@ pub fn device_get(ordinal: i32) -> Result<CUdevice> {
     Ok(dev)
 }
 
+/// The name of `dev` ("NVIDIA H200").
+pub fn device_name(dev: CUdevice) -> Result<String> {
+    let mut buf = [0 as std::ffi::c_char; 256];
+    // SAFETY: valid device handle; the driver writes at most `len` bytes, NUL-terminated.
+    check(unsafe { sys::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, dev) }, "cuDeviceGetName", || {
+        format!("device handle {dev}")
+    })?;
+    // SAFETY: NUL-terminated by the driver within the buffer (the last byte is never written past).
+    Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
+}
+
 /// Device attribute `attr` of `dev` (`name` and `ordinal` for errors).
 pub fn device_attribute(dev: CUdevice, ordinal: i64, attr: sys::CUdevice_attribute, name: &str) -> Result<i32> {
     let mut v = 0;
