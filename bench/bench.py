@@ -24,7 +24,8 @@ per-call ms = step time / R; median and p10/p90 over >= 15 steps. A dispatch-sty
 
 Usage (repo root):  python3 bench/bench.py --out DIR [--quick] [--cpu-smoke] [--sections a,b] [--budget S]
 Writes DIR/bench.json, DIR/RESULTS.md (a section for bench/RESULTS.md) and DIR/latency.png.
-Environment: PYTHONPATH must reach python/ (tide_jax); TIDE_LIBRARY names libtide.so.
+Environment: tide_jax importable with its library (installed, or PYTHONPATH=python with
+TIDE_LIBRARY naming libtide.so).
 """
 import argparse
 import datetime
@@ -336,12 +337,8 @@ def measure_op(jax, mesh, name, body, in_kind, out_specs, param_spec, arg, cfg):
 
 def import_tide():
     """tide_jax and its library, or raise with a clear message."""
-    lib = os.environ.get("TIDE_LIBRARY")
-    if not lib:
-        raise RuntimeError("TIDE_LIBRARY is not set (path to libtide.so)")
-    if not os.path.exists(lib):
-        raise RuntimeError(f"TIDE_LIBRARY={lib} does not exist")
     import tide_jax
+    tide_jax.library_path()  # raises, naming where it looked, if there is no library
     if hasattr(tide_jax, "set_backend"):
         tide_jax.set_backend("tide")  # the native library, whatever TIDE_BACKEND says
     return tide_jax
@@ -403,9 +400,9 @@ def worker_jax(res, cfg, args, ops_filter=None):
 def worker_tide(res, cfg, args):
     import numpy as np
     jax, mesh, devs = jax_setup()
-    res.put("env", dict(jax=jax.__version__, devices=[str(d) for d in devs], backend=jax.default_backend(),
-                        tide_library=os.environ.get("TIDE_LIBRARY")))
     tide = import_tide()
+    res.put("env", dict(jax=jax.__version__, devices=[str(d) for d in devs], backend=jax.default_backend(),
+                        tide_library=tide.library_path()))
     for h in cfg["groups"]:
         shapes = layer_shapes(h)
         g = f"h{h}"

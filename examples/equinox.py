@@ -17,6 +17,7 @@ replaces), `tide_jax.equinox.shard` shards it, `fsdp.filter_value_and_grad` repl
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -58,7 +59,8 @@ if ARGS.size == "cpu":  # before jax is imported: CPU devices for the mesh
         + [f"--xla_force_host_platform_device_count={ARGS.devices}"])
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 2 * ARGS.devices)))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))  # a source checkout (no pip install)
+if importlib.util.find_spec("tide_jax") is None:  # a source checkout without an installed tide_jax
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -1,7 +1,7 @@
 """pytest setup for tide_jax: 8 forced CPU devices, set before jax is imported anywhere.
 
 JAX_PLATFORMS defaults to cpu, or cuda,cpu where a GPU is present (an explicit setting wins). Tests that use
-the native library fail, not skip, when it is missing: CI installs it (`pip install .`).
+the native library fail, not skip, when it is missing: scripts/test builds it (target/release).
 """
 
 import os
@@ -28,10 +28,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cuda,cpu" if _gpu_present() else "cpu")
 # after 40 s ("only 7 of them arrived"; seen on the 2-core CI). Spare threads avoid it.
 os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 16)))
 # Test this checkout's package (python/), not a copy installed earlier; its native library is found
-# by tide_jax._lib: $TIDE_LIBRARY, else target/release/libtide.so (which `pip install .` and
-# `cargo build --release` both write). scripts/test checks the installed copy separately.
+# by tide_jax._lib: $TIDE_LIBRARY, else target/release/libtide.so (which `cargo build --release`
+# writes). TIDE_TEST_INSTALLED=1 tests the tide_jax installed in this Python instead (a wheel, e.g.
+# on the GPU machine: scripts/gpu run), with the library inside it.
 _here = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(_here)), "python"))
+_checkout_python = os.path.join(os.path.dirname(os.path.dirname(_here)), "python")
+INSTALLED = os.environ.get("TIDE_TEST_INSTALLED") == "1"
+if not INSTALLED:
+    sys.path.insert(0, _checkout_python)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -39,6 +43,18 @@ import pytest  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import tide_jax  # noqa: E402
+
+#: The folder holding the tide_jax under test: what a test's subprocess puts first on PYTHONPATH.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tide_jax.__file__)))
+if INSTALLED and os.path.abspath(PACKAGE_ROOT) == os.path.abspath(_checkout_python):
+    raise RuntimeError(f"TIDE_TEST_INSTALLED=1 but tide_jax comes from the checkout ({tide_jax.__file__}): "
+                       "put the installed copy on PYTHONPATH or install it")
+
+
+def subprocess_pythonpath(env=None) -> str:
+    """PYTHONPATH for a test's subprocess: the package under test first, then `env`'s (os.environ's)."""
+    rest = (os.environ if env is None else env).get("PYTHONPATH", "")
+    return os.pathsep.join([PACKAGE_ROOT] + ([rest] if rest else []))
 
 
 def pytest_configure(config):

@@ -33,7 +33,7 @@ import jax  # noqa: E402
 import checkpoint  # noqa: E402
 import llama  # noqa: E402
 import train  # noqa: E402
-from conftest import make_mesh  # noqa: E402
+from conftest import make_mesh, subprocess_pythonpath  # noqa: E402
 
 CFG = llama.MODELS["tiny"]  # odd sizes: d_ff 172 is padded to 176 rows on 8 devices, to 174 on 3
 STEPS = 8
@@ -224,7 +224,7 @@ def test_resume_on_4_devices_in_a_process_of_4(run8, tmp_path):
 # ----- saved by 2 processes x 4 devices -----
 def _launch(*args, timeout=600):
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "python"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = subprocess_pythonpath(env)
     env.setdefault("TIDE_TIMEOUT_S", "60")
     for k in ("XLA_FLAGS", "NPROC"):
         env.pop(k, None)

@@ -53,13 +53,12 @@ def rng(request):
 
 @pytest.fixture(scope="module")
 def tide():
-    lib = os.environ.get("TIDE_LIBRARY")
     if not _gpus():
         if os.environ.get("TIDE_REQUIRE_GPU") == "1":  # set by scripts/gpu: skipping would hide it
             pytest.fail("TIDE_REQUIRE_GPU=1 but JAX has no GPU backend")
         pytest.skip("no GPU backend in JAX")
-    assert lib and os.path.exists(lib), f"TIDE_LIBRARY must name libtide.so (got {lib!r})"
     import tide_jax
+    print(f"tide_jax from {tide_jax.__file__}, library {tide_jax.library_path()}")  # raises if none
     if hasattr(tide_jax, "set_backend"):
         tide_jax.set_backend("tide")  # the native library, whatever TIDE_BACKEND says
     return tide_jax

@@ -158,8 +158,10 @@ def worker(out_dir: str, die: int | None, hsdp: int = 0) -> None:
 
 
 def _env(**extra):
+    from conftest import subprocess_pythonpath  # here: this file also runs as a worker, without pytest
+
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "python"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = subprocess_pythonpath(env)
     env.setdefault("TIDE_TIMEOUT_S", "60")
     env.update(extra)
     return env

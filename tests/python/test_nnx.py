@@ -28,7 +28,7 @@ nnx = pytest.importorskip("flax.nnx")
 optax = pytest.importorskip("optax")
 
 import tide_jax  # noqa: E402
-from conftest import make_mesh  # noqa: E402
+from conftest import make_mesh, subprocess_pythonpath  # noqa: E402
 from tide_jax import nnx as tnnx  # noqa: E402
 
 V, D, F, L, T = 37, 13, 10, 3, 5
@@ -296,7 +296,6 @@ def test_state_varying_per_device_is_refused(tide_backend):
 def test_import_tide_jax_imports_neither_flax_nor_equinox():
     code = ("import sys; import tide_jax; assert 'flax' not in sys.modules and 'equinox' not in sys.modules, "
             "sorted(m for m in sys.modules if m.startswith(('flax', 'equinox'))); print('ok')")
-    python = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "python")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": python + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": subprocess_pythonpath()}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr

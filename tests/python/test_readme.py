@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+from conftest import subprocess_pythonpath
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -17,7 +19,7 @@ def test_api_snippet_runs(tmp_path):
     script = tmp_path / "snippet.py"
     script.write_text(snippet)
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "NPROC")}
-    env["PYTHONPATH"] = os.path.join(REPO, "python") + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = subprocess_pythonpath(env)
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     m = re.search(r"loss after 20 steps: (\S+)", r.stdout)

@@ -379,9 +379,10 @@ def worker(out_dir: str) -> None:
 
 
 def test_reused_helper_and_layer_loop_multiprocess():
+    from conftest import subprocess_pythonpath  # here: this file also runs as a worker, without pytest
+
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(os.path.dirname(HERE)), "python"),
-                                         env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = subprocess_pythonpath(env)
     for k in ("XLA_FLAGS", "JAX_PLATFORMS"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "tide_jax.launch", "-n", "2", "--cpu-devices", "2", "--",
