@@ -2,7 +2,7 @@
 
 One command, on every visible GPU (a P-GPU mesh; P >= 2 is the real case: peer copies over NVLink):
 
-    TIDE_LIBRARY=.carry/libtide.so PYTHONPATH=python JAX_PLATFORMS=cuda python3 bench/overlap.py [--out DIR]
+    JAX_PLATFORMS=cuda python3 bench/overlap.py [--out DIR]     # tide_jax installed (scripts/gpu run overlap)
 
 For the all-gather and the reduce-scatter of one bf16 parameter (per-GPU shard OVERLAP_MIB MiB,
 default 256) next to a chain of OVERLAP_MM (8) bf16 OVERLAP_N x OVERLAP_N (8192) matmuls, median

@@ -2,7 +2,7 @@
 the method of shared/baselines/percall_probe.py). On one GPU (P=1: the data movement is a local
 copy, so what grows with N is per-parameter host and launch work), R calls in a `lax.scan`:
 
-    TIDE_LIBRARY=.carry/libtide.so PYTHONPATH=python JAX_PLATFORMS=cuda python3 bench/percall.py [--out DIR]
+    JAX_PLATFORMS=cuda python3 bench/percall.py [--out DIR]     # tide_jax installed (scripts/gpu run percall)
 
 Rows per N (bf16 64x1024 parameters): tide all-gather and reduce-scatter (synchronous targets),
 the all-gather as start+done, and an XLA elementwise op on the same leaves as the reference; us per
