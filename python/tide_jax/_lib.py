@@ -1,7 +1,7 @@
 """Finding, loading and registering the native library (the Rust cdylib `libtide`).
 
-Search order: `$TIDE_LIBRARY` (a path to the .so), the copy installed inside this package by
-`pip install .`, then `target/release/libtide.so` of the source checkout this package lives in.
+Search order: `$TIDE_LIBRARY` (a path to the .so), the copy inside this package (installed by the
+wheel or `pip install .`), then `target/release/libtide.so` of the source checkout this package lives in.
 Registration of the XLA FFI targets happens once, lazily, on the first tide collective traced.
 """
 
@@ -32,7 +32,8 @@ TARGETS = {
 INSTANCE_TYPE = "tide_instance"
 
 _BUILD_HINT = (
-    "Build and install it with `pip install .` at the root of the tide repository (needs a Rust "
+    "Install the tide_jax wheel (`pip install tide_jax-*.whl`: the library inside, no Rust needed), "
+    "or build and install it with `pip install .` at the root of the tide repository (needs a Rust "
     "toolchain), or build it with `cargo build --release` and point TIDE_LIBRARY at "
     "target/release/libtide.so. To run without it, use the pure-JAX backend: "
     "tide_jax.set_backend('jax') or TIDE_BACKEND=jax."
