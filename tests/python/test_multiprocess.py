@@ -158,10 +158,12 @@ def worker(out_dir: str, die: int | None, hsdp: int = 0) -> None:
 
 
 def _env(**extra):
-    from conftest import subprocess_pythonpath  # here: this file also runs as a worker, without pytest
-
     env = dict(os.environ)
-    env["PYTHONPATH"] = subprocess_pythonpath(env)
+    # Under pytest: the package under test first. This file also runs as the worker (and evaluates
+    # `pytestmark` there), which must not import conftest: it sets 8 CPU devices for the process.
+    conftest = sys.modules.get("conftest")
+    if conftest is not None:
+        env["PYTHONPATH"] = conftest.subprocess_pythonpath(env)
     env.setdefault("TIDE_TIMEOUT_S", "60")
     env.update(extra)
     return env
