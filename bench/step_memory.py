@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import importlib.util
 import os
 import re
 import sys
@@ -60,7 +61,8 @@ def main() -> int:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_root} --xla_dump_hlo_as_text"
                                " --xla_dump_hlo_module_re=.*jit_step.*")
-    sys.path.insert(0, os.path.join(REPO, "python"))
+    if importlib.util.find_spec("tide_jax") is None:  # a source checkout without an installed tide_jax
+        sys.path.insert(0, os.path.join(REPO, "python"))
     sys.path.append(os.path.join(REPO, "examples"))
     import jax
     import jax.numpy as jnp
