@@ -5,9 +5,9 @@
 //!   version, git commit and whether the sources differed from it, the XLA FFI API and jaxlib version
 //!   of the headers, profile, rustc, target. It comes from the library itself, so a stale or foreign
 //!   library (another commit, other headers) shows as such, whatever the Python package says.
-//! - `tide_runtime_info`: the CUDA driver, NVRTC and NCCL the CUDA engine would use, probed now, with
-//!   the files they were loaded from (`/proc/self/maps`); "not found: why" where absent (a machine
-//!   without GPUs). Never fails and never panics.
+//! - `tide_runtime_info`: the CUDA driver (loaded and initialized if present: "not found: why" on a
+//!   machine without GPUs), the NVRTC and NCCL this process has loaded (never loading them), and
+//!   the files of all three (`/proc/self/maps`). Never fails and never panics.
 //!
 //! Both texts are `key: value` lines.
 
@@ -44,6 +44,10 @@ pub extern "C" fn tide_build_info() -> *const c_char {
 
 /// The runtime probe as `key: value` lines: `cuda driver`, `cuda devices`, `nvrtc`, `nccl`, and
 /// `loaded <lib>` for each CUDA library file mapped into the process.
+///
+/// It loads nothing but the CUDA driver (whose absence is final): NVRTC and NCCL are reported as
+/// this process has them loaded now (`RTLD_NOLOAD`), so asking never changes which copy tide
+/// uses later (NCCL: the one JAX loaded, README "Tunables" `TIDE_NCCL_LIB`), nor caches a miss.
 pub fn runtime_info() -> String {
     let mut lines = Vec::new();
     match crate::cuda::driver::init() {
@@ -57,19 +61,66 @@ pub fn runtime_info() -> String {
         }
         Err(e) => lines.push(format!("cuda driver: not found: {}", detail(e))),
     }
-    lines.push(match crate::cuda::nvrtc::version() {
-        Ok((major, minor)) => format!("nvrtc: {major}.{minor}"),
-        Err(e) => format!("nvrtc: not found: {}", detail(e)),
-    });
-    lines.push(match crate::cuda::nccl::describe() {
-        Ok(d) => format!("nccl: {d}"),
-        Err(e) => format!("nccl: not found: {}", detail(e)),
-    });
+    lines.push(format!("nvrtc: {}", nvrtc()));
+    lines.push(format!("nccl: {}", nccl()));
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
     for (name, path) in loaded_libraries(&maps) {
         lines.push(format!("loaded {name}: {path}"));
     }
     lines.join("\n")
+}
+
+/// `name` if this process has loaded it already (matched by path or soname); never loads it.
+fn already_loaded(name: &str) -> Option<libloading::os::unix::Library> {
+    // SAFETY: with RTLD_NOLOAD dlopen only returns another reference to a library already loaded
+    // (no initializer runs); dropping it (dlclose) leaves the library loaded.
+    unsafe { libloading::os::unix::Library::open(Some(name), libc::RTLD_NOW | libc::RTLD_NOLOAD) }.ok()
+}
+
+fn nvrtc() -> String {
+    type Version = unsafe extern "C" fn(*mut std::ffi::c_int, *mut std::ffi::c_int) -> std::ffi::c_int;
+    for name in ["libnvrtc.so.13", "libnvrtc.so.12"] {
+        let Some(lib) = already_loaded(name) else {
+            continue;
+        };
+        let (mut major, mut minor) = (0, 0);
+        // SAFETY: `nvrtcVersion(int*, int*)` (nvrtc.h); valid out-pointers.
+        let ok = unsafe { lib.get::<Version>(b"nvrtcVersion\0") }
+            .map(|f| unsafe { f(&mut major, &mut minor) } == 0)
+            .unwrap_or(false);
+        return if ok {
+            format!("{major}.{minor} ({name}, loaded)")
+        } else {
+            format!("{name} loaded, but nvrtcVersion failed")
+        };
+    }
+    "not loaded yet (tide loads libnvrtc.so.13 or .12 for its first kernel compile, from \
+     TIDE_NVRTC_LIB_DIR, the NVIDIA wheels JAX loaded, or /usr/local/cuda)"
+        .into()
+}
+
+fn nccl() -> String {
+    let name = crate::config::CONFIG
+        .nccl_lib
+        .clone()
+        .unwrap_or_else(|| "libnccl.so.2".into());
+    let Some(lib) = already_loaded(&name) else {
+        return format!(
+            "not loaded yet (tide loads {name} at its first NCCL rail call, across nodes; \
+             TIDE_NCCL_LIB names another)"
+        );
+    };
+    type GetVersion = unsafe extern "C" fn(*mut std::ffi::c_int) -> std::ffi::c_int;
+    let mut v = 0;
+    // SAFETY: `ncclGetVersion(int*)` (nccl.h); valid out-pointer.
+    let ok = unsafe { lib.get::<GetVersion>(b"ncclGetVersion\0") }
+        .map(|f| unsafe { f(&mut v) } == 0)
+        .unwrap_or(false);
+    if ok {
+        format!("{}.{}.{} ({name}, loaded)", v / 10000, (v / 100) % 100, v % 100)
+    } else {
+        format!("{name} loaded, but ncclGetVersion failed")
+    }
 }
 
 fn detail(e: crate::TideError) -> String {

@@ -2,9 +2,10 @@
 
 Which `tide_jax` and which native library were loaded (path and where it was found), the library's
 own build stamp (version, git commit, the XLA FFI API and jaxlib version of its headers: from the
-library, src/info.rs, so a stale or foreign library shows as such), the CUDA driver, NVRTC and NCCL
-the library finds ("not found: why" on a machine without them), JAX and jaxlib with their XLA FFI
-API and devices, Python and the platform, the TIDE_* settings. Lines starting with `!!` are problems
+library, src/info.rs, so a stale or foreign library shows as such), the CUDA driver the library
+finds ("not found: why" on a machine without one) and the NVRTC and NCCL this process has loaded
+(never loading them), JAX and jaxlib with their XLA FFI API and devices, the CUDA wheels installed,
+Python and the platform, the TIDE_* settings. Lines starting with `!!` are problems
 found on the way (a library older than the package, headers newer than the runtime, two NCCLs).
 
 Nothing here raises: every part that fails says why in its line.
@@ -65,6 +66,7 @@ def info() -> str:
                         problems.append("two NCCL libraries in this process (see `loaded libnccl`): set "
                                         "TIDE_NCCL_LIB to the one JAX uses")
     lines += jax_lines
+    lines.append("CUDA wheels: " + _cuda_wheels())
     lines.append(_python_line())
     settings = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("TIDE_"))
     lines.append("settings: " + (" ".join(settings) if settings else "none (TIDE_* unset: defaults)"))
@@ -139,6 +141,21 @@ def _jax_report() -> tuple[list[str], str | None]:
     except Exception as e:
         line += f": no backend: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
     return [line], api
+
+
+def _cuda_wheels() -> str:
+    """The pip packages that bring JAX's CUDA backend, NCCL and NVRTC, with versions (not loaded)."""
+    try:
+        from importlib import metadata
+
+        found = set()
+        for dist in metadata.distributions():
+            name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+            if name.startswith(("jax-cuda", "nvidia-nccl", "nvidia-cuda-nvrtc")):
+                found.add(f"{name} {dist.version}")
+        return ", ".join(sorted(found)) or "none (no jax-cuda, nvidia-nccl or nvidia-cuda-nvrtc package)"
+    except Exception as e:
+        return f"unknown: {e}"
 
 
 def _python_line() -> str:

@@ -64,3 +64,17 @@ def test_python_m_tide_jax_info_runs_without_warnings():
     assert "RuntimeWarning" not in r.stderr, r.stderr
     assert r.stdout.startswith("tide_jax "), r.stdout
     assert "  build: " in r.stdout and "CUDA driver: " in r.stdout, r.stdout
+
+
+def test_asking_loads_neither_nvrtc_nor_nccl():
+    # The report must not change which NVRTC or NCCL tide (or JAX) loads later. With the NVRTC
+    # wheel named by TIDE_NVRTC_LIB_DIR (as scripts/test sets it where installed), loading it
+    # would be one dlopen away.
+    code = ("import tide_jax; text = tide_jax.info(); "
+            "maps = open('/proc/self/maps').read(); "
+            "print('LOADED' if ('libnvrtc' in maps or 'libnccl' in maps) else 'CLEAN'); print(text)")
+    env = {**os.environ, "PYTHONPATH": subprocess_pythonpath()}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("CLEAN"), r.stdout
+    assert "NVRTC: not loaded yet" in r.stdout and "NCCL: not loaded yet" in r.stdout, r.stdout
