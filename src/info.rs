@@ -74,11 +74,13 @@ pub fn runtime_info() -> String {
 fn already_loaded(name: &str) -> Option<libloading::os::unix::Library> {
     // SAFETY: with RTLD_NOLOAD dlopen only returns another reference to a library already loaded
     // (no initializer runs); dropping it (dlclose) leaves the library loaded.
-    unsafe { libloading::os::unix::Library::open(Some(name), libc::RTLD_NOW | libc::RTLD_NOLOAD) }.ok()
+    unsafe { libloading::os::unix::Library::open(Some(name), libc::RTLD_NOW | libc::RTLD_NOLOAD) }
+        .ok()
 }
 
 fn nvrtc() -> String {
-    type Version = unsafe extern "C" fn(*mut std::ffi::c_int, *mut std::ffi::c_int) -> std::ffi::c_int;
+    type Version =
+        unsafe extern "C" fn(*mut std::ffi::c_int, *mut std::ffi::c_int) -> std::ffi::c_int;
     for name in ["libnvrtc.so.13", "libnvrtc.so.12"] {
         let Some(lib) = already_loaded(name) else {
             continue;
@@ -117,7 +119,12 @@ fn nccl() -> String {
         .map(|f| unsafe { f(&mut v) } == 0)
         .unwrap_or(false);
     if ok {
-        format!("{}.{}.{} ({name}, loaded)", v / 10000, (v / 100) % 100, v % 100)
+        format!(
+            "{}.{}.{} ({name}, loaded)",
+            v / 10000,
+            (v / 100) % 100,
+            v % 100
+        )
     } else {
         format!("{name} loaded, but ncclGetVersion failed")
     }
