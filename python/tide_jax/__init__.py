@@ -9,8 +9,8 @@
         params = tide_jax.gather_params(shards, lay)    # bf16 full params; grads reduce-scattered
         ...                                             # in fp32 into the fp32 shards
 
-`tide_jax.info()` (or `python -m tide_jax.info`): the library loaded, its build, the CUDA and NCCL
-it finds, for bug reports.
+`tide_jax.info()` (or `python -m tide_jax.info`): the library loaded, its build, the CUDA driver it
+finds and the NVRTC and NCCL loaded, JAX: one block for bug reports.
 
 Backends: "tide" (the native library, default) or "jax" (pure-JAX twins in `tide_jax.reference`),
 chosen with `set_backend` or TIDE_BACKEND.
@@ -46,8 +46,9 @@ __version__ = "0.1.0"
 
 def info() -> str:
     """Which tide_jax and native library this process uses, the library's build (version, commit,
-    XLA FFI API and jaxlib of its headers), the CUDA driver, NVRTC and NCCL it finds, JAX and the
-    platform: one block to paste into a bug report (`python -m tide_jax.info` prints it)."""
+    XLA FFI API and jaxlib of its headers), the CUDA driver it finds and the NVRTC and NCCL this
+    process has loaded, JAX and the platform: one block to paste into a bug report (`python -m
+    tide_jax.info` prints it)."""
     from ._info import info as report
 
     return report()
