@@ -43,7 +43,7 @@ def info() -> str:
         if isinstance(build, Exception):
             lines.append(f"  build: error: {build}")
         elif build is None:
-            lines.append("  build: none (the library has no tide_build_info: built before tide_jax 0.1.0)")
+            lines.append("  build: none (the library has no tide_build_info: built before the build stamp existed)")
             problems.append("the library predates its build stamp: a stale build; reinstall tide_jax")
         else:
             lines.append("  build: " + _build_line(build))
