@@ -83,7 +83,7 @@ def main() -> int:
     state = llama.abstract_state(cfg, lays, tx)
     shardings = jax.tree.map(lambda x: x.sharding, state)
     batch = cfg.batch_per_device * len(devices)
-    tokens = jax.ShapeDtypeStruct((batch, cfg.seq), jnp.int32,
+    tokens = jax.ShapeDtypeStruct((batch, cfg.seq + 1), jnp.int32,
                                   sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(llama.AXIS)))
     gib = 1 << 30
     print(f"model {args.model}: {cfg.n_params() / 1e6:.0f}M params, {cfg.layers} layers, d {cfg.d_model}; "
