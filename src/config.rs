@@ -63,8 +63,8 @@ pub struct Config {
     pub copy_batch: bool,
     /// TIDE_CE_PIECE_BYTES (default 33554432; an integer in [4096, 2^32]): the largest piece of a
     /// copy-engine batch: each batch's copies go in pieces of at most this many bytes, and at least
-    /// two pieces (`cuda::fuse::ce_pieces`). One H200 runs a lone same-device copy on SMs, the same
-    /// bytes in 8 pieces of 32 MiB on copy engines (issue #22).
+    /// two pieces (`cuda::fuse::ce_pieces`). One H200 copies a 256 MiB piece on the same device with
+    /// SMs, pieces of 32 MiB with copy engines (issue #22).
     pub ce_piece_bytes: usize,
     /// TIDE_MAX_IN_FLIGHT (default 4, an integer in [1, 16]): CUDA calls of one op (all-gather,
     /// reduce-scatter) that may be started and not yet done at once per device. Each owns an

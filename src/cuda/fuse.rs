@@ -85,10 +85,12 @@ pub fn sum_joins(pending: &[SumSeg], s: &SumSeg, limit: usize) -> bool {
 /// The copies a copy-engine batch issues (issue #22): each copy in pieces of at most `max_piece`
 /// bytes, and at least `CE_MIN_PIECES` pieces in all where the bytes allow, split at multiples of
 /// 4 KiB from each copy's start (of 256, 16 or 1 bytes for small copies). Measured on one H200
-/// (bench/results/2026-12-03-1h200): a same-device copy of 256 MiB issued as ONE copy, by
-/// cuMemcpyAsync or a one-entry cuMemcpyBatchAsync, runs on SMs (a one-wave GEMM beside it +63 to
-/// +67 %); the same bytes as 8 pieces of one cuMemcpyBatchAsync run on copy engines (+3.5 %).
-/// Pieces of one copy are disjoint, so they may run in any order, as a batch's copies do.
+/// (bench/results/2026-12-03-1h200, runs 1-2): what decides is the size of a piece. A same-device
+/// copy of 256 MiB in one piece (cuMemcpyAsync or a one-entry cuMemcpyBatchAsync) runs on SMs (a
+/// one-wave GEMM beside it +63 to +67 %), in 2 pieces of 128 MiB partly (+28 %), in 8 pieces of 32
+/// MiB on copy engines (+0.8 to +3.6 %); a lone 32 MiB copy on copy engines too (+0.9 %). The
+/// second piece is cheap insurance, not the cause. Pieces of one copy are disjoint, so they may run
+/// in any order, as a batch's copies do.
 pub fn ce_pieces(copies: &[PendingCopy], max_piece: usize) -> Vec<PendingCopy> {
     let max_piece = max_piece.max(4096);
     let mut out: Vec<PendingCopy> = Vec::new();

@@ -328,7 +328,7 @@ impl Issuer<'_> {
             }
             return Ok(());
         }
-        // One batch, a lone copy too, in pieces (`fuse::ce_pieces`): a lone same-device copy
+        // One batch, a lone copy too, in pieces (`fuse::ce_pieces`): a large same-device piece
         // would run on SMs.
         let pieces = fuse::ce_pieces(&copies, cfg.ce_piece_bytes);
         let what = || {
