@@ -255,24 +255,24 @@ def _resolve_spec(path: str, shape: tuple, spec, carried: bool, mesh: Mesh, axis
     return tuple(dims)
 
 
-def _spec_leaves(specs, params, leaves_with_path) -> list:
-    """The spec (or None) of every parameter leaf: `specs` is a pytree matching `params` or a prefix
-    of it (a PartitionSpec or None standing for a whole subtree)."""
+def spec_leaves(specs, tree, count: int, what: str) -> list:
+    """The spec (or None) of every leaf of `tree` (`count` of them): `specs` is a pytree matching
+    `tree` or a prefix of it (a PartitionSpec or None standing for a whole subtree)."""
     if specs is None:
-        return [None] * len(leaves_with_path)
+        return [None] * count
     is_spec = lambda x: x is None or isinstance(x, PartitionSpec)  # noqa: E731
-    spec_leaves, spec_tree = jax.tree_util.tree_flatten(specs, is_leaf=is_spec)
+    spec_leaves_, spec_tree = jax.tree_util.tree_flatten(specs, is_leaf=is_spec)
     try:
-        subtrees = spec_tree.flatten_up_to(params)
+        subtrees = spec_tree.flatten_up_to(tree)
     except (ValueError, TypeError) as e:
         raise ValueError(
-            f"tide: layout: specs must be a pytree of PartitionSpecs matching the parameters or a prefix of "
-            f"them: {str(e).splitlines()[0]}") from None
+            f"tide: {what}: specs must be a pytree of PartitionSpecs matching it or a prefix of it: "
+            f"{str(e).splitlines()[0]}") from None
     out = []
-    for spec, sub in zip(spec_leaves, subtrees):
+    for spec, sub in zip(spec_leaves_, subtrees):
         out.extend([spec] * len(jax.tree_util.tree_leaves(sub)))
-    if len(out) != len(leaves_with_path):  # pragma: no cover - flatten_up_to guarantees it
-        raise ValueError("tide: layout: specs do not match the parameters")
+    if len(out) != count:  # pragma: no cover - flatten_up_to guarantees it
+        raise ValueError(f"tide: {what}: specs do not match")
     return out
 
 
@@ -304,7 +304,7 @@ class Layout:
             raise ValueError("tide: empty parameter pytree: nothing to shard")
         for key_path, leaf in leaves_with_path:
             _check_leaf(_prefix + jax.tree_util.keystr(key_path), leaf)
-        given = _spec_leaves(specs, abstract_params, leaves_with_path)
+        given = spec_leaves(specs, abstract_params, len(leaves_with_path), "layout: the parameters' specs")
         self.abstract = jax.tree_util.tree_unflatten(
             self.treedef, [_abstract(x) for _, x in leaves_with_path]
         )

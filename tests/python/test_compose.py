@@ -306,7 +306,7 @@ def test_refusals_name_parameter_and_axis():
         tide_jax.layout(w, mesh, "fsdp", specs={"w": P("tensor", "tensor"), "v": P()})
     with pytest.raises(ValueError, match=r"replicas names axis 'tensor', but parameter \['w'\]'s spec splits it"):
         tide_jax.layout(w, mesh, "fsdp", specs={"w": P("tensor"), "v": P()}, replicas=("tensor",))
-    with pytest.raises(ValueError, match=r"specs must be a pytree of PartitionSpecs matching the parameters"):
+    with pytest.raises(ValueError, match=r"specs must be a pytree of PartitionSpecs matching it or a prefix"):
         tide_jax.layout(w, mesh, "fsdp", specs={"w": P()})
     carried = jax.ShapeDtypeStruct((6, 5), jnp.float32, sharding=NamedSharding(mesh, P(None, "tensor")))
     with pytest.raises(ValueError, match=r"parameter \['w'\] \(shape \(6, 5\)\): dim 1 \(5\) does not divide.*"
@@ -317,3 +317,85 @@ def test_refusals_name_parameter_and_axis():
     lay = tide_jax.layout({"a": sub, "b": sub}, mesh, "fsdp", specs={"a": P("tensor"), "b": P()})
     assert lay.spec == {"a": {"w": P(("tensor", "fsdp")), "v": P(("tensor", "fsdp"))},
                         "b": {"w": P("fsdp"), "v": P("fsdp")}}
+
+
+# ----- the front doors: an annotated NNX model, an Equinox model with a specs pytree -----
+V, L = 19, 2  # vocabulary, stacked layers
+RULES = [("embed", "fsdp"), ("mlp", "tensor"), ("vocab", None)]  # MaxText-style; "embed" -> fsdp: tide's own
+
+
+def test_nnx_annotated_model_on_fsdp_x_tensor(tide_backend):
+    """An NNX decoder annotated as NNX users annotate (`nnx.with_partitioning` with logical names, the
+    stacked layers' axis left unnamed by nnx.vmap), rules mapping "mlp" to "tensor": the front door
+    splits the MLP Megatron-style, FSDP-shards every local block, splits the batch over "fsdp" only
+    (the axis no parameter is split over), and loss and gradients equal the plain model's on one
+    device (fp32 gathers: to fp32 rounding)."""
+    nnx = pytest.importorskip("flax.nnx")
+    from tide_jax import nnx as tnnx
+
+    init = nnx.initializers.normal(0.3)
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.norm = nnx.RMSNorm(D, rngs=rngs)
+            self.up = nnx.Linear(D, F, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")),
+                                 bias_init=nnx.with_partitioning(init, ("mlp",)), rngs=rngs)
+            self.down = nnx.Linear(F, D, use_bias=False, kernel_init=nnx.with_partitioning(init, ("mlp", "embed")),
+                                   rngs=rngs)
+
+        def __call__(self, x):
+            return x + _psum(self.down(jax.nn.gelu(self.up(self.norm(x)))), "tensor")
+
+    class Decoder(nnx.Module):
+        def __init__(self, rngs, plain=False):
+            self.embed = nnx.Embed(V, D, embedding_init=nnx.with_partitioning(init, ("vocab", "embed")), rngs=rngs)
+
+            @nnx.split_rngs(splits=L)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+            def make(rngs):
+                return Block(rngs)
+
+            self.blocks = make(rngs)
+            self.head = nnx.Linear(D, V, kernel_init=nnx.with_partitioning(init, ("embed", "vocab")), rngs=rngs)
+            self.plain = plain
+
+        def __call__(self, tokens):
+            x = self.embed(tokens)
+            if self.plain:
+                @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+                def forward(x, block):
+                    return block(x)
+
+                x = forward(x, self.blocks)
+            else:
+                x = tnnx.call_layers(self.blocks, x)
+            return self.head(x)
+
+    def loss_fn(model, tokens, targets):
+        logits = model(tokens).astype(jnp.float32)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1))
+
+    seed = int(np.random.default_rng().integers(1 << 30))
+    with nnx.use_eager_sharding(False):
+        ref, model = Decoder(nnx.Rngs(seed), plain=True), Decoder(nnx.Rngs(seed))
+    mesh = make_mesh((4, 2), ("fsdp", "tensor"))
+    fsdp = tnnx.shard(model, mesh, "fsdp", layers="blocks", rules=RULES)
+    assert fsdp.batch_axes == ("fsdp",)
+    assert fsdp.specs["blocks.up.kernel"] == P(None, "tensor") and fsdp.specs["blocks.down.kernel"] == P("tensor")
+    assert fsdp.specs["embed.embedding"] == P() and fsdp.specs["blocks.norm.scale"] == P()
+    assert model.blocks.down.kernel.shape == (L, 2 * 4 * 2, D)  # 6 rows per block, padded to 8 over 4
+    rng = np.random.default_rng(seed)
+    tokens, targets = rng.integers(0, V, (8, T)), rng.integers(0, V, (8, T))
+    loss, grads = nnx.jit(fsdp.value_and_grad(loss_fn))(model, tokens, targets)
+    ref_loss, ref_grads = nnx.jit(nnx.value_and_grad(loss_fn))(ref, tokens, targets)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss)), (float(loss), float(ref_loss))
+    full = jax.tree.leaves(fsdp.unshard(grads))
+    want = jax.tree.leaves(ref_grads)
+    assert len(full) == len(want) == 7
+    for g, r in zip(full, want):
+        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+        assert g.shape == r.shape and np.linalg.norm(g - r) <= 1e-4 * np.linalg.norm(r), (g.shape, np.linalg.norm(g - r))
+    with pytest.raises(ValueError, match=r"parameter blocks\.down\.kernel: its annotation .* names 'mlp', which no rule "
+                                         r"maps to an axis of the mesh"):
+        with nnx.use_eager_sharding(False):
+            tnnx.shard(Decoder(nnx.Rngs(0)), mesh, "fsdp", layers="blocks", rules=[("vocab", None)])
