@@ -399,3 +399,64 @@ def test_nnx_annotated_model_on_fsdp_x_tensor(tide_backend):
                                          r"maps to an axis of the mesh"):
         with nnx.use_eager_sharding(False):
             tnnx.shard(Decoder(nnx.Rngs(0)), mesh, "fsdp", layers="blocks", rules=[("vocab", None)])
+
+
+def test_equinox_specs_pytree_on_data_x_fsdp_x_tensor(tide_backend):
+    """An Equinox decoder (per-example modules, layers stacked with eqx.filter_vmap) with a specs
+    pytree splitting its MLP over "tensor" (eqx.nn.Linear's weight is (out, in): column-parallel
+    P("tensor", None), row-parallel P(None, "tensor")): on data x fsdp x tensor, loss and gradients
+    equal the plain model's on one device (fp32 gathers)."""
+    eqx = pytest.importorskip("equinox")
+    from tide_jax import equinox as teqx
+
+    class Block(eqx.Module):
+        norm: eqx.nn.RMSNorm
+        up: eqx.nn.Linear
+        down: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.norm, self.up = eqx.nn.RMSNorm(D), eqx.nn.Linear(D, F, key=k1)
+            self.down = eqx.nn.Linear(F, D, use_bias=False, key=k2)
+
+        def __call__(self, x):  # one token
+            return x + _psum(self.down(jax.nn.gelu(self.up(self.norm(x)))), "tensor")
+
+    class Decoder(eqx.Module):
+        embed: eqx.nn.Embedding
+        layers: Block
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            k0, k1, k2 = jax.random.split(key, 3)
+            self.embed = eqx.nn.Embedding(V, D, key=k0)
+            self.layers = eqx.filter_vmap(Block)(jax.random.split(k1, L))
+            self.head = eqx.nn.Linear(D, V, key=k2)
+
+        def __call__(self, tokens):  # one sequence
+            x = jax.vmap(self.embed)(tokens)
+            x = teqx.call_layers(self.layers, x, fn=lambda layer, x: jax.vmap(layer)(x))
+            return jax.vmap(self.head)(x)
+
+    def loss_fn(model, tokens, targets):
+        logits = jax.vmap(model)(tokens)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1))
+
+    seed = int(np.random.default_rng().integers(1 << 30))
+    ref = Decoder(jax.random.key(seed))
+    specs = jax.tree.map(lambda _: P(), ref)
+    specs = eqx.tree_at(lambda s: (s.layers.up.weight, s.layers.up.bias, s.layers.down.weight), specs,
+                        (P("tensor", None), P("tensor"), P(None, "tensor")))
+    mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+    model, fsdp = teqx.shard(ref, mesh, "fsdp", layers="layers", specs=specs)
+    assert fsdp.batch_axes == ("data", "fsdp") and fsdp.layouts["layers"].replicas == ("data",)
+    rng = np.random.default_rng(seed)
+    tokens, targets = rng.integers(0, V, (8, T)), rng.integers(0, V, (8, T))
+    loss, grads = eqx.filter_jit(fsdp.filter_value_and_grad(loss_fn))(model, tokens, targets)
+    ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(ref, tokens, targets)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss)), (float(loss), float(ref_loss))
+    full, want = jax.tree.leaves(fsdp.unshard(grads)), jax.tree.leaves(ref_grads)
+    assert len(full) == len(want) == 8  # (eqx.nn.RMSNorm has a weight and a bias)
+    for g, r in zip(full, want):
+        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+        assert g.shape == r.shape and np.linalg.norm(g - r) <= 1e-4 * np.linalg.norm(r), (g.shape, np.linalg.norm(g - r))
