@@ -12,9 +12,15 @@ structure (an `nnx.State`, an Equinox pytree):
   device, no gradient, and (NNX) updated by the forward the way the library updates them, so an
   RNG counter advances every step. Non-arrays (Python numbers, strings, functions) stay static.
 
-`Plan.run` is one FSDP computation: a `shard_map` over the mesh with the parameter shards
-(`P(axis)`, stacks `P(None, axis)`), the state (`P()`) and the batch arguments (split on their first
-axis over `batch_axes`), in which the adapter rebuilds the model (the rest gathered, the stacked
+Meshes with several axes: each parameter may carry a spec over the mesh's other axes (NNX: its
+annotations through logical axis rules; Equinox: a specs pytree), which its group's layout takes
+(`tide_jax.layout(specs=...)`: FSDP over each local block). The batch is split over the axes no
+parameter is split over (`batch_axes`), and the shards are replicated over those other than `axis`
+(the layouts' `replicas`, HSDP); the model's own code runs the psums its split needs.
+
+`Plan.run` is one FSDP computation: a `shard_map` over the mesh with the parameter shards (their
+layouts' specs: `P(axis)`, stacks `P(None, axis)`, when nothing else splits them), the state (`P()`)
+and the batch arguments (split on their first axis over `batch_axes`), in which the adapter rebuilds the model (the rest gathered, the stacked
 parameters as placeholders that only the adapter's `call_layers` hook can run), calls the user's
 function on it and, for gradients, differentiates with respect to the shards: the result has the
 shards' shapes and shardings, ready for optax outside the shard_map. The shard_map is jitted (inlined

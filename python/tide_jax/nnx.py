@@ -21,7 +21,10 @@
 `shard` finds the stacked layers by their path (`layers="blocks"`: a module made with
 `nnx.split_rngs` + `nnx.vmap`, every leaf with the layers on its first axis), builds one layer's
 layout and one for the other parameters, and replaces every `nnx.Param` value by its fp32 FSDP shard
-(`(P * shard_rows, *rest)`, stacked `(L, P * shard_rows, *rest)`, sharded over `axis`).
+(`(P * shard_rows, *rest)`, stacked `(L, P * shard_rows, *rest)`, sharded over `axis`). On a mesh
+with tensor or expert axes, `shard(..., rules=[("mlp", "tensor"), ...])` reads the Params' own
+annotations (`nnx.with_partitioning`) through logical axis rules and FSDP-shards each local block
+(`tide_jax.layout(specs=...)`); the model's code runs its own psums (Megatron-style).
 
 `fsdp.value_and_grad(loss_fn)(model, *batch)` runs `loss_fn(model, *batch)` on every device under
 `shard_map`: the batch arguments split on their first axis, the model rebuilt with the other
