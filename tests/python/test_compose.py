@@ -2,10 +2,13 @@
 
 One block of the shapes large models shard this way, with sizes the FSDP axis does not divide:
 Megatron-style attention and MLP (column-parallel `wq`/`wk`/`wv`/`w1`/`b1` split `P(None, tp)`,
-row-parallel `wo`/`w2` split `P(tp, None)`, a psum over `tp` after each) and a top-2 mixture of
-experts with its experts split `P(ep, None, None)` (each device runs its local experts on every
-token, a psum over `ep` combines them); norms and the router replicated (`P()`). Every parameter is
-FSDP-sharded by tide along dim 0 of its local block. Meshes: fsdp x tensor 4 x 2 and 2 x 4 (the
+row-parallel `wo`/`w2` split `P(tp, None)`, a psum over `tp` after each) and a mixture of experts
+with its experts split `P(ep, None, None)` (each device runs its local experts on every token, weighted
+by its share of the router's gates, a psum over `ep` combines them); norms and the router replicated
+(`P()`). The gates are a softmax over all experts, not a top-k: a top-k choice flips where two gates
+nearly tie, and bf16 rounding (which differs between one device and a split matmul) then moves the
+router's gradient by far more than the tolerances below (examples/llama.py's mixture is top-2).
+Every parameter is FSDP-sharded by tide along dim 0 of its local block. Meshes: fsdp x tensor 4 x 2 and 2 x 4 (the
 experts over "tensor" too), fsdp x expert 4 x 2 (attention and MLP replicated over "expert"), and
 data x fsdp x tensor 2 x 2 x 2 (HSDP: shards replicated over "data", `replicas=("data",)`).
 
@@ -92,12 +95,9 @@ def block(p, x, tp=None, ep=None):
     x = x + _psum(o.reshape(b, t, -1) @ p["wo"], tp)
     h = _rms(x, p["mlp_norm"])
     x = x + _psum(jax.nn.gelu(h @ p["w1"] + p["b1"]) @ p["w2"], tp)
-    # top-2 mixture of experts: the gates over every expert (replicated), this device's experts' share
+    # mixture of experts: the gates over every expert (replicated), this device's experts' share
     h = _rms(x, p["moe_norm"])
     gates = jax.nn.softmax((h @ p["router"]).astype(jnp.float32), axis=-1)
-    kth = jax.lax.top_k(gates, 2)[0][..., -1:]
-    gates = jnp.where(gates >= kth, gates, 0.0)
-    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
     local = p["w_in"].shape[0]
     first = jax.lax.axis_index(ep) * local if _manual(ep) else 0
     mine = jax.lax.dynamic_slice_in_dim(gates, first, local, axis=-1).astype(x.dtype)

@@ -122,14 +122,16 @@ def _meta(name):
             "peak_memory_bytes": None, "timed_steps": 1}
 
 
-@pytest.mark.parametrize("mesh", ["fsdp=4,tensor=2"])
-def test_tensor_parallel_mesh_trains_and_agrees_with_plain_jax(mesh):
-    """--mesh fsdp=4,tensor=2 (Megatron-style attention and MLP over "tensor", FSDP over "fsdp"):
+@pytest.mark.parametrize("model,mesh", [("tiny", "fsdp=4,tensor=2"), ("tiny-moe", "fsdp=4,expert=2")])
+def test_composed_mesh_trains_and_agrees_with_plain_jax(model, mesh):
+    """--mesh fsdp=4,tensor=2 (Megatron-style attention and MLP over "tensor", FSDP over "fsdp") and
+    --model tiny-moe --mesh fsdp=4,expert=2 (a top-2 mixture of 4 experts, 2 per "expert" device):
     the loss falls, and the loss check (--check's) finds tide and plain-JAX FSDP (jax-fp32: JAX's
     all-gather and fp32 psum_scatter on the same mesh) in agreement, to fp32 summation order."""
-    runs = [_run("--backend", backend, "--mesh", mesh, "--eval-every", "0", "--xla-flags", "default")
+    runs = [_run("--model", model, "--backend", backend, "--mesh", mesh, "--eval-every", "0", "--xla-flags", "default")
             for backend in ("tide", "jax")]
-    assert [r["mesh"] for r in runs] == [{"fsdp": 4, "tensor": 2}] * 2
+    want = {k: int(v) for k, v in (item.split("=") for item in mesh.split(","))}
+    assert [r["mesh"] for r in runs] == [want] * 2 and runs[0]["model"] == model
     ok, text = train.summarize(runs, 2e-2, 10)
     assert ok, text
     a, b = (_losses(r) for r in runs)
