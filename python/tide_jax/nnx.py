@@ -226,7 +226,8 @@ def shard(model, mesh, axis: str, *, layers, params=_nnx.Param, rules=None, dtyp
     rules: logical axis rules, `[(logical name, mesh axis | (axes...) | None), ...]` (MaxText's,
       `nnx.logical_axis_rules`'), added to those of an enclosing `nnx.logical_axis_rules` context:
       how the Params' own annotations (`nnx.with_partitioning`) map to the mesh's axes. A name no rule
-      maps stands for the mesh axis of that name. Annotations that map to `axis` are left to tide
+      maps stands for the mesh axis of that name (refused when it is none, if any rule is given;
+      without rules such names split nothing). Annotations that map to `axis` are left to tide
       (it shards dim 0 of each local block over `axis` itself); the others split the parameters
       (tensor, expert: Megatron-style code runs its own psums), and the batch is split over the mesh
       axes no parameter is split over (`batch_axes`).
@@ -256,14 +257,16 @@ def shard(model, mesh, axis: str, *, layers, params=_nnx.Param, rules=None, dtyp
 
 def _mesh_specs(pstate, params: list, rules, mesh, axis: str) -> list:
     """Per parameter, its annotation (`nnx.get_partition_spec`) mapped to mesh axes by the logical
-    axis rules (flax's context rules, then `rules`), `axis` left out. Refuses, naming the parameter,
-    a name that maps to no axis of the mesh."""
+    axis rules (flax's context rules, then `rules`), `axis` left out. With rules, refuses (naming the
+    parameter) a name that maps to no axis of the mesh; with none, such names split nothing (models
+    annotated for another setup train as before)."""
     from flax.core import spmd
 
     try:
         rules = dict(spmd.composite_rules(spmd.get_logical_axis_rules(), tuple(rules or ())))
     except (TypeError, ValueError) as e:
         raise ValueError(f"tide: tide_jax.nnx.shard: rules: {e}") from None
+    strict = bool(rules)  # without any rule, names that are not mesh axes split nothing (as before rules)
     logical, _ = _flat(_nnx.get_partition_spec(pstate))
     by_path = dict(logical)
     out = []
@@ -279,6 +282,8 @@ def _mesh_specs(pstate, params: list, rules, mesh, axis: str) -> list:
             for name in names:
                 target = rules.get(name, name)
                 for a in target if isinstance(target, tuple) else (() if target is None else (target,)):
+                    if a not in mesh.axis_names and not strict:
+                        continue
                     if a not in mesh.axis_names:
                         raise ValueError(
                             f"tide: tide_jax.nnx.shard: parameter {path}: its annotation {spec} names {name!r}, "
