@@ -184,12 +184,8 @@ def _bitwise(a, b):
 def test_block_on_composed_meshes(tide_backend, one_block, name):
     shape, names, tp, ep, replicas = MESHES[name]
     mesh = make_mesh(shape, names)
-    params, x, y, (ref_loss, ref_grads) = one_block
+    params, x, y, ref = one_block
     lay = tide_jax.layout(params, mesh, "fsdp", specs=block_specs(tp, ep), replicas=replicas)
-    batch_axes = tuple(a for a in names if a in ("data", "fsdp"))
-    n_batch = math.prod(mesh.shape[a] for a in batch_axes)
-    data = NamedSharding(mesh, P(batch_axes))
-    x_dev, y_dev = jax.device_put(x, data), jax.device_put(y, data)
     shards = lay.shard(params)
     # the global arrays: each block padded on its own (w2's 12 rows split over tp, then over fsdp)
     assert lay.spec["w2"] == (P(("tensor", "fsdp")) if tp else P("fsdp"))
@@ -199,28 +195,10 @@ def test_block_on_composed_meshes(tide_backend, one_block, name):
         assert s.shape == p.global_shape and s.sharding.spec == lay.spec[p.path.strip("[]'")], p
     assert any(p.padded_rows != p.rows for p in lay.params)  # uneven on purpose
 
-    def make(backend):
-        def step(shards, x, y):
-            def loss_of(shards):
-                p = tide_jax.gather_params(shards, lay, BF16, backend=backend)
-                return _loss(block(p, x.astype(BF16), tp, ep), y) / n_batch
+    def forward(shards, x, backend):
+        return block(tide_jax.gather_params(shards, lay, BF16, backend=backend), x, tp, ep)
 
-            loss, grads = jax.value_and_grad(loss_of)(shards)
-            return jax.lax.psum(loss, batch_axes), grads
-
-        return jax.jit(tide_jax.shard_map(step, mesh=mesh, in_specs=(lay.spec, P(batch_axes), P(batch_axes)),
-                                          out_specs=(P(), lay.spec)))
-
-    runs = {}
-    for backend in ("tide", "jax"):
-        f = make(backend)
-        loss, grads = f(shards, x_dev, y_dev)
-        runs[backend] = (float(loss), _full(lay, grads))  # (checks the padding rows are zero)
-        if backend == "tide":
-            assert all(g.dtype == np.float32 for g in jax.tree.leaves(grads))
-            assert _bitwise((loss, grads), f(shards, x_dev, y_dev)), f"{name}: a repeated step differs"
-    _check(name, *runs["tide"], ref_loss, ref_grads)
-    _same_as_twin(name, runs["tide"], runs["jax"])
+    _run_both(name, mesh, lay, lay.spec, shards, x, y, forward, ref, layers=0)
 
 
 @pytest.mark.parametrize("name", ["fsdp4_tensor2"])
@@ -230,37 +208,46 @@ def test_scan_layers_on_composed_meshes(tide_backend, two_blocks, name):
     data x fsdp x tensor: the Equinox test below, whose layers run through scan_layers too.)"""
     shape, names, tp, ep, replicas = MESHES[name]
     mesh = make_mesh(shape, names)
-    stacked, x, y, (ref_loss, ref_grads) = two_blocks
+    stacked, x, y, ref = two_blocks
     lay = tide_jax.layout(jax.tree.map(lambda t: t[0], stacked), mesh, "fsdp", specs=block_specs(tp, ep),
                           replicas=replicas)
     assert lay.stacked_spec["w2"] == P(None, ("tensor", "fsdp"))
-    batch_axes = tuple(a for a in names if a in ("data", "fsdp"))
+
+    def forward(shards, x, backend):
+        return tide_jax.scan_layers(lambda p, c: block(p, c, tp, ep), x, shards, lay, dtype=BF16, backend=backend)
+
+    _run_both(name, mesh, lay, lay.stacked_spec, lay.shard_stacked(stacked), x, y, forward, ref, layers=2)
+
+
+def _run_both(name, mesh, lay, spec, shards, x, y, forward, ref, layers):
+    """One training step's loss and gradients with `forward(shards, x, backend)` under shard_map
+    (check_vma on), on both backends: tide's against the reference on one device and the pure-JAX
+    backend's; a second tide step bitwise the first."""
+    batch_axes = tuple(a for a in mesh.axis_names if a in ("data", "fsdp"))
     n_batch = math.prod(mesh.shape[a] for a in batch_axes)
     data = NamedSharding(mesh, P(batch_axes))
     x_dev, y_dev = jax.device_put(x, data), jax.device_put(y, data)
-    shards = lay.shard_stacked(stacked)
 
     def make(backend):
         def step(shards, x, y):
             def loss_of(shards):
-                out = tide_jax.scan_layers(lambda p, c: block(p, c, tp, ep), x.astype(BF16), shards, lay,
-                                           dtype=BF16, backend=backend)
-                return _loss(out, y) / n_batch
+                return _loss(forward(shards, x.astype(BF16), backend), y) / n_batch
 
             loss, grads = jax.value_and_grad(loss_of)(shards)
             return jax.lax.psum(loss, batch_axes), grads
 
-        return jax.jit(tide_jax.shard_map(step, mesh=mesh, in_specs=(lay.stacked_spec, P(batch_axes), P(batch_axes)),
-                                          out_specs=(P(), lay.stacked_spec)))
+        return jax.jit(tide_jax.shard_map(step, mesh=mesh, in_specs=(spec, P(batch_axes), P(batch_axes)),
+                                          out_specs=(P(), spec)))
 
     runs = {}
     for backend in ("tide", "jax"):
         f = make(backend)
         loss, grads = f(shards, x_dev, y_dev)
-        runs[backend] = (float(loss), _full(lay, grads, layers=2))
+        runs[backend] = (float(loss), _full(lay, grads, layers))  # (checks the padding rows are zero)
         if backend == "tide":
+            assert all(g.dtype == np.float32 for g in jax.tree.leaves(grads))
             assert _bitwise((loss, grads), f(shards, x_dev, y_dev)), f"{name}: a repeated step differs"
-    _check(name, *runs["tide"], ref_loss, ref_grads)
+    _check(name, *runs["tide"], *ref)
     _same_as_twin(name, runs["tide"], runs["jax"])
 
 
