@@ -24,15 +24,26 @@ records the arrays as ordinary `jax.Array`s: reading needs only stock orbax.
 Restoring: orbax reads, for every device of the new mesh, the rows of its padded shard from the
 logical array (zero-filled beyond the logical rows: `ArrayRestoreArgs(strict=False)`), so each
 process reads only its own rows and the padding comes back as the zeros FSDP expects.
+
+Blocks (meshes with a "tensor" or "expert" axis, examples/llama.py): a parameter whose padded dim is
+also split over another axis (a row-parallel weight, the experts) is padded per block, so its
+padding lies between the blocks, not only at the end. Its logical ShapeDtypeStruct carries the
+sharding of the full array (how many blocks each dim has); saving maps each shard's rows to the
+logical rows of its block, in write chunks that never straddle two devices' rows (the gcd of the
+shard's and the block's rows); restoring reads every block whole onto the devices of that block (each
+device reads its block, the FSDP axis' size times its shard) and pads each block on the devices.
+Logical arrays without such blocks take the path above.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -55,16 +66,35 @@ STATE, META = "state", "meta"
 # ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Logical:
-    """A global array saved as its leading `shape` part (the logical array; the rest is padding)."""
+    """A global array saved as its logical array: along each dim, `blocks[d]` blocks, each the leading
+    part (shape[d] / blocks[d] of array.shape[d] / blocks[d]) of its padded block (the rest is padding).
+    One block per dim: the logical array is the array's leading `shape` part."""
 
     array: jax.Array
     shape: tuple[int, ...]
+    blocks: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.array.ndim and not self.shape:
             raise ValueError("checkpoint: 0-d parameters (sharded as (P,) arrays) are not supported")
-        if len(self.shape) != self.array.ndim or any(s > g for s, g in zip(self.shape, self.array.shape)):
-            raise ValueError(f"checkpoint: logical shape {self.shape} is not a leading part of {self.array.shape}")
+        blocks = self.blocks or (1,) * len(self.shape)
+        if (len(self.shape) != self.array.ndim or len(blocks) != len(self.shape)
+                or any(s > g or s % k or g % k for s, g, k in zip(self.shape, self.array.shape, blocks))):
+            raise ValueError(f"checkpoint: logical shape {self.shape} in blocks {blocks} is not a part of "
+                             f"{self.array.shape}")
+        object.__setattr__(self, "blocks", tuple(blocks))
+
+
+def blocks_of(logical, padded_shape) -> tuple:
+    """Per dim, how many blocks the padded dims of a logical ShapeDtypeStruct have: the shards of its
+    own sharding (a full array split over "tensor" / "expert") along a dim the padding changes; 1
+    elsewhere (and without a sharding)."""
+    shape = tuple(logical.shape)
+    sharding = getattr(logical, "sharding", None)
+    if sharding is None or shape == tuple(padded_shape):
+        return (1,) * len(shape)
+    shard = sharding.shard_shape(shape)
+    return tuple(n // s if n != g else 1 for n, s, g in zip(shape, shard, padded_shape))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,17 +127,31 @@ class _Pieces:
         return sum(p.value.nbytes for p in self.pieces)
 
 
+def _logical_bounds(index, padded_shape, v: Logical) -> list:
+    """The logical rows [lo, hi) of one shard's index in the padded array, per dim (empty: padding)."""
+    bounds = []
+    for s, g, n, k in zip(index, padded_shape, v.shape, v.blocks):
+        lo, hi = s.start or 0, g if s.stop is None else s.stop
+        block, padded, kept = lo // (g // k), g // k, n // k
+        if hi > (block + 1) * padded:
+            raise ValueError(f"checkpoint: a shard {lo}:{hi} spans blocks of {padded} rows")
+        first = block * kept
+        bounds.append((first + min(lo - block * padded, kept), first + min(hi - block * padded, kept)))
+    return bounds
+
+
 def _pieces(v: Logical, copies: list) -> _Pieces:
     arr = v.array
     pieces = []
     for shard, host in copies:
-        bounds = [(s.start or 0, min(g if s.stop is None else s.stop, n))
-                  for s, g, n in zip(shard.index, arr.shape, v.shape)]
+        bounds = _logical_bounds(shard.index, arr.shape, v)
         if any(hi <= lo for lo, hi in bounds):
             continue  # all padding
         value = host[(*(slice(0, hi - lo) for lo, hi in bounds), ...)]  # an ndarray, 0-d too
         pieces.append(_Piece(tuple(slice(lo, hi) for lo, hi in bounds), value))
-    local = tuple(min(s, n) for s, n in zip(arr.sharding.shard_shape(arr.shape), v.shape))
+    # the write chunk: every chunk within one device's rows (blocks: the gcd of shard and block rows)
+    local = tuple(min(s, n) if k == 1 else math.gcd(s, n // k)
+                  for s, n, k in zip(arr.sharding.shard_shape(arr.shape), v.shape, v.blocks))
     return _Pieces(tuple(v.shape), local, np.dtype(arr.dtype), arr.sharding, pieces)
 
 
@@ -183,10 +227,11 @@ class Checkpoints:
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
 
     def save(self, step: int, state, logical, meta: dict) -> None:
-        """`logical`: `state`'s tree of ShapeDtypeStructs in the logical shapes (what is stored)."""
+        """`logical`: `state`'s tree of ShapeDtypeStructs in the logical shapes (what is stored), with
+        the full arrays' shardings where their padded dims are split in blocks (module docstring)."""
         if step in self.manager.all_steps():
             raise FileExistsError(f"checkpoint: {self.directory} already has a checkpoint of step {step}")
-        tree = jax.tree.map(lambda x, lg: Logical(x, tuple(lg.shape)), state, logical)
+        tree = jax.tree.map(lambda x, lg: Logical(x, tuple(lg.shape), blocks_of(lg, x.shape)), state, logical)
         self.manager.save(step, force=True, args=ocp.args.Composite(
             **{STATE: ocp.args.PyTreeSave(tree), META: ocp.args.JsonSave(meta)}))
 
@@ -261,9 +306,36 @@ def restore(path: str, target, logical):
         differ = sorted(k for k in set(want) & set(stored) if want[k] != stored[k])
         raise ValueError(f"checkpoint: {root}/{step} does not hold this state: missing {missing[:5]}, unexpected "
                          f"{extra[:5]}, different {[(k, stored[k], want[k]) for k in differ[:5]]}")
-    restore_args = jax.tree.map(lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=tuple(t.shape),
-                                                               dtype=t.dtype, strict=False), target)
+    targets, treedef = jax.tree.flatten(target)
+    logicals = jax.tree.leaves(logical)
+    blocks = [blocks_of(lg, t.shape) for t, lg in zip(targets, logicals)]
+    # leaves padded in blocks are read whole, as their blocks (the full array's sharding), then padded
+    read = [jax.ShapeDtypeStruct(lg.shape, t.dtype, sharding=lg.sharding) if max(b, default=1) > 1 else t
+            for t, lg, b in zip(targets, logicals, blocks)]
+    restore_args = [ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=tuple(t.shape), dtype=t.dtype, strict=False)
+                    for t in read]
     mngr = _reader(root)
     out = mngr.restore(step, args=ocp.args.Composite(**{
-        STATE: ocp.args.PyTreeRestore(item=target, restore_args=restore_args), META: ocp.args.JsonRestore()}))
-    return out[STATE], dict(out[META])
+        STATE: ocp.args.PyTreeRestore(item=jax.tree.unflatten(treedef, read),
+                                      restore_args=jax.tree.unflatten(treedef, restore_args)),
+        META: ocp.args.JsonRestore()}))
+    state = [_pad_blocks(x, t, b) if max(b, default=1) > 1 else x
+             for x, t, b in zip(jax.tree.leaves(out[STATE]), targets, blocks)]
+    return jax.tree.unflatten(treedef, state), dict(out[META])
+
+
+def _pad_blocks(x, target, blocks: tuple):
+    """A logical array (split in `blocks` per dim) -> the padded `target` layout: each block padded
+    with zeros to its share of the target's dim, on the devices."""
+
+    def pad(x):
+        for d, (n, g, k) in enumerate(zip(x.shape, target.shape, blocks)):
+            if n == g:
+                continue
+            shape = x.shape
+            x = jnp.reshape(x, (*shape[:d], k, n // k, *shape[d + 1:]))
+            x = jnp.pad(x, [(0, 0)] * (d + 1) + [(0, (g - n) // k)] + [(0, 0)] * (len(shape) - d - 1))
+            x = jnp.reshape(x, (*shape[:d], g, *shape[d + 1:]))
+        return x
+
+    return jax.jit(pad, out_shardings=target.sharding)(x)

@@ -4,14 +4,24 @@ Used by `examples/train.py` (the command line), `bench/train_bench.py` and `test
 Import it after JAX's environment is set (XLA_FLAGS, JAX_PLATFORMS): it imports jax.
 
 The model: RMSNorm, RoPE, grouped-query attention (`jax.nn.dot_product_attention`, cuDNN flash
-attention on GPUs), SwiGLU MLP, tied or untied embeddings; fp32 master parameters, bf16 compute.
+attention on GPUs), SwiGLU MLP or a top-k mixture of SwiGLU experts (`Config.experts`), tied or
+untied embeddings; fp32 master parameters, bf16 compute.
 
-The parameters, as the training step sees them (`state["params"]`), are FSDP shards over one mesh axis:
+The parameters, as the training step sees them (`state["params"]`), are FSDP shards over the mesh's
+"fsdp" axis:
     {"embed": {"tokens": (V, d)},                     layout `lays.embed`  (one gather, first)
      "layers": {"attn_norm": (L, d), "wq": (L, d, H*hd), ...},   each layer: `lays.layer`
      "head": {"norm": (d,), ["out": (d, V)]}}          layout `lays.head`   (one gather, last)
-Every leaf is sharded on its rows (FSDP2's dim-0 rule, per layer for the stacked ones, see
-`stack_shard`), fp32, with AdamW's moments sharded the same way.
+Every leaf is sharded on the rows of its local block (FSDP2's dim-0 rule, per layer for the stacked
+ones), fp32, with AdamW's moments sharded the same way.
+
+Meshes (`make_mesh`, train.py --mesh): "fsdp" (required), and optionally "tensor" (Megatron-style:
+`wq`/`wk`/`wv`/`w_gate`/`w_up` column-parallel `P(None, "tensor")`, whole heads per device; `wo` and
+`w_down` row-parallel `P("tensor", None)`, a psum over "tensor" after each), "expert" (the experts of
+a mixture `P("expert", None, None)`: each device runs its experts on every token of its batch, a psum
+over "expert" combines them; without an "expert" axis the experts go over "tensor") and "data" (HSDP:
+the shards replicated over it, `replicas=("data",)`). The batch is split over "data" and "fsdp";
+norms, router, embedding and head are replicated over "tensor" and "expert" (`layer_specs`).
 
 Three ways to run the same step (`Backend`), same data, same init, same optimizer:
 - "tide": `tide_jax.scan_layers` for the layers, with the embedding lookup as its prologue and the
@@ -53,6 +63,64 @@ from model_sizes import MODELS, Config  # noqa: F401  (re-exported)
 
 AXIS = "fsdp"
 COMPUTE = jnp.bfloat16
+MODEL_AXES = ("tensor", "expert")  # axes that split parameters; every other axis splits the batch
+
+
+def make_mesh(devices, spec: str | None = None) -> Mesh:
+    """The mesh of `devices` from "fsdp=4,tensor=2" (axes in that order, sizes multiplying to the
+    device count; one size may be -1: the rest); None: every device on "fsdp"."""
+    devices = list(devices)
+    if not spec:
+        return Mesh(np.array(devices), (AXIS,))
+    names, sizes = [], []
+    for item in spec.split(","):
+        name, _, size = item.strip().partition("=")
+        if name not in (AXIS, "data") + MODEL_AXES or name in names or not size.lstrip("-").isdigit():
+            raise ValueError(f"--mesh {spec!r}: expected NAME=SIZE,... with names among fsdp, tensor, expert, data "
+                             f"(each once), got {item!r}")
+        names.append(name)
+        sizes.append(int(size))
+    if AXIS not in names:
+        raise ValueError(f"--mesh {spec!r}: needs the {AXIS!r} axis (tide's FSDP axis)")
+    known = math.prod(s for s in sizes if s != -1)
+    sizes = [len(devices) // known if s == -1 else s for s in sizes]
+    if math.prod(sizes) != len(devices):
+        raise ValueError(f"--mesh {spec!r}: {math.prod(sizes)} devices, but {len(devices)} are used")
+    return Mesh(np.array(devices).reshape(sizes), tuple(names))
+
+
+def batch_axes(mesh: Mesh) -> tuple:
+    """The axes the batch is split over: every axis that splits no parameter ("data", "fsdp")."""
+    return tuple(a for a in mesh.axis_names if a not in MODEL_AXES)
+
+
+def model_axes(mesh: Mesh) -> tuple:
+    """(tensor axis or None, expert axis or None): the experts go over "expert", else over "tensor"."""
+    tp = "tensor" if "tensor" in mesh.axis_names else None
+    return tp, ("expert" if "expert" in mesh.axis_names else tp)
+
+
+def layer_specs(cfg: Config, tp, ep) -> dict:
+    """How one layer's parameters are split over the model axes (Megatron: column-parallel in,
+    row-parallel out; experts over `ep`); norms and router replicated."""
+    col, row = P(None, tp), P(tp, None)
+    specs = {"attn_norm": P(), "wq": col, "wk": col, "wv": col, "wo": row, "mlp_norm": P()}
+    if cfg.experts:
+        specs.update(router=P(), w_gate=P(ep), w_up=P(ep), w_down=P(ep))
+    else:
+        specs.update(w_gate=col, w_up=col, w_down=row)
+    return specs
+
+
+def check_mesh(cfg: Config, mesh: Mesh) -> None:
+    """Whole heads (query and key/value) per "tensor" device, whole experts per expert device."""
+    tp, ep = model_axes(mesh)
+    t = mesh.shape[tp] if tp else 1
+    if cfg.heads % t or cfg.kv_heads % t:
+        raise ValueError(f"mesh {dict(mesh.shape)}: {cfg.heads} query and {cfg.kv_heads} key/value heads do not split "
+                         f"into whole heads over {t} '{tp}' devices")
+    if cfg.experts and ep and cfg.experts % mesh.shape[ep]:
+        raise ValueError(f"mesh {dict(mesh.shape)}: {cfg.experts} experts do not split over {mesh.shape[ep]} '{ep}' devices")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -77,12 +145,17 @@ def init_params(cfg: Config, seed: int) -> dict:
             "wv": normal((L, d, cfg.kv_heads * hd), 0.02),
             "wo": normal((L, cfg.heads * hd, d), out_std),
             "mlp_norm": jnp.ones((L, d), jnp.float32),
-            "w_gate": normal((L, d, cfg.d_ff), 0.02),
-            "w_up": normal((L, d, cfg.d_ff), 0.02),
-            "w_down": normal((L, cfg.d_ff, d), out_std),
         },
         "head": {"norm": jnp.ones((d,), jnp.float32)},
     }
+    mlp = params["layers"]
+    if cfg.experts:  # one SwiGLU per expert (L, E, ...) and the router
+        e, f = cfg.experts, cfg.expert_ff
+        mlp.update(w_gate=normal((L, e, d, f), 0.02), w_up=normal((L, e, d, f), 0.02),
+                   w_down=normal((L, e, f, d), out_std), router=normal((L, d, e), 0.02))
+    else:
+        mlp.update(w_gate=normal((L, d, cfg.d_ff), 0.02), w_up=normal((L, d, cfg.d_ff), 0.02),
+                   w_down=normal((L, cfg.d_ff, d), out_std))
     if not cfg.tied:
         params["head"]["out"] = normal((d, cfg.vocab), 0.02)
     return params
@@ -98,65 +171,50 @@ def one_layer(stacked) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------
-# stacked layouts
+# layouts
 # ----------------------------------------------------------------------------------------------
-def stacked_spec(lay):
-    if hasattr(lay, "stacked_spec"):
-        return lay.stacked_spec
-    return jax.tree.map(lambda _: P(None, lay.axis), lay.spec, is_leaf=lambda s: isinstance(s, P))
-
-
-def stack_shard(lay, stacked):
-    """Full stacked parameters (L, rows, *rest) -> (L, P * shard_rows, *rest) sharded on dim 1."""
-    if hasattr(lay, "shard_stacked"):
-        return lay.shard_stacked(stacked)
-    sharding = NamedSharding(lay.mesh, P(None, lay.axis))
-    out = []
-    for info, x in zip(lay.params, jax.tree.leaves(stacked)):
-        def pad(x, info=info):
-            x = jnp.asarray(x, info.dtype)
-            return jnp.pad(x, [(0, 0), (0, info.padded_rows - info.rows)] + [(0, 0)] * len(info.rest))
-
-        out.append(jax.jit(pad, out_shardings=sharding)(x))
-    return jax.tree.unflatten(lay.treedef, out)
-
-
-def stack_unshard(lay, sharded):
-    """Inverse of `stack_shard`: (L, P * shard_rows, *rest) -> (L, rows, *rest), replicated."""
-    if hasattr(lay, "unshard_stacked"):
-        return lay.unshard_stacked(sharded)
-    out = []
-    for info, x in zip(lay.params, jax.tree.leaves(sharded)):
-        x = jax.device_put(x, lay.replicated)
-        out.append(jax.jit(lambda x, info=info: x[:, : info.rows], out_shardings=lay.replicated)(x))
-    return jax.tree.unflatten(lay.treedef, out)
-
-
 @dataclasses.dataclass
 class Layouts:
     embed: Any
     layer: Any
     head: Any
+    tp: str | None = None  # the mesh axis of Megatron's split, if any
+    ep: str | None = None  # the mesh axis of the experts, if any
+    batch: tuple = (AXIS,)  # the mesh axes of the batch
 
     @classmethod
     def build(cls, cfg: Config, mesh: Mesh) -> "Layouts":
+        check_mesh(cfg, mesh)
         abstract = abstract_params(cfg)
+        tp, ep = model_axes(mesh)
+        batch = batch_axes(mesh)
+        replicas = tuple(a for a in batch if a != AXIS)  # HSDP
         return cls(
-            embed=tide_jax.layout(abstract["embed"], mesh, AXIS),
-            layer=tide_jax.layout(one_layer(abstract["layers"]), mesh, AXIS),
-            head=tide_jax.layout(abstract["head"], mesh, AXIS),
+            embed=tide_jax.layout(abstract["embed"], mesh, AXIS, specs=P(), replicas=replicas),
+            layer=tide_jax.layout(one_layer(abstract["layers"]), mesh, AXIS, specs=layer_specs(cfg, tp, ep),
+                                  replicas=replicas),
+            head=tide_jax.layout(abstract["head"], mesh, AXIS, specs=P(), replicas=replicas),
+            tp=tp, ep=ep, batch=batch,
         )
 
     @property
     def spec(self):
-        return {"embed": self.embed.spec, "layers": stacked_spec(self.layer), "head": self.head.spec}
+        return {"embed": self.embed.spec, "layers": self.layer.stacked_spec, "head": self.head.spec}
+
+    @property
+    def batch_spec(self):
+        return P(self.batch)
+
+    @property
+    def n_batch(self) -> int:
+        return math.prod(self.layer.mesh.shape[a] for a in self.batch)
 
     def shard(self, params):
-        return {"embed": self.embed.shard(params["embed"]), "layers": stack_shard(self.layer, params["layers"]),
+        return {"embed": self.embed.shard(params["embed"]), "layers": self.layer.shard_stacked(params["layers"]),
                 "head": self.head.shard(params["head"])}
 
     def unshard(self, shards):
-        return {"embed": self.embed.unshard(shards["embed"]), "layers": stack_unshard(self.layer, shards["layers"]),
+        return {"embed": self.embed.unshard(shards["embed"]), "layers": self.layer.unshard_stacked(shards["layers"]),
                 "head": self.head.unshard(shards["head"])}
 
 
@@ -181,25 +239,54 @@ def rope(x, theta):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def layer_fn(cfg: Config, p, x):
-    """One decoder layer on x: (B, T, d) bf16, with one layer's full bf16 parameters. Values carry
-    MaxText's checkpoint names (query_proj, key_proj, value_proj, context, out_proj, mlpwi, mlpwo),
-    so its named remat policies (`tide_jax.remat_policy`) save the same things here."""
+def _reduce(x, axis):
+    """Megatron's sum of partial results over `axis` (inside shard_map; on full parameters, nothing)."""
+    if axis is None or axis not in jax.sharding.get_abstract_mesh().manual_axes:
+        return x
+    return jax.lax.psum(x, axis)
+
+
+def layer_fn(cfg: Config, p, x, tp=None, ep=None):
+    """One decoder layer on x: (B, T, d) bf16, with one layer's bf16 parameters: full, or this
+    device's blocks of them (`layer_specs`: its heads, its MLP columns, its experts), the partial
+    results summed over `tp` / `ep`. Values carry MaxText's checkpoint names (query_proj, key_proj,
+    value_proj, context, out_proj, mlpwi, mlpwo), so its named remat policies
+    (`tide_jax.remat_policy`) save the same things here."""
     b, t, d = x.shape
     hd = cfg.head_dim
     h = rms_norm(x, p["attn_norm"])
-    q = checkpoint_name((h @ p["wq"]).reshape(b, t, cfg.heads, hd), "query_proj")
-    k = checkpoint_name((h @ p["wk"]).reshape(b, t, cfg.kv_heads, hd), "key_proj")
-    v = checkpoint_name((h @ p["wv"]).reshape(b, t, cfg.kv_heads, hd), "value_proj")
+    q = checkpoint_name((h @ p["wq"]).reshape(b, t, -1, hd), "query_proj")  # this device's heads
+    k = checkpoint_name((h @ p["wk"]).reshape(b, t, -1, hd), "key_proj")
+    v = checkpoint_name((h @ p["wv"]).reshape(b, t, -1, hd), "value_proj")
     q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
     # GQA: each kv head serves heads / kv_heads query heads; cuDNN flash attention on GPUs
     att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=cfg.attention)
     att = checkpoint_name(att, "context")
-    x = x + checkpoint_name(att.reshape(b, t, cfg.heads * hd) @ p["wo"], "out_proj")
+    x = x + _reduce(checkpoint_name(att.reshape(b, t, -1) @ p["wo"], "out_proj"), tp)
     h = rms_norm(x, p["mlp_norm"])
+    if cfg.experts:
+        return x + _reduce(checkpoint_name(experts(cfg, p, h, ep), "mlpwo"), ep)
     gate = checkpoint_name(h @ p["w_gate"], "mlpwi_0")
     up = checkpoint_name(h @ p["w_up"], "mlpwi_1")
-    return x + checkpoint_name((jax.nn.silu(gate) * up) @ p["w_down"], "mlpwo")
+    return x + _reduce(checkpoint_name((jax.nn.silu(gate) * up) @ p["w_down"], "mlpwo"), tp)
+
+
+def experts(cfg: Config, p, h, ep):
+    """This device's share of a top-k mixture of SwiGLU experts on every token of h (B, T, d): the
+    router's gates over all experts (replicated), renormalized over each token's top k, times the
+    outputs of this device's experts (`p["w_gate"]` etc. hold its experts: (E_local, ...))."""
+    gates = jax.nn.softmax((h @ p["router"]).astype(jnp.float32), axis=-1)
+    kth = jax.lax.top_k(gates, cfg.top_k)[0][..., -1:]
+    gates = jnp.where(gates >= kth, gates, 0.0)
+    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    local = p["w_gate"].shape[0]
+    first = 0
+    if ep is not None and ep in jax.sharding.get_abstract_mesh().manual_axes:
+        first = jax.lax.axis_index(ep) * local
+    mine = jax.lax.dynamic_slice_in_dim(gates, first, local, axis=-1).astype(h.dtype)
+    gate = jnp.einsum("btd,edf->btef", h, p["w_gate"])
+    up = jnp.einsum("btd,edf->btef", h, p["w_up"])
+    return jnp.einsum("bte,btef,efd->btd", mine, jax.nn.silu(gate) * up, p["w_down"])
 
 
 def choose_attention(cfg: Config, platform: str, say=print) -> str | None:
@@ -271,14 +358,14 @@ class Backend:
 
         def gather(shard, info):  # JAX's FSDP: bf16 all-gather; autodiff: bf16 psum_scatter
             full = jax.lax.all_gather(shard.astype(COMPUTE), AXIS, tiled=True)
-            return full[: info.rows].reshape(info.shape)
+            return full[: info.rows].reshape(info.local_shape)
 
         return jax.tree.map(gather, shards, infos)
 
     def loss_fn(self, cfg: Config, lays: "Layouts", shards, tokens):
         """Mean next-token cross entropy of this device's batch. Inside shard_map."""
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        layer = partial(layer_fn, cfg)
+        layer = partial(layer_fn, cfg, tp=lays.tp, ep=lays.ep)
 
         def embed(p, inputs):
             table = p["tokens"]
@@ -348,17 +435,17 @@ def optimizer(opt: OptConfig, cfg: Config):
 
 
 def make_train_step(cfg: Config, backend: Backend, lays: Layouts, mesh: Mesh, tx, state_shardings):
-    world = mesh.shape[AXIS]
+    n = lays.n_batch
 
     def loss_and_grads(shards, tokens):  # per device, inside shard_map
         def loss_fn(shards):
             local = model_loss(cfg, backend, lays, shards, tokens)
-            return local / world, local  # gradient of the mean over devices
+            return local / n, local  # gradient of the mean over the batch's devices
 
         (_, local), grads = jax.value_and_grad(loss_fn, has_aux=True)(shards)
-        return jax.lax.pmean(local, AXIS), grads
+        return jax.lax.pmean(local, lays.batch), grads
 
-    sharded = tide_jax.shard_map(loss_and_grads, mesh=mesh, in_specs=(lays.spec, P(AXIS)),
+    sharded = tide_jax.shard_map(loss_and_grads, mesh=mesh, in_specs=(lays.spec, lays.batch_spec),
                                  out_specs=(P(), lays.spec))
 
     def step(state, tokens):
@@ -377,9 +464,9 @@ def _global_norm(tree):
 
 def make_eval_step(cfg: Config, backend: Backend, lays: Layouts, mesh: Mesh):
     def loss(shards, tokens):
-        return jax.lax.pmean(model_loss(cfg, backend, lays, shards, tokens), AXIS)
+        return jax.lax.pmean(model_loss(cfg, backend, lays, shards, tokens), lays.batch)
 
-    return jax.jit(tide_jax.shard_map(loss, mesh=mesh, in_specs=(lays.spec, P(AXIS)), out_specs=P()))
+    return jax.jit(tide_jax.shard_map(loss, mesh=mesh, in_specs=(lays.spec, lays.batch_spec), out_specs=P()))
 
 
 def init_state(cfg: Config, lays: Layouts, tx, seed: int):
@@ -506,9 +593,9 @@ def load_data(spec: str, vocab: int | None = None) -> Data:
 
 
 def put_batch(tokens: np.ndarray, mesh: Mesh):
-    """A global host batch onto the mesh, split over the FSDP axis (every process holds the same
-    global batch, so this works with several processes too)."""
-    sharding = NamedSharding(mesh, P(AXIS))
+    """A global host batch onto the mesh, split over its batch axes ("data", "fsdp"; every process
+    holds the same global batch, so this works with several processes too)."""
+    sharding = NamedSharding(mesh, P(batch_axes(mesh)))
     return jax.make_array_from_callback(tokens.shape, sharding, lambda idx: tokens[idx])
 
 
@@ -518,20 +605,25 @@ def put_batch(tokens: np.ndarray, mesh: Mesh):
 # ----------------------------------------------------------------------------------------------
 def logical_state(state, lays: Layouts):
     """`state`'s tree (arrays or ShapeDtypeStructs) as ShapeDtypeStructs in the model's own shapes:
-    every parameter-shaped tree (the parameters, AdamW's moments) without the FSDP padding rows,
-    the rest (step counters) as they are. What a checkpoint stores."""
+    every parameter-shaped tree (the parameters, AdamW's moments) without the FSDP padding rows, with
+    the sharding of the full array on this mesh (how its spec splits it over "tensor" / "expert":
+    where that splits the padded dim, each block is padded on its own, examples/checkpoint.py), the
+    rest (step counters) as they are. What a checkpoint stores."""
     treedef = jax.tree.structure(state["params"])
     num_layers = jax.tree.leaves(state["params"]["layers"])[0].shape[0]
 
     def shapes(lay, lead=()):
-        return jax.tree.unflatten(lay.treedef, [jax.ShapeDtypeStruct((*lead, *p.shape), p.dtype) for p in lay.params])
+        return jax.tree.unflatten(lay.treedef, [
+            jax.ShapeDtypeStruct((*lead, *p.shape), p.dtype,
+                                 sharding=NamedSharding(lay.mesh, P(*([None] * len(lead)), *p.spec)))
+            for p in lay.params])
 
     model = jax.tree.leaves({"embed": shapes(lays.embed), "layers": shapes(lays.layer, (num_layers,)),
                              "head": shapes(lays.head)})
 
     def logical(node):
         if _structure(node) == treedef:
-            return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(m.shape, x.dtype)
+            return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(m.shape, x.dtype, sharding=m.sharding)
                                                 for x, m in zip(jax.tree.leaves(node), model)])
         return jax.ShapeDtypeStruct(node.shape, node.dtype)
 
@@ -542,11 +634,12 @@ def abstract_state(cfg: Config, lays: Layouts, tx):
     """The state's ShapeDtypeStructs with this mesh's shapes and shardings, allocating nothing (what a
     checkpoint is restored into)."""
     abstract = abstract_params(cfg)
-    stacked = NamedSharding(lays.layer.mesh, P(None, lays.layer.axis))
     params = {
         "embed": lays.embed.global_shapes,
         "layers": jax.tree.unflatten(lays.layer.treedef, [
-            jax.ShapeDtypeStruct((cfg.layers, *p.global_shape), p.dtype, sharding=stacked) for p in lays.layer.params]),
+            jax.ShapeDtypeStruct((cfg.layers, *p.global_shape), p.dtype,
+                                 sharding=NamedSharding(lays.layer.mesh, lays.layer.param_spec(p, stacked=True)))
+            for p in lays.layer.params]),
         "head": lays.head.global_shapes,
     }
     assert jax.tree.structure(params) == jax.tree.structure(abstract)

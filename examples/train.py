@@ -4,6 +4,8 @@
                                                  # on 8 CPU devices, or 150m on the GPUs when present
     python examples/train.py --backend tide      # one run
     python examples/train.py --model 150m --steps 300 --compare --out runs/150m    # GPU
+    python examples/train.py --cpu --mesh fsdp=4,tensor=2     # FSDP x Megatron tensor parallelism
+    python examples/train.py --cpu --model tiny-moe --mesh fsdp=4,expert=2   # experts over "expert"
 
 Runs (same data, same init, same optimizer; see examples/llama.py):
   tide      tide_jax.scan_layers + gather_params: bf16 all-gather, fp32-accumulated reduce-scatter
@@ -19,7 +21,12 @@ split every --eval-every steps. Data: bytes of the standard library's .py files 
 (text, .npy or .bin tokens) or --data synthetic. Checkpoints (orbax-checkpoint, examples/checkpoint.py):
 --save DIR [--save-every N] writes DIR/<step>, every process its own shards, in the background, every
 array in its logical (unpadded) shape; --resume DIR (its latest step) or DIR/<step> continues bitwise
-on the same device count, and on any other count to fp32 rounding.
+on the same device count, and on any other count (or mesh shape) to fp32 rounding.
+
+Meshes (--mesh NAME=SIZE,...; default fsdp=<all devices>): "fsdp" (tide's FSDP axis), "tensor"
+(Megatron-style attention and MLP), "expert" (the experts of --model tiny-moe), "data" (HSDP: the
+shards replicated over it); the batch is split over "data" and "fsdp" (--batch-per-device sequences
+per device of those), see examples/llama.py. Every run of --compare uses the same mesh.
 """
 
 from __future__ import annotations
@@ -68,7 +75,7 @@ def _remat_arg(value: str) -> str:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="tiny | 150m | 1b | 8b-layers (default: tiny on CPU, 150m on GPU)")
+    ap.add_argument("--model", default=None, help="tiny | tiny-moe | 150m | 1b | 8b-layers (default: tiny on CPU, 150m on GPU)")
     ap.add_argument("--layers", type=int, help="override the model's depth (8b-layers: how many Llama-3-8B layers)")
     ap.add_argument("--seq", type=int, help="sequence length (default: the model's)")
     ap.add_argument("--batch-per-device", type=int, help="sequences per device per step (default: the model's)")
@@ -110,6 +117,8 @@ def parse_args(argv=None):
     ap.add_argument("--log-every", type=int, default=None, help="print every N steps (default: about 30 lines)")
     ap.add_argument("--cpu", action="store_true", help="CPU devices even where GPUs exist")
     ap.add_argument("--devices", type=int, help="number of devices (default: all GPUs, 8 CPU devices)")
+    ap.add_argument("--mesh", help="mesh axes NAME=SIZE,... in order, e.g. fsdp=4,tensor=2 (names: fsdp, tensor, "
+                    "expert, data; one size may be -1); default: every device on fsdp")
     ap.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s per device for MFU (default: from the device kind)")
     ap.add_argument("--out", help="folder for <run>.json, summary.md and train.png (default with --compare: runs/<model>)")
     ap.add_argument("--save", metavar="DIR", help="orbax checkpoints in DIR/<step>: every --save-every steps and at "
@@ -210,7 +219,6 @@ def run_name(args) -> str:
 def train(args) -> dict:
     import jax
     import numpy as np
-    from jax.sharding import Mesh
 
     import llama
     import tide_jax
@@ -225,8 +233,12 @@ def train(args) -> dict:
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if args.devices:
         devices = devices[: args.devices]
-    mesh = Mesh(np.array(devices), (llama.AXIS,))
+    try:
+        mesh = llama.make_mesh(devices, args.mesh)
+    except ValueError as e:
+        raise SystemExit(f"train: {e}") from None
     ndev = len(devices)
+    n_batch = math.prod(mesh.shape[a] for a in llama.batch_axes(mesh))  # devices the batch is split over
     name = run_name(args)
 
     ckpt = checkpoint_module() if args.save or args.resume else None
@@ -239,15 +251,15 @@ def train(args) -> dict:
                               attention=None if args.attention == "auto" else args.attention, **over)
     tide_jax.remat_policy(cfg.remat)  # an unknown policy name fails here, naming it
     cfg = dataclasses.replace(cfg, attention=llama.choose_attention(cfg, devices[0].platform, say))
-    batch = cfg.batch_per_device * ndev
+    batch = cfg.batch_per_device * n_batch
     if resume_meta:  # same model, same global batch as the run being continued
         saved = llama.Config(**resume_meta["config"])
         how = dict(batch_per_device=0, remat="none", reshard=True, attention=None)  # may differ between the runs
         if dataclasses.replace(saved, **how) != dataclasses.replace(cfg, **how):
             raise SystemExit(f"train: --resume {args.resume}: the checkpoint is of {saved}, not {cfg}")
         batch = resume_meta["batch"]
-        if batch % ndev:
-            raise SystemExit(f"train: the checkpoint's global batch {batch} does not split over {ndev} devices")
+        if batch % n_batch:
+            raise SystemExit(f"train: the checkpoint's global batch {batch} does not split over {n_batch} devices")
     steps = args.steps
     opt_cfg = llama.OptConfig(steps=steps, lr=cfg.lr, warmup=args.warmup if args.warmup is not None else steps // 10)
     backend = llama.Backend("tide" if args.backend == "tide" else "jax", args.reduce)
@@ -255,7 +267,7 @@ def train(args) -> dict:
     tokens_per_step = batch * cfg.seq
     flops_per_step = cfg.flops_per_token() * tokens_per_step
 
-    say(f"[{name}] {ndev} x {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}, "
+    say(f"[{name}] {ndev} x {devices[0].device_kind} ({devices[0].platform}), mesh {dict(mesh.shape)}, jax {jax.__version__}, "
         f"XLA flags: {args.xla_flags}; model {args.model}: {cfg.n_params() / 1e6:.2f}M params, d {cfg.d_model}, "
         f"{cfg.layers} layers, {cfg.heads}/{cfg.kv_heads} heads, mlp {cfg.d_ff}, vocab {cfg.vocab}, "
         f"{'tied' if cfg.tied else 'untied'}; remat {cfg.remat}, {'reshard' if cfg.reshard else 'no reshard'}, "
@@ -263,7 +275,10 @@ def train(args) -> dict:
         f"{steps} steps, lr {cfg.lr:g}, warm-up {opt_cfg.warmup}; data {data.describe()}"
 )
 
-    lays = llama.Layouts.build(cfg, mesh)
+    try:
+        lays = llama.Layouts.build(cfg, mesh)
+    except ValueError as e:
+        raise SystemExit(f"train: {e}") from None
     tx = llama.optimizer(opt_cfg, cfg)
     start = 0
     if args.resume:  # read straight into this mesh's shards (no initial state first)
@@ -348,6 +363,7 @@ def train(args) -> dict:
     summary = dict(
         name=name, backend=backend.name, reduce=backend.reduce if backend.name == "jax" else "fp32",
         xla_flags=args.xla_flags, model=args.model, config=dataclasses.asdict(cfg), devices=ndev,
+        mesh=dict(mesh.shape),
         device_kind=devices[0].device_kind, platform=devices[0].platform, jax=jax.__version__,
         batch=batch, tokens_per_step=tokens_per_step, steps=steps, start=start, data=data.describe(),
         median_step_s=median, timed_steps=len(times[skip:]), tokens_per_s=tokens_per_step / median if times else None,
@@ -604,7 +620,8 @@ def summarize(results: list[dict], rtol: float, check_steps: int, band: float = 
     knobs = f"remat {ref['config'].get('remat')}, {'reshard' if ref['config'].get('reshard', True) else 'no reshard'}"
     lines = [
         f"{ref['model']} model ({ref['config']['layers']} layers, d {ref['config']['d_model']}; {knobs}, attention "
-        f"{ref['config'].get('attention') or 'auto'}), {ref['devices']} x {ref['device_kind']}, jax {ref['jax']}, "
+        f"{ref['config'].get('attention') or 'auto'}), {ref['devices']} x {ref['device_kind']}"
+        f"{', mesh ' + str(ref['mesh']) if len(ref.get('mesh') or {}) > 1 else ''}, jax {ref['jax']}, "
         f"batch {ref['batch']} x {ref['config']['seq']} tokens, {ref['steps']} steps; data {ref['data']}",
         "",
         f"| run | XLA flags | loss first -> last | val loss | median step | tokens/s | MFU | peak memory | "

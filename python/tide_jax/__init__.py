@@ -12,6 +12,12 @@
 `tide_jax.info()` (or `python -m tide_jax.info`): the library loaded, its build, the CUDA driver it
 finds and the NVRTC and NCCL loaded, JAX: one block for bug reports.
 
+Meshes with several axes: `tide_jax.layout(params, mesh, "fsdp", specs={"w1": P(None, "tensor"), ...},
+replicas=("data",))` FSDP-shards each parameter's local block (what a device holds of it under its
+spec over the other axes); the collectives then work on those blocks, typed as jax.lax's are, so
+Megatron-style code (its own psums over "tensor") differentiates correctly (README "Meshes with
+several axes").
+
 Backends: "tide" (the native library, default) or "jax" (pure-JAX twins in `tide_jax.reference`),
 chosen with `set_backend` or TIDE_BACKEND.
 

@@ -1,17 +1,35 @@
-"""Layouts: how a pytree of parameters is sharded over one mesh axis (FSDP2's dim-0 rule).
+"""Layouts: how a pytree of parameters is sharded over one mesh axis (FSDP2's dim-0 rule), on
+meshes that also shard parameters over other axes (tensor, expert) and replicate them (data).
 
-The rule (the same arithmetic as `src/layout.rs`): with P ranks along the axis, a parameter of
-shape `(rows, *rest)` has `shard_rows = ceil(rows / P)`; rank r owns rows
-`[r * shard_rows, min((r + 1) * shard_rows, rows))`, zero-padded to `shard_rows`. A 0-d parameter
-counts as one row of one element. The global sharded array is `(P * shard_rows, *rest)` (a 0-d
-parameter: `(P,)`), sharded on the axis, replicated over the mesh's other axes; each device sees its
-local shard `(shard_rows, *rest)` inside `shard_map`.
+Each parameter has a PartitionSpec over the mesh's *other* axes (`specs=`, or the NamedSharding an
+array carries; default `P()`, replicated): how the full parameter is already split. Its *local
+block* is what one device holds of it under that spec alone: each dim divided by the sizes of the
+mesh axes the spec names for it (which must divide it). tide shards the local block along its dim 0
+over `axis` with FSDP2's rule, padding per block (the same arithmetic as `src/layout.rs`): with P
+ranks along the axis, a block of shape `(rows, *rest)` has `shard_rows = ceil(rows / P)`; rank r
+owns rows `[r * shard_rows, min((r + 1) * shard_rows, rows))`, zero-padded to `shard_rows`. A 0-d
+parameter counts as one row of one element.
+
+The global sharded array of a parameter of full shape `(R, *full_rest)` whose dim 0 is split over
+other axes of total size B (1 when it is not) is `(B * P * shard_rows, *full_rest)`: the B blocks of
+dim 0 one after another, each padded to `P * shard_rows` rows, sharded by the combined spec
+`P((*dim0_axes, axis), *rest_of_spec)` (`Layout.spec`): the other axes major, `axis` minor, so the
+device at (block b, rank r) holds rank r's shard of block b, `(shard_rows, *block_rest)` inside
+shard_map. A 0-d parameter: `(P,)`. With every spec `P()` (pure FSDP) this is
+`(P * shard_rows, *rest)` sharded `P(axis)`, replicated over the mesh's other axes.
 
 Meshes with several axes: ranks run along `axis`; the devices that share their coordinates on every
-other axis form one group, and each group runs its own collective. The device map passed to the
-native library (`device_ordinals`, `device_ranks`, `device_groups`) says, for every local device of
-the mesh, its XLA device ordinal (CPU: the global device id; GPU: `local_hardware_id`), its rank and
-its group.
+other axis form one group, and each group runs its own collective (on its own blocks). The device
+map passed to the native library (`device_ordinals`, `device_ranks`, `device_groups`) says, for
+every local device of the mesh, its XLA device ordinal (CPU: the global device id; GPU:
+`local_hardware_id`), its rank and its group.
+
+Replicas (`replicas=`, HSDP): mesh axes the batch is split over while the shards are replicated over
+them (a data axis). `gather_params` / `scan_layers` type the gathered parameters as varying over
+them and sum the fp32 gradient shards over them after the reduce-scatter, instead of letting JAX
+reduce the parameter cotangent there in the compute dtype. Default: with no spec given and none
+carried, every other mesh axis (pure FSDP and HSDP, unchanged); otherwise none (README "Meshes with
+several axes").
 """
 
 from __future__ import annotations
@@ -37,19 +55,28 @@ _LAYOUTS: "weakref.WeakSet" = weakref.WeakSet()  # live layouts, for shard_map's
 
 @dataclasses.dataclass(frozen=True)
 class ParamInfo:
-    """One parameter's sharding. Sizes in elements / rows."""
+    """One parameter's sharding. Sizes in elements / rows of its local block (the full parameter
+    with every dim divided by the other mesh axes its spec names; the full parameter under P())."""
 
     path: str  # pytree key path, e.g. "['layers'][0]['wq']"; how errors name the parameter
     shape: tuple[int, ...]  # full (unsharded) shape
     dtype: np.dtype
-    rows: int  # dim 0 (1 for 0-d)
-    row_elems: int  # product of the other dims
+    rows: int  # dim 0 of the local block (1 for 0-d)
+    row_elems: int  # product of the local block's other dims
     shard_rows: int  # ceil(rows / world)
     world: int
+    spec: PartitionSpec = PartitionSpec()  # how the full parameter is split over the other axes
+    block: tuple[int, ...] | None = None  # the local block's shape (None: the full shape)
+    blocks: int = 1  # how many blocks dim 0 is split into by the other axes (their sizes' product)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The local block: what the all-gather returns inside shard_map, and the gradient's shape."""
+        return self.shape if self.block is None else self.block
 
     @property
     def rest(self) -> tuple[int, ...]:
-        return self.shape[1:]
+        return self.local_shape[1:]
 
     @property
     def shard_shape(self) -> tuple[int, ...]:
@@ -58,20 +85,23 @@ class ParamInfo:
 
     @property
     def padded_rows(self) -> int:
+        """Rows of one block's shards together: world * shard_rows."""
         return self.world * self.shard_rows
 
     @property
     def global_shape(self) -> tuple[int, ...]:
-        """The sharded global array: (world * shard_rows, *rest)."""
-        return (self.padded_rows, *self.rest)
+        """The sharded global array: (blocks * world * shard_rows, *full_rest); 0-d: (world,)."""
+        return (self.blocks * self.padded_rows, *self.shape[1:])
 
     def owned_rows(self, rank: int) -> tuple[int, int]:
+        """Rows of the local block that rank owns."""
         start = min(rank * self.shard_rows, self.rows)
         end = min((rank + 1) * self.shard_rows, self.rows)
         return start, end
 
     def describe(self) -> str:
-        return f"parameter {self.path or '<root>'} (shape {self.shape}, {np.dtype(self.dtype).name})"
+        spec = f", spec {self.spec}" if tuple(self.spec) else ""
+        return f"parameter {self.path or '<root>'} (shape {self.shape}, {np.dtype(self.dtype).name}{spec})"
 
 
 def topology_from_env(world: int) -> tuple[int, int]:
@@ -155,10 +185,102 @@ def _device_ordinal(device) -> int:
     return int(getattr(device, "local_hardware_id", device.id))
 
 
+def _spec_entries(spec) -> tuple:
+    """A PartitionSpec's entries as tuples of axis names (None / () -> ())."""
+    return tuple(_spec_axes(e) for e in tuple(spec))
+
+
+def _as_spec(dim_axes) -> PartitionSpec:
+    """Entries (tuples of axis names per dim) -> a PartitionSpec, trailing unsplit dims dropped."""
+    entries = [None if not a else (a[0] if len(a) == 1 else tuple(a)) for a in dim_axes]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def _carried_spec(leaf):
+    """The PartitionSpec of the NamedSharding an array (or ShapeDtypeStruct) carries, else None."""
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        return sharding.spec
+    return None
+
+
+def _resolve_spec(path: str, shape: tuple, spec, carried: bool, mesh: Mesh, axis: str) -> tuple:
+    """One parameter's spec over the mesh's other axes, checked: per dim, the tuple of mesh axes
+    that split it. Refuses (naming the parameter and the axis) a spec longer than the parameter's
+    rank, an axis the mesh does not have, `axis` itself (an explicit spec; a carried NamedSharding's
+    `axis` entries are dropped: tide's dim-0 rule replaces them), an axis named twice and a dim its
+    axes do not divide."""
+    name = path or "<root>"
+    where = "its NamedSharding's spec" if carried else "its spec"
+    if not isinstance(spec, PartitionSpec):
+        raise TypeError(f"tide: layout: parameter {name}: specs must hold PartitionSpecs (or None), got "
+                        f"{type(spec).__name__} {spec!r}")
+    raw = tuple(spec)
+    if len(raw) > len(shape):
+        raise ValueError(
+            f"tide: layout: parameter {name} (shape {shape}): {where} {spec} has {len(raw)} entries, more than "
+            f"its {len(shape)} dims")
+    dims, seen = [], {}
+    for d, entry in enumerate(raw + (None,) * (len(shape) - len(raw))):
+        if entry is PartitionSpec.UNCONSTRAINED:
+            raise ValueError(f"tide: layout: parameter {name}: {where} {spec} leaves dim {d} unconstrained; "
+                             "say how it is split (None: not split)")
+        axes = _spec_axes(entry)
+        kept = []
+        for a in axes:
+            if a not in mesh.axis_names:
+                raise ValueError(
+                    f"tide: layout: parameter {name}: {where} {spec} names axis {a!r}, which the mesh does not "
+                    f"have (axes {tuple(mesh.axis_names)})")
+            if a == axis:
+                if carried:
+                    continue
+                raise ValueError(
+                    f"tide: layout: parameter {name}: its spec {spec} names axis {axis!r}, the axis tide shards "
+                    f"over: a spec says how the parameter is split over the mesh's other axes; tide shards "
+                    f"each local block's dim 0 over {axis!r} itself (leave {axis!r} out)")
+            if a in seen:
+                raise ValueError(
+                    f"tide: layout: parameter {name}: {where} {spec} names axis {a!r} twice (dims {seen[a]} and {d})")
+            seen[a] = d
+            kept.append(a)
+        size = math.prod(int(mesh.shape[a]) for a in kept)
+        if shape[d] % size:
+            raise ValueError(
+                f"tide: layout: parameter {name} (shape {shape}): dim {d} ({shape[d]}) does not divide by mesh "
+                f"axes {tuple(kept)} of size {size} ({where} {spec}): a local block must be whole")
+        dims.append(tuple(kept))
+    return tuple(dims)
+
+
+def spec_leaves(specs, tree, count: int, what: str) -> list:
+    """The spec (or None) of every leaf of `tree` (`count` of them): `specs` is a pytree matching
+    `tree` or a prefix of it (a PartitionSpec or None standing for a whole subtree)."""
+    if specs is None:
+        return [None] * count
+    is_spec = lambda x: x is None or isinstance(x, PartitionSpec)  # noqa: E731
+    spec_leaves_, spec_tree = jax.tree_util.tree_flatten(specs, is_leaf=is_spec)
+    try:
+        subtrees = spec_tree.flatten_up_to(tree)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"tide: {what}: specs must be a pytree of PartitionSpecs matching it or a prefix of it: "
+            f"{str(e).splitlines()[0]}") from None
+    out = []
+    for spec, sub in zip(spec_leaves_, subtrees):
+        out.extend([spec] * len(jax.tree_util.tree_leaves(sub)))
+    if len(out) != count:  # pragma: no cover - flatten_up_to guarantees it
+        raise ValueError(f"tide: {what}: specs do not match")
+    return out
+
+
 class Layout:
     """The sharding of a pytree of parameters over `axis` of `mesh`. Build with `tide_jax.layout`."""
 
-    def __init__(self, abstract_params, mesh: Mesh, axis: str, topology=None, _prefix: str = ""):
+    def __init__(self, abstract_params, mesh: Mesh, axis: str, topology=None, _prefix: str = "", specs=None,
+                 replicas=None):
         if not isinstance(mesh, Mesh):
             raise TypeError(f"tide: layout needs a jax.sharding.Mesh, got {type(mesh).__name__}")
         if axis not in mesh.axis_names:
@@ -182,11 +304,13 @@ class Layout:
             raise ValueError("tide: empty parameter pytree: nothing to shard")
         for key_path, leaf in leaves_with_path:
             _check_leaf(_prefix + jax.tree_util.keystr(key_path), leaf)
+        given = spec_leaves(specs, abstract_params, len(leaves_with_path), "layout: the parameters' specs")
         self.abstract = jax.tree_util.tree_unflatten(
             self.treedef, [_abstract(x) for _, x in leaves_with_path]
         )
         params = []
-        for key_path, leaf in leaves_with_path:
+        named = {}  # other mesh axis -> the first parameter whose spec names it
+        for (key_path, leaf), spec in zip(leaves_with_path, given):
             a = _abstract(leaf)
             path = _prefix + jax.tree_util.keystr(key_path)
             shape = tuple(int(d) for d in a.shape)
@@ -195,23 +319,52 @@ class Layout:
                     f"tide: parameter {path or '<root>'} has shape {shape}: zero-size parameters "
                     "cannot be sharded"
                 )
-            rows = shape[0] if shape else 1
+            carried = spec is None and _carried_spec(leaf) is not None
+            dims = _resolve_spec(path, shape, spec if spec is not None else (_carried_spec(leaf) or PartitionSpec()),
+                                 carried, mesh, axis)
+            for d in dims:
+                for ax in d:
+                    named.setdefault(ax, path or "<root>")
+            block = tuple(n // math.prod(int(mesh.shape[ax]) for ax in d) for n, d in zip(shape, dims))
+            rows = block[0] if block else 1
             params.append(
                 ParamInfo(
                     path=path,
                     shape=shape,
                     dtype=np.dtype(a.dtype),
                     rows=rows,
-                    row_elems=math.prod(shape[1:]),
+                    row_elems=math.prod(block[1:]),
                     shard_rows=-(-rows // self.world),
                     world=self.world,
+                    spec=_as_spec(dims),
+                    block=block,
+                    blocks=math.prod(int(mesh.shape[ax]) for ax in dims[0]) if dims else 1,
                 )
             )
         self.params: tuple[ParamInfo, ...] = tuple(params)
-        self.sharding = NamedSharding(mesh, PartitionSpec(axis))
+        self.replicas = self._check_replicas(replicas, named, specs is None and not named)
+        self.sharding = NamedSharding(mesh, PartitionSpec(axis))  # of a parameter under P()
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self._device_map = self._build_device_map()
         _LAYOUTS.add(self)
+
+    def _check_replicas(self, replicas, named: dict, legacy: bool) -> tuple:
+        """The replica axes (HSDP), checked: mesh axes, not `axis`, named by no parameter's spec."""
+        others = tuple(a for a in self.mesh.axis_names if a != self.axis)
+        if replicas is None:
+            return others if legacy else ()
+        replicas = (replicas,) if isinstance(replicas, str) else tuple(replicas)
+        for a in replicas:
+            if a not in self.mesh.axis_names:
+                raise ValueError(f"tide: layout: replicas names axis {a!r}, which the mesh does not have "
+                                 f"(axes {tuple(self.mesh.axis_names)})")
+            if a == self.axis:
+                raise ValueError(f"tide: layout: replicas names {a!r}, the axis tide shards over; replicas are the "
+                                 "other axes the shards are copied over (a data axis)")
+            if a in named:
+                raise ValueError(f"tide: layout: replicas names axis {a!r}, but parameter {named[a]}'s spec splits "
+                                 f"it over {a!r}: an axis the shards are replicated over cannot also split them")
+        return tuple(sorted(set(replicas), key=list(self.mesh.axis_names).index))
 
     # ----- the device map (FFI attributes) -----
     def _build_device_map(self):
@@ -274,27 +427,49 @@ class Layout:
     def _tree(self, leaves):
         return jax.tree_util.tree_unflatten(self.treedef, list(leaves))
 
+    def param_spec(self, p: ParamInfo, stacked: bool = False) -> PartitionSpec:
+        """The combined spec of one parameter's global shard array: dim 0 over its other axes (major)
+        and `axis` (minor), the other dims as its spec says; `stacked`: a layer axis first."""
+        dims = _spec_entries(p.spec) + ((),) * (len(p.shape) - len(tuple(p.spec)))
+        first = (*dims[0], self.axis) if dims else (self.axis,)
+        spec = _as_spec((first, *dims[1:]))
+        return PartitionSpec(None, *spec) if stacked else spec
+
     @property
     def spec(self):
-        """Pytree of PartitionSpec(axis), for shard_map's in_specs / out_specs of the shards."""
-        return self._tree(PartitionSpec(self.axis) for _ in self.params)
+        """Pytree of the shards' PartitionSpecs, for shard_map's in_specs / out_specs: P(axis) for a
+        parameter under P(); P((*dim0_axes, axis), *rest_of_spec) for one split over other axes."""
+        return self._tree(self.param_spec(p) for p in self.params)
+
+    @property
+    def specs(self):
+        """Pytree of the parameters' own PartitionSpecs over the other axes (how the full parameters
+        are split: `specs=` as resolved, P() for replicated)."""
+        return self._tree(p.spec for p in self.params)
 
     @property
     def shardings(self):
-        """Pytree of NamedSharding(mesh, PartitionSpec(axis)) of the sharded global arrays."""
-        return self._tree(self.sharding for _ in self.params)
+        """Pytree of the NamedShardings (`spec`) of the sharded global arrays."""
+        return self._tree(NamedSharding(self.mesh, self.param_spec(p)) for p in self.params)
 
     @property
     def global_shapes(self):
-        """Pytree of ShapeDtypeStructs of the sharded global arrays (world * shard_rows, *rest)."""
+        """Pytree of ShapeDtypeStructs of the sharded global arrays (blocks * world * shard_rows, *rest)."""
         return self._tree(
-            jax.ShapeDtypeStruct(p.global_shape, p.dtype, sharding=self.sharding) for p in self.params
+            jax.ShapeDtypeStruct(p.global_shape, p.dtype, sharding=NamedSharding(self.mesh, self.param_spec(p)))
+            for p in self.params
         )
 
     @property
     def shard_shapes(self):
         """Pytree of ShapeDtypeStructs of the local shards seen inside shard_map."""
         return self._tree(jax.ShapeDtypeStruct(p.shard_shape, p.dtype) for p in self.params)
+
+    @property
+    def local_shapes(self):
+        """Pytree of ShapeDtypeStructs of the local blocks: what `all_gather` / `gather_params`
+        return inside shard_map (the full parameters when every spec is P())."""
+        return self._tree(jax.ShapeDtypeStruct(p.local_shape, p.dtype) for p in self.params)
 
     # ----- sharding and unsharding -----
     def _leaves_matching(self, tree, what: str):
@@ -306,20 +481,19 @@ class Layout:
         return leaves
 
     def shard(self, params):
-        """Full parameters -> global arrays (world * shard_rows, *rest), zero-padded, sharded on axis."""
+        """Full parameters (replicated, or split as their specs say) -> the global shard arrays
+        (blocks * world * shard_rows, *rest): each block zero-padded, sharded as `spec`."""
         leaves = self._leaves_matching(params, "params passed to shard()")
-        out = []
         for p, x in zip(self.params, leaves):
             shape = tuple(np.shape(x))
             if shape != p.shape:
                 raise ValueError(f"tide: shard(): {p.describe()} got an array of shape {shape}")
-            out.append(_pad_and_place(x, p, self.sharding))
-        return self._tree(out)
+        return self._tree(self._jitted("shard", ())(leaves))
 
     def unshard(self, sharded):
-        """Global sharded arrays -> full parameters in their original shapes (padding dropped)."""
+        """Global shard arrays -> full parameters in their original shapes (padding dropped), sharded
+        as their specs say (replicated under P())."""
         leaves = self._leaves_matching(sharded, "arrays passed to unshard()")
-        out = []
         for p, x in zip(self.params, leaves):
             shape = tuple(np.shape(x))
             if shape != p.global_shape:
@@ -327,48 +501,52 @@ class Layout:
                     f"tide: unshard(): {p.describe()}: expected a sharded array of shape "
                     f"{p.global_shape}, got {shape}"
                 )
-            out.append(_crop(x, p, self.replicated))
-        return self._tree(out)
+        return self._tree(self._jitted("unshard", ())(self._placed_for_crop(leaves, ())))
 
     # ----- stacked layers (tide_jax.scan_layers) -----
     @property
     def stacked_spec(self):
-        """Pytree of PartitionSpec(None, axis): in_specs / out_specs of stacked shards
-        `(L, world * shard_rows, *rest)` (`shard_stacked`), sharded on dim 1."""
-        return self._tree(PartitionSpec(None, self.axis) for _ in self.params)
+        """Pytree of `spec` with a layer axis first (PartitionSpec(None, axis) under P()): in_specs /
+        out_specs of stacked shards `(L, *global_shape)` (`shard_stacked`), sharded from dim 1 on."""
+        return self._tree(self.param_spec(p, stacked=True) for p in self.params)
 
     def shard_stacked(self, stacked_params):
         """Stacked full parameters `(L, *shape)` (this layout's pytree, a leading layer axis on every
-        leaf) -> global arrays `(L, world * shard_rows, *rest)`, zero-padded per layer, sharded on
-        dim 1: what `scan_layers` takes."""
+        leaf) -> global arrays `(L, *global_shape)`, zero-padded per layer and block, sharded as
+        `stacked_spec`: what `scan_layers` takes."""
         leaves = self._leaves_matching(stacked_params, "params passed to shard_stacked()")
-        sharding = NamedSharding(self.mesh, PartitionSpec(None, self.axis))
         num = _num_layers(leaves, self.params, "shard_stacked()", lambda p: p.shape)
-        out = []
-        for p, x in zip(self.params, leaves):
-
-            def pad(x, p=p):
-                x = jnp.reshape(jnp.asarray(x, p.dtype), (num, p.rows, *p.rest))
-                pad_rows = p.padded_rows - p.rows
-                if pad_rows:
-                    x = jnp.pad(x, [(0, 0), (0, pad_rows)] + [(0, 0)] * len(p.rest))
-                return x
-
-            out.append(jax.jit(pad, out_shardings=sharding)(x))
-        return self._tree(out)
+        return self._tree(self._jitted("shard", (num,))(leaves))
 
     def unshard_stacked(self, stacked_sharded):
-        """Inverse of `shard_stacked`: `(L, world * shard_rows, *rest)` -> `(L, *shape)`."""
+        """Inverse of `shard_stacked`: `(L, *global_shape)` -> `(L, *shape)`."""
         leaves = self._leaves_matching(stacked_sharded, "arrays passed to unshard_stacked()")
         num = _num_layers(leaves, self.params, "unshard_stacked()", lambda p: p.global_shape)
-        out = []
-        for p, x in zip(self.params, leaves):
+        return self._tree(self._jitted("unshard", (num,))(self._placed_for_crop(leaves, (num,))))
 
-            def crop(x, p=p):
-                return jnp.reshape(x[:, : p.rows], (num, *p.shape))
+    def _full_sharding(self, p: ParamInfo, lead: tuple) -> NamedSharding:
+        """How a full parameter (with `lead` layer axes) is placed: split as its spec says."""
+        return NamedSharding(self.mesh, PartitionSpec(*([None] * len(lead)), *p.spec))
 
-            out.append(jax.jit(crop, out_shardings=self.replicated)(jax.device_put(x, self.replicated)))
-        return self._tree(out)
+    def _jitted(self, what: str, lead: tuple):
+        """One compiled function for the whole pytree: "shard" (full -> global shard arrays) or
+        "unshard" (the inverse), for parameters with `lead` layer axes; cached on the layout."""
+        cache = self.__dict__.setdefault("_jit_cache", {})
+        key = (what, lead)
+        if key not in cache:
+            if what == "shard":
+                fns = [pad_blocks(p, lead) for p in self.params]
+                shardings = [NamedSharding(self.mesh, self.param_spec(p, stacked=bool(lead))) for p in self.params]
+            else:
+                fns = [crop_blocks(p, lead) for p in self.params]
+                shardings = [self._full_sharding(p, lead) for p in self.params]
+            cache[key] = jax.jit(lambda xs: [f(x) for f, x in zip(fns, xs)], out_shardings=shardings)
+        return cache[key]
+
+    def _placed_for_crop(self, leaves, lead: tuple) -> list:
+        # Placed as the result first (dim 0 split over the block axes only, which divide it): slicing a
+        # sharded dim to a size the mesh does not divide is not expressible under explicit sharding.
+        return [jax.device_put(x, self._full_sharding(p, lead)) for p, x in zip(self.params, leaves)]
 
     # ----- sub-layouts -----
     def __getitem__(self, key) -> "Layout":
@@ -376,7 +554,8 @@ class Layout:
         prefix = self._prefix + jax.tree_util.keystr(
             (jax.tree_util.SequenceKey(key) if isinstance(key, int) else jax.tree_util.DictKey(key),)
         )
-        return Layout(sub, self.mesh, self.axis, topology=self._topology_arg, _prefix=prefix)
+        return Layout(sub, self.mesh, self.axis, topology=self._topology_arg, _prefix=prefix,
+                      specs=self.specs[key], replicas=self.replicas)
 
     def same_mesh(self, other: "Layout") -> bool:
         return self.mesh == other.mesh and self.axis == other.axis
@@ -385,14 +564,14 @@ class Layout:
         return len(self.params)
 
     def __repr__(self) -> str:
+        replicas = f", replicas={self.replicas}" if self.replicas else ""
         lines = [
             f"Layout(axis={self.axis!r}, world={self.world}, topology={self.nodes}x{self.gpus_per_node}, "
-            f"{len(self.params)} params)"
+            f"{len(self.params)} params{replicas})"
         ]
         for p in self.params:
-            lines.append(
-                f"  {p.path or '<root>'}: {p.shape} {p.dtype.name} -> shard {p.shard_shape}"
-            )
+            split = "" if not tuple(p.spec) else f" {p.spec} -> block {p.local_shape}"
+            lines.append(f"  {p.path or '<root>'}: {p.shape} {p.dtype.name}{split} -> shard {p.shard_shape}")
         return "\n".join(lines)
 
 
@@ -423,24 +602,31 @@ def _num_layers(leaves, params, what: str, shape_of) -> int:
     return int(num)
 
 
-def _pad_and_place(x, p: ParamInfo, sharding):
+def pad_blocks(p: ParamInfo, lead: tuple = ()):
+    """A traceable function: a full parameter `(*lead, *shape)` -> its global shard array
+    `(*lead, *global_shape)`, dim 0 cut into its blocks, each zero-padded to world * shard_rows rows."""
+    rest = p.shape[1:]
+
     def pad(x):
-        x = jnp.reshape(jnp.asarray(x, p.dtype), (p.rows, *p.rest))
+        x = jnp.reshape(jnp.asarray(x, p.dtype), (*lead, p.blocks, p.rows, *rest))
         pad_rows = p.padded_rows - p.rows
         if pad_rows:
-            x = jnp.pad(x, [(0, pad_rows)] + [(0, 0)] * len(p.rest))
-        return x
+            x = jnp.pad(x, [(0, 0)] * (len(lead) + 1) + [(0, pad_rows)] + [(0, 0)] * len(rest))
+        return jnp.reshape(x, (*lead, *p.global_shape))
 
-    return jax.jit(pad, out_shardings=sharding)(x)
+    return pad
 
 
-def _crop(x, p: ParamInfo, replicated):
+def crop_blocks(p: ParamInfo, lead: tuple = ()):
+    """The inverse of `pad_blocks`: `(*lead, *global_shape)` -> `(*lead, *shape)`, padding dropped."""
+    rest = p.shape[1:]
+
     def crop(x):
-        return jnp.reshape(x[: p.rows], p.shape)
+        x = jnp.reshape(x, (*lead, p.blocks, p.padded_rows, *rest))
+        x = jax.lax.slice_in_dim(x, 0, p.rows, axis=len(lead) + 1)
+        return jnp.reshape(x, (*lead, *p.shape))
 
-    # Replicate first: slicing a sharded dim to a size the mesh does not divide is not expressible
-    # under explicit sharding.
-    return jax.jit(crop, out_shardings=replicated)(jax.device_put(x, replicated))
+    return crop
 
 
 # ----------------------------------------------------------------------------------------------
@@ -484,20 +670,21 @@ def _check_in_specs(in_specs, args, mesh) -> None:
                 world = int(mesh.shape[lay.axis])
                 if p.world != world:
                     continue
+                split = [math.prod(int(mesh.shape[a]) for a in _spec_axes(e) if a in mesh.shape) for e in entries]
                 stacked_with_spec = (
                     len(entries) >= 1 and lay.axis in _spec_axes(entries[0]) and len(shape) >= 1
-                    and shape[1:] == p.global_shape and shape[0] % world != 0
+                    and shape[1:] == p.global_shape and shape[0] % split[0] != 0
                 )
                 if stacked_with_spec:
                     raise ValueError(
                         f"tide: shard_map in_specs: an argument of shape {shape} is the stacked shards of "
                         f"{p.describe()} (L = {shape[0]} layers of {p.global_shape}), but its spec "
-                        f"{spec} splits the layer axis over {world} devices: use in_specs=lay.stacked_spec "
+                        f"{spec} splits the layer axis over {split[0]} devices: use in_specs=lay.stacked_spec "
                         "(PartitionSpec(None, axis)) for stacked shards, lay.spec for one layer's"
                     )
                 flat_with_stacked = (
                     shape == p.global_shape and len(entries) >= 2 and entries[0] is None
-                    and lay.axis in _spec_axes(entries[1]) and (len(shape) < 2 or shape[1] % world != 0)
+                    and lay.axis in _spec_axes(entries[1]) and (len(shape) < 2 or shape[1] % split[1] != 0)
                 )
                 if flat_with_stacked:
                     raise ValueError(
@@ -524,9 +711,18 @@ def shard_map(f, *, mesh, in_specs, out_specs, check_vma=True):
     return call
 
 
-def layout(params: Any, mesh: Mesh, axis: str, *, topology=None) -> Layout:
+def layout(params: Any, mesh: Mesh, axis: str, *, specs=None, replicas=None, topology=None) -> Layout:
     """The layout of `params` (a pytree of arrays or ShapeDtypeStructs with full shapes) on `axis`.
 
+    `specs`: a pytree matching `params` (or a prefix of it) of PartitionSpecs over the mesh's other
+    axes saying how each full parameter is already split (`P(None, "tensor")`, `P("expert")`, `P()`
+    for replicated; None: the NamedSharding the array carries, if any, else `P()`). tide shards each
+    parameter's local block along dim 0 over `axis` (module docstring). Refused before anything runs,
+    naming the parameter and the axis: a spec naming `axis` itself, an axis the mesh does not have,
+    an axis named twice, a dim its axes do not divide.
+    `replicas`: the mesh axes the shards are replicated over while the batch is split over them
+    (HSDP: a data axis; fp32 gradient shards summed over them). Default: every other axis when no
+    spec is given or carried (pure FSDP), else none.
     `topology` ("NxG" or (nodes, gpus_per_node)) overrides TIDE_TOPOLOGY; default: one node.
     """
-    return Layout(params, mesh, axis, topology=topology)
+    return Layout(params, mesh, axis, topology=topology, specs=specs, replicas=replicas)

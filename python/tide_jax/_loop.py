@@ -299,22 +299,19 @@ def _zeros_of(aval):
 # a parameter group's collectives (the layer, the prologue's, the epilogue's)
 # ----------------------------------------------------------------------------------------------
 class _Group:
-    """Start/done of one layout's gather and reduce-scatter, with HSDP replicas and casts."""
+    """Start/done of one layout's gather and reduce-scatter, with HSDP replicas and casts; every
+    type per parameter, as `gather_params` gives it ([Note: vma of the collectives] in `_ops`)."""
 
     def __init__(self, lay: Layout, leaves: list, dtype, backend: str, op: str):
         self.lay = lay
         self.shard_dtypes = [np.dtype(s.dtype) for s in leaves]
         self.param_dtypes = [np.dtype(dtype) if dtype is not None else d for d in self.shard_dtypes]
         self.backend = backend
-        # HSDP (as gather_params): mesh axes the shards are replicated on; the fp32 gradient shards
-        # are summed over them, the gathered parameters typed varying over them.
-        self.shard_vma = frozenset().union(*(_compat.vma_of(s) for s in leaves)) if leaves else frozenset()
-        self.replica_axes = ()
-        if self.shard_vma:
-            manual = _compat.manual_axes(_compat.enclosing_mesh())
-            self.replica_axes = tuple(sorted(manual - self.shard_vma - {lay.axis}))
-        self.ct_axes = sorted(self.shard_vma | set(self.replica_axes) | {lay.axis}) if self.shard_vma else []
-        self.p_vma = sorted(self.shard_vma | set(self.replica_axes) | {lay.axis})
+        # HSDP (as gather_params): per parameter, the replica axes its fp32 gradient shards are
+        # summed over; its gathered block is typed varying over them.
+        self.shard_vma, self.replica_axes = _ops.replica_axes(leaves, lay)
+        self.ct_axes = [sorted(v | set(r) | {lay.axis}) if v else [] for v, r in zip(self.shard_vma, self.replica_axes)]
+        self.p_vma = [sorted(v | set(r) | {lay.axis}) for v, r in zip(self.shard_vma, self.replica_axes)]
         for p, x in zip(lay.params, leaves):
             if not jnp.issubdtype(x.dtype, jnp.floating):
                 raise TypeError(
@@ -326,7 +323,8 @@ class _Group:
         """Zeros typed as the gathered parameters will be (for closure conversion)."""
         return jax.tree_util.tree_unflatten(
             self.lay.treedef,
-            [_compat.mark_varying(jnp.zeros(p.shape, d), self.p_vma) for p, d in zip(self.lay.params, self.param_dtypes)],
+            [_compat.mark_varying(jnp.zeros(p.local_shape, d), v)
+             for p, d, v in zip(self.lay.params, self.param_dtypes, self.p_vma)],
         )
 
     def start_gather(self, leaves):
@@ -335,27 +333,21 @@ class _Group:
 
     def done_gather(self, h):
         outs = _ops._done(h, "all_gather")
-        if self.replica_axes:
-            outs = [_compat.mark_varying(o, list(self.replica_axes)) for o in outs]
-        return outs
+        return [_compat.mark_varying(o, list(r)) if r else o for o, r in zip(outs, self.replica_axes)]
 
     def gather_now(self, leaves):
         return self.done_gather(self.start_gather(leaves))
 
     def start_scatter(self, dp):
         dp = jax.tree_util.tree_leaves(dp)
-        if self.ct_axes:
-            dp = [_compat.mark_varying(t, self.ct_axes) for t in dp]
+        dp = [_compat.mark_varying(t, c) if c else t for t, c in zip(dp, self.ct_axes)]
         return _ops._start("reduce_scatter", list(dp), self.lay, self.backend)
 
     def done_scatter(self, h):
         outs = _ops._done(h, "reduce_scatter")
-        if self.replica_axes:
-            outs = [jax.lax.psum(o, self.replica_axes) for o in outs]
+        outs = [jax.lax.psum(o, r) if r else o for o, r in zip(outs, self.replica_axes)]
         outs = [o if o.dtype == d else o.astype(d) for o, d in zip(outs, self.shard_dtypes)]
-        if self.shard_vma:
-            outs = [_compat.mark_varying(o, sorted(self.shard_vma)) for o in outs]
-        return outs
+        return [_compat.mark_varying(o, sorted(v)) if v else o for o, v in zip(outs, self.shard_vma)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -498,31 +490,37 @@ class _Loop:
         """`ordered(handles, *others)` keeping every value's type (the tide backend only).
 
         An optimization barrier types all its outputs as varying over the union of its operands'
-        mesh axes, which would change a carry's type (an invariant counter) or a residual's. So the
-        barrier ties the handles only to the values that vary over at least the handles' axes, one
-        barrier per such type (each with the handles; the done uses the handles of the first);
-        values varying over fewer axes are left out: nothing they compute can use the collective."""
+        mesh axes, which would change a carry's type (an invariant counter) or a residual's. So each
+        value is tied only to the handle arrays that vary over no more axes than it does, one barrier
+        per value type; the done uses each handle array from the first barrier it went through. A
+        start's results are typed varying over the layout's axis alone ([Note: vma of the
+        collectives] in `_ops`), so every value varying over that axis ties every start (a done needs
+        one of its arrays from the barrier to follow it); values varying over fewer axes are left out:
+        nothing they compute can use the collective."""
         if not self.use_barriers:
             return (handles, *others)
         h_flat, h_tree = jax.tree_util.tree_flatten(handles)
         o_flat, o_tree = jax.tree_util.tree_flatten(others)
         if not h_flat:
             return (handles, *others)
-        h_vma = frozenset().union(*(_compat.vma_of(h) for h in h_flat))
+        h_vmas = [_compat.vma_of(h) for h in h_flat]
         classes: dict = {}
         for i, x in enumerate(o_flat):
             v = _compat.vma_of(x)
-            if v >= h_vma:
+            if any(hv <= v for hv in h_vmas):
                 classes.setdefault(v, []).append(i)
-        new_h, new_o = None, list(o_flat)
+        new_h, new_o = list(h_flat), list(o_flat)
+        tied = [False] * len(h_flat)
         for v in sorted(classes, key=lambda v: (len(v), sorted(v))):
             idx = classes[v]
-            out = jax.lax.optimization_barrier(tuple(h_flat) + tuple(o_flat[i] for i in idx))
-            if new_h is None:
-                new_h = list(out[: len(h_flat)])
-            for j, i in enumerate(idx):
-                new_o[i] = out[len(h_flat) + j]
-        if new_h is None:
+            hs = [j for j, hv in enumerate(h_vmas) if hv <= v]
+            out = jax.lax.optimization_barrier(tuple(h_flat[j] for j in hs) + tuple(o_flat[i] for i in idx))
+            for k, j in enumerate(hs):
+                if not tied[j]:
+                    new_h[j], tied[j] = out[k], True
+            for k, i in enumerate(idx):
+                new_o[i] = out[len(hs) + k]
+        if not any(tied):
             new_h = list(jax.lax.optimization_barrier(tuple(h_flat)))
         return (jax.tree_util.tree_unflatten(h_tree, new_h), *jax.tree_util.tree_unflatten(o_tree, new_o))
 
@@ -784,11 +782,11 @@ class _Loop:
             return saved, p, self.scan_plan
 
         # gradient buffers, written in place (no concatenation of per-layer pieces)
-        def grad_buffer(dt, p):
+        def grad_buffer(dt, p, v):
             z = jnp.zeros((L, *p.shard_shape), dt)
-            return _compat.mark_varying(z, sorted(g.shard_vma)) if g.shard_vma else z
+            return _compat.mark_varying(z, sorted(v)) if v else z
 
-        gbuf = [grad_buffer(dt, p) for dt, p in zip(g.shard_dtypes, self.lay.params)]
+        gbuf = [grad_buffer(dt, p, v) for dt, p, v in zip(g.shard_dtypes, self.lay.params, g.shard_vma)]
         dxs_leaves = jax.tree_util.tree_leaves(xs) if xs is not None else []
         dxbuf = [jnp.zeros(t.shape, t.dtype) if _float(t) else None for t in dxs_leaves]
         if dxbuf:

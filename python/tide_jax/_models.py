@@ -12,9 +12,15 @@ structure (an `nnx.State`, an Equinox pytree):
   device, no gradient, and (NNX) updated by the forward the way the library updates them, so an
   RNG counter advances every step. Non-arrays (Python numbers, strings, functions) stay static.
 
-`Plan.run` is one FSDP computation: a `shard_map` over the mesh with the parameter shards
-(`P(axis)`, stacks `P(None, axis)`), the state (`P()`) and the batch arguments (split on their first
-axis over `batch_axes`), in which the adapter rebuilds the model (the rest gathered, the stacked
+Meshes with several axes: each parameter may carry a spec over the mesh's other axes (NNX: its
+annotations through logical axis rules; Equinox: a specs pytree), which its group's layout takes
+(`tide_jax.layout(specs=...)`: FSDP over each local block). The batch is split over the axes no
+parameter is split over (`batch_axes`), and the shards are replicated over those other than `axis`
+(the layouts' `replicas`, HSDP); the model's own code runs the psums its split needs.
+
+`Plan.run` is one FSDP computation: a `shard_map` over the mesh with the parameter shards (their
+layouts' specs: `P(axis)`, stacks `P(None, axis)`, when nothing else splits them), the state (`P()`)
+and the batch arguments (split on their first axis over `batch_axes`), in which the adapter rebuilds the model (the rest gathered, the stacked
 parameters as placeholders that only the adapter's `call_layers` hook can run), calls the user's
 function on it and, for gradients, differentiates with respect to the shards: the result has the
 shards' shapes and shardings, ready for optax outside the shard_map. The shard_map is jitted (inlined
@@ -37,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import _compat, _ops
-from ._layout import Layout
+from ._layout import Layout, crop_blocks, pad_blocks, spec_leaves
 from ._layout import layout as _layout
 from ._loop import remat_policy, scan_layers
 
@@ -239,7 +245,7 @@ class Plan:
 
     def __init__(self, params: Sequence[tuple[str, Any]], state: Sequence[tuple[str, Any]], stacks,
                  mesh: Mesh, axis: str, *, dtype, remat, prefetch, reshard_after_forward, backend,
-                 batch_axes, hook: str, what: str):
+                 batch_axes, hook: str, what: str, specs: Sequence | None = None):
         if not isinstance(mesh, Mesh):
             raise TypeError(f"tide: {what}: needs a jax.sharding.Mesh, got {type(mesh).__name__}")
         if axis not in mesh.axis_names:
@@ -250,17 +256,7 @@ class Plan:
         self.remat = None if remat is None else remat_policy(remat)
         self.prefetch, self.reshard = prefetch, bool(reshard_after_forward)
         self.backend = backend
-        if batch_axes is None:
-            batch_axes = tuple(mesh.axis_names)
-        elif isinstance(batch_axes, str):
-            batch_axes = (batch_axes,)
-        batch_axes = tuple(batch_axes)
-        for a in batch_axes:
-            if a not in mesh.axis_names:
-                raise ValueError(f"tide: {what}: batch_axes names {a!r}, the mesh has axes {tuple(mesh.axis_names)}")
-        self.batch_axes = batch_axes
-        self.n_batch = int(np.prod([mesh.shape[a] for a in batch_axes])) if batch_axes else 1
-        self.batch_spec = P(batch_axes if len(batch_axes) != 1 else batch_axes[0]) if batch_axes else P()
+        self._batch_axes_arg = batch_axes
 
         if isinstance(stacks, str):
             stacks = (stacks,)
@@ -269,6 +265,8 @@ class Plan:
             for b in stacks[i + 1:]:
                 if _under(a, b) or _under(b, a):
                     raise ValueError(f"tide: {what}: stacks {a!r} and {b!r} overlap")
+
+        self._stack_names = list(stacks)
 
         def stack_of(path):
             for sid, s in enumerate(stacks):
@@ -297,6 +295,8 @@ class Plan:
                 raise ValueError(f"tide: {what}: parameter {path} has shape {shape}: zero-size parameters cannot be sharded")
             self.params.append(_Param(path, shape, dt, stack_of(path)))
         self.state: list[_State] = [_State(path, is_array(x), stack_of(path)) for path, x in state]
+        self.specs = self._layer_specs(specs)
+        self._set_batch_axes(self._batch_axes_arg)
 
         self.stacks: list[_Stack] = []
         for sid, name in enumerate(stacks):
@@ -338,14 +338,82 @@ class Plan:
                 sidx.append(j)
             one = {self.params[i].path: jax.ShapeDtypeStruct(self.params[i].shape[1:], self.params[i].dtype)
                    for i in idx}
-            self.stacks.append(_Stack(name, idx, sidx, int(num), _layout(one, mesh, axis)))
+            self.stacks.append(_Stack(name, idx, sidx, int(num), self._group_layout(one, idx)))
         self.rest = [i for i, p in enumerate(self.params) if p.sid is None]
         self.rest_lay = None
         if self.rest:
-            self.rest_lay = _layout({self.params[i].path: jax.ShapeDtypeStruct(self.params[i].shape, self.params[i].dtype)
-                                     for i in self.rest}, mesh, axis)
+            self.rest_lay = self._group_layout(
+                {self.params[i].path: jax.ShapeDtypeStruct(self.params[i].shape, self.params[i].dtype)
+                 for i in self.rest}, self.rest)
         if not self.params:
             raise ValueError(f"tide: {what}: the model has no floating parameters to shard")
+        self.infos = [self._info(i) for i in range(len(self.params))]
+
+    # ----- meshes with several axes -----
+    def _layer_specs(self, specs) -> list:
+        """Each parameter's PartitionSpec over the mesh's other axes (None: replicated), as its layout
+        takes it: a stacked parameter's spec is one layer's; one written for the whole stack (its
+        rank) has the layer axis first, which must not be split."""
+        if specs is None:
+            return [None] * len(self.params)
+        specs = list(specs)
+        if len(specs) != len(self.params):  # pragma: no cover - the adapters align them
+            raise ValueError(f"tide: {self.what}: {len(specs)} specs for {len(self.params)} parameters")
+        out = []
+        for p, spec in zip(self.params, specs):
+            if spec is not None and not isinstance(spec, P):
+                raise TypeError(f"tide: {self.what}: parameter {p.path}: its spec must be a PartitionSpec, got "
+                                f"{type(spec).__name__} {spec!r}")
+            if spec is not None and p.sid is not None and len(tuple(spec)) == len(p.shape):
+                if tuple(spec)[0] not in (None, ()):
+                    raise ValueError(
+                        f"tide: {self.what}: parameter {p.path} (shape {p.shape}) is a parameter of the stacked "
+                        f"layers {self.stacks_names[p.sid]!r}: its spec {spec} splits the layer axis (dim 0) over "
+                        f"{tuple(spec)[0]!r}; the layer axis cannot be split (give one layer's spec)")
+                spec = P(*tuple(spec)[1:])
+            out.append(spec)
+        return out
+
+    def _set_batch_axes(self, batch_axes):
+        """The mesh axes the batch is split over (default: every axis no parameter's spec names) and
+        the replicas of the shards (those of them other than `axis`: HSDP)."""
+        mesh, what = self.mesh, self.what
+        model_axes = {}
+        for p, spec in zip(self.params, self.specs):
+            for entry in tuple(spec or ()):
+                for a in ((entry,) if isinstance(entry, str) else tuple(entry or ())):
+                    model_axes.setdefault(a, p.path)
+        if batch_axes is None:
+            batch_axes = tuple(a for a in mesh.axis_names if a not in model_axes)
+        elif isinstance(batch_axes, str):
+            batch_axes = (batch_axes,)
+        batch_axes = tuple(batch_axes)
+        for a in batch_axes:
+            if a not in mesh.axis_names:
+                raise ValueError(f"tide: {what}: batch_axes names {a!r}, the mesh has axes {tuple(mesh.axis_names)}")
+            if a in model_axes:
+                raise ValueError(
+                    f"tide: {what}: batch_axes names {a!r}, but parameter {model_axes[a]}'s spec splits it over "
+                    f"{a!r}: the devices along an axis that splits the parameters must see the same batch")
+        self.batch_axes = batch_axes
+        self.replicas = tuple(a for a in batch_axes if a != self.axis)
+        self.n_batch = int(np.prod([mesh.shape[a] for a in batch_axes])) if batch_axes else 1
+        self.batch_spec = P(batch_axes if len(batch_axes) != 1 else batch_axes[0]) if batch_axes else P()
+
+    @property
+    def stacks_names(self) -> list:
+        return self._stack_names
+
+    def _group_layout(self, abstract: dict, idx: list) -> Layout:
+        """The layout of one parameter group (a stack's ONE layer, or the rest), keyed by path."""
+        specs = {self.params[i].path: self.specs[i] or P() for i in idx}
+        return _layout(abstract, self.mesh, self.axis, specs=specs, replicas=self.replicas)
+
+    def _info(self, i: int):
+        """Parameter i's `ParamInfo` in its group's layout (one layer's, for a stack)."""
+        p = self.params[i]
+        lay = self.rest_lay if p.sid is None else self.stacks[p.sid].lay
+        return jax.tree_util.tree_unflatten(lay.treedef, lay.params)[p.path]
 
     def _state_hint(self) -> str:
         return ("NNX: an nnx.Variable that is not an nnx.Param" if "nnx" in self.hook else
@@ -353,62 +421,51 @@ class Plan:
 
     # ----- shards -----
     def global_shape(self, i: int) -> tuple:
-        """The global shard array's shape of parameter i: (P * shard_rows, *rest), stacks (L, ...)."""
-        p = self.params[i]
-        if p.sid is None:
-            return tuple(self.rest_lay.global_shapes[p.path].shape)
-        return (p.shape[0], *self.stacks[p.sid].lay.global_shapes[p.path].shape)
+        """The global shard array's shape of parameter i: its layout's, stacks (L, ...)."""
+        p, info = self.params[i], self.infos[i]
+        return info.global_shape if p.sid is None else (p.shape[0], *info.global_shape)
 
     def spec(self, i: int):
-        return P(self.axis) if self.params[i].sid is None else P(None, self.axis)
-
-    def _rows(self, i: int) -> int:
+        """The PartitionSpec of parameter i's global shard array (P(axis), stacks P(None, axis), when
+        its spec is P())."""
         p = self.params[i]
-        shape = p.shape[1:] if p.sid is not None else p.shape
-        return shape[0] if shape else 1
+        lay = self.rest_lay if p.sid is None else self.stacks[p.sid].lay
+        return lay.param_spec(self.infos[i], stacked=p.sid is not None)
+
+    def full_sharding(self, i: int) -> NamedSharding:
+        """How parameter i's full value is placed on the mesh: split as its spec says (stacks: a
+        layer axis first), replicated under P()."""
+        p = self.params[i]
+        spec = tuple(self.infos[i].spec)
+        return NamedSharding(self.mesh, P(*spec) if p.sid is None else P(None, *spec))
+
+    def _lead(self, i: int) -> tuple:
+        p = self.params[i]
+        return () if p.sid is None else (p.shape[0],)
 
     def shard(self, values: list) -> list:
-        """Full parameters (in `params` order) -> global shard arrays: zero-padded rows, sharded on
-        `axis` (stacks: per layer, on dim 1). One compiled function for the whole model."""
+        """Full parameters (in `params` order) -> global shard arrays: zero-padded rows of each block,
+        sharded as `spec` (stacks: per layer). One compiled function for the whole model."""
         if getattr(self, "_shard_fn", None) is None:
-            def pad(xs):
-                out = []
-                for i, x in enumerate(xs):
-                    p = self.params[i]
-                    rows, gshape = self._rows(i), self.global_shape(i)
-                    if p.sid is None:
-                        x = jnp.reshape(x.astype(p.dtype), (rows, *p.shape[1:]))
-                        out.append(jnp.pad(x, [(0, gshape[0] - rows)] + [(0, 0)] * (len(gshape) - 1)))
-                    else:
-                        x = jnp.reshape(x.astype(p.dtype), (p.shape[0], rows, *p.shape[2:]))
-                        out.append(jnp.pad(x, [(0, 0), (0, gshape[1] - rows)] + [(0, 0)] * (len(gshape) - 2)))
-                return out
-
+            fns = [pad_blocks(self.infos[i], self._lead(i)) for i in range(len(self.params))]
             shardings = [NamedSharding(self.mesh, self.spec(i)) for i in range(len(self.params))]
-            self._shard_fn = jax.jit(pad, out_shardings=shardings)
+            self._shard_fn = jax.jit(lambda xs: [f(x) for f, x in zip(fns, xs)], out_shardings=shardings)
         for p, x in zip(self.params, values):
             if shape_of(x) != p.shape:
                 raise ValueError(f"tide: {self.what}: {p.path} has shape {shape_of(x)}, expected the full {p.shape}")
         return list(self._shard_fn([jnp.asarray(x) for x in values]))
 
     def unshard(self, values: list) -> list:
-        """Global shard arrays -> full parameters (replicated), padding dropped."""
+        """Global shard arrays -> full parameters (split as their specs say; replicated under P()),
+        padding dropped."""
         self.check_sharded(values, "unshard")
+        full = [self.full_sharding(i) for i in range(len(self.params))]
         if getattr(self, "_unshard_fn", None) is None:
-            def crop(xs):
-                out = []
-                for i, x in enumerate(xs):
-                    p = self.params[i]
-                    rows = self._rows(i)
-                    out.append(jnp.reshape(x[:rows] if p.sid is None else x[:, :rows], p.shape))
-                return out
-
-            rep = NamedSharding(self.mesh, P())
-            self._unshard_fn = jax.jit(crop, out_shardings=[rep] * len(self.params))
-        rep = NamedSharding(self.mesh, P())
-        # replicated first: slicing a sharded dim to a size the mesh does not divide is not
-        # expressible under explicit sharding
-        return list(self._unshard_fn([jax.device_put(x, rep) for x in values]))
+            fns = [crop_blocks(self.infos[i], self._lead(i)) for i in range(len(self.params))]
+            self._unshard_fn = jax.jit(lambda xs: [f(x) for f, x in zip(fns, xs)], out_shardings=full)
+        # placed as the result first (dim 0 split over the block axes only, which divide it): slicing a
+        # sharded dim to a size the mesh does not divide is not expressible under explicit sharding
+        return list(self._unshard_fn([jax.device_put(x, sh) for x, sh in zip(values, full)]))
 
     def place_state(self, values: list) -> list:
         rep = NamedSharding(self.mesh, P())
@@ -570,8 +627,8 @@ class Plan:
         # and dones as separate computations
         fn = jax.jit(_compat.shard_map(inner, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
         if _explicit(mesh):  # explicit mesh axes: shard_map wants inputs already typed as in_specs say
-            stack_in = [{k: self._place(v, P(None, axis)) for k, v in d.items()} for d in stack_in]
-            rest_in = {k: self._place(v, P(axis)) for k, v in rest_in.items()}
+            stack_in = [{k: self._place(v, sp[k]) for k, v in d.items()} for d, sp in zip(stack_in, stack_specs)]
+            rest_in = {k: self._place(v, rest_spec[k]) for k, v in rest_in.items()}
             st_arrays = [self._place(v, P()) for v in st_arrays]
             arg_dyn = [self._place(v, sp) for v, sp in zip(arg_dyn, arg_specs)]
         res = fn(stack_in, rest_in, st_arrays, arg_dyn)
@@ -612,6 +669,85 @@ def _norm(spec, ndim: int) -> tuple:
 # ----------------------------------------------------------------------------------------------
 # shared helpers for the adapters
 # ----------------------------------------------------------------------------------------------
+class FrontDoor:
+    """What the adapters' FSDP objects share: their plan's mesh, axis, layouts and specs, a repr, and
+    `grad` from `value_and_grad`. Pure Python: close over it in a jitted step."""
+
+    NAME = "tide_jax"
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+
+    @property
+    def mesh(self):
+        return self.plan.mesh
+
+    @property
+    def axis(self) -> str:
+        return self.plan.axis
+
+    @property
+    def batch_axes(self) -> tuple:
+        """The mesh axes the batch arguments are split over (default: those no parameter is split over)."""
+        return self.plan.batch_axes
+
+    @property
+    def layouts(self) -> dict:
+        """{stack path: ONE layer's Layout, ..., "rest": the other parameters' Layout (or None)}."""
+        out = {s.name: s.lay for s in self.plan.stacks}
+        out["rest"] = self.plan.rest_lay
+        return out
+
+    @property
+    def specs(self) -> dict:
+        """{parameter path: its PartitionSpec over the mesh's other axes} (one layer's for a stack)."""
+        return {p.path: info.spec for p, info in zip(self.plan.params, self.plan.infos)}
+
+    def _repr_extra(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        plan = self.plan
+        stacks = ", ".join(f"{s.name!r}: {s.num} layers x {len(s.params)} params" for s in plan.stacks)
+        split = sum(bool(tuple(info.spec)) for info in plan.infos)
+        split = f", {split} params split over {sorted({a for i in plan.infos for a in _axes_of(i.spec)})}" if split else ""
+        return (f"{self.NAME}.FSDP(axis={self.axis!r}, world={plan.world}, {stacks}, {len(plan.rest)} other params"
+                f"{split}, batch over {plan.batch_axes}, {sum(st.array for st in plan.state)} state arrays passed "
+                f"through{self._repr_extra()})")
+
+    @staticmethod
+    def grad_of(value_and_grad: Callable, has_aux: bool) -> Callable:
+        """`(model, *batch) -> grads` (`(grads, aux)` with has_aux) from a value_and_grad function."""
+
+        def wrapped(model, *args):
+            out, grads = value_and_grad(model, *args)
+            return (grads, out[1]) if has_aux else grads
+
+        return wrapped
+
+
+def _axes_of(spec) -> list:
+    return [a for e in tuple(spec) for a in ((e,) if isinstance(e, str) else tuple(e or ()))]
+
+
+def specs_from_tree(specs, model, count: int, what: str) -> list:
+    """Per leaf of `model` (`count` of them, in `jax.tree_util` order), the spec `specs` gives it: a
+    pytree matching the model or a prefix of it, PartitionSpecs or None."""
+    return spec_leaves(specs, model, count, f"{what}: the model's specs")
+
+
+def layer_items(layers, what: str, example: str) -> list:
+    """`layers=` as a list of paths and selector functions (refusing a missing one)."""
+    if layers is None:
+        raise TypeError(f"tide: {what}: pass layers=, the path of the stacked layers (e.g. layers={example!r})")
+    return list(layers) if isinstance(layers, (list, tuple)) else [layers]
+
+
+def default_call(layer, carry, *args, **kwargs):
+    """`call_layers`' default: `layer(carry, *args, **kwargs)`."""
+    return layer(carry, *args, **kwargs)
+
+
 def path_str(key_path, drop_value: bool = False) -> str:
     """A jax key path as a dotted name: ('blocks', 'lin', 'kernel') -> "blocks.lin.kernel"."""
     parts = []

@@ -6,6 +6,18 @@ parameter. Then it dispatches to the active backend:
 - "tide": one `jax.ffi.ffi_call` per parameter group (variadic: N operands, N results) into the
   native library (docs/design.md, "FFI contract");
 - "jax": the pure-JAX twins in `tide_jax.reference` (jax.lax.all_gather / psum_scatter).
+
+On meshes with several axes every op works on local blocks (`_layout`): the all-gather returns each
+parameter's block (full over the layout's axis, still split over the other axes its spec names), the
+reduce-scatter takes the block's gradient. [Note: vma of the collectives]: under shard_map's
+check_vma, each result is typed as jax.lax's collective would type it, per parameter: varying over
+its own operand's axes and the layout's axis. So a block split over "tensor" varies over "tensor",
+one replicated over it does not, and JAX's own autodiff inserts the psums Megatron-style code needs.
+One native call carries parameters of different types: JAX makes its operands agree (pvary), and
+the results are typed one by one afterwards (an FFI result has no varying axes of its own). What a
+start returns is typed varying over the layout's axis alone, whatever the parameters: those arrays
+only travel to their done (which types its results per parameter), and `ordered` can then tie them
+to any value that varies over the axis without changing that value's type.
 """
 
 from __future__ import annotations
@@ -143,7 +155,7 @@ def _check_shards(shards, lay: Layout, op: str) -> list:
             hint = ""
             if tuple(x.shape) == p.global_shape:
                 hint = " (that is the global sharded shape: call this inside shard_map with in_specs=lay.spec)"
-            elif tuple(x.shape) == p.shape:
+            elif tuple(x.shape) in (p.shape, p.local_shape):
                 hint = " (that is the full parameter: shard it with lay.shard first)"
             raise ValueError(
                 f"tide: {op}: {p.describe()}: local shard has shape {tuple(x.shape)}, the layout over "
@@ -155,10 +167,15 @@ def _check_shards(shards, lay: Layout, op: str) -> list:
 def _check_grads(grads, lay: Layout, op: str) -> list:
     leaves = _flatten_like(grads, lay, op, "the gradients")
     for p, x in zip(lay.params, leaves):
-        if tuple(x.shape) != p.shape:
+        if tuple(x.shape) != p.local_shape:
+            what = "the full parameter shape" if p.local_shape == p.shape else "the shape of its local block"
+            hint = ""
+            if tuple(x.shape) == p.shape:
+                hint = (f" (the full parameter: its spec {p.spec} splits it over other mesh axes, so each device "
+                        "has the gradient of its local block)")
             raise ValueError(
-                f"tide: {op}: {p.describe()}: gradient has shape {tuple(x.shape)}, expected the full "
-                f"parameter shape {p.shape}"
+                f"tide: {op}: {p.describe()}: gradient has shape {tuple(x.shape)}, expected {what} "
+                f"{p.local_shape}{hint}"
             )
         if np.dtype(x.dtype) not in REDUCIBLE:
             raise TypeError(
@@ -174,11 +191,16 @@ def _maybe_cast(x, dtype):
     return x.astype(dtype)
 
 
+def _out_vmas(ins, axis) -> tuple:
+    """Per parameter, the varying axes jax.lax's collective would give its result: its operand's and
+    `axis` ([Note: vma of the collectives])."""
+    return tuple(tuple(sorted(_compat.vma_of(x) | {axis})) for x in ins)
+
+
 def _vary_like(outs, ins, axis):
-    """Gives FFI results the varying-axes type jax.lax's collectives would (shard_map's check_vma):
-    varying over the inputs' axes and `axis`. A no-op under check_vma=False."""
-    vma = frozenset().union(*(_compat.vma_of(x) for x in ins)) | {axis}
-    return [_compat.mark_varying(o, sorted(vma)) for o in outs]
+    """Gives FFI results the types jax.lax's collectives would (shard_map's check_vma), one by one:
+    varying over their own operand's axes and `axis`. A no-op under check_vma=False."""
+    return [_compat.mark_varying(o, v) for o, v in zip(outs, _out_vmas(ins, axis))]
 
 
 def _attrs(lay: Layout, site: int) -> dict[str, Any]:
@@ -200,7 +222,7 @@ def _attrs(lay: Layout, site: int) -> dict[str, Any]:
 # gradient in float32 (shard_rows == rows, no padding). No native call (nothing to move), as
 # jax.lax's collectives are no-ops there; the result types are those of the native call.
 def _local_all_gather(leaves: list, lay: Layout) -> list:
-    outs = [jnp.reshape(x, p.shape) for p, x in zip(lay.params, leaves)]
+    outs = [jnp.reshape(x, p.local_shape) for p, x in zip(lay.params, leaves)]
     return _vary_like(outs, leaves, lay.axis)
 
 
@@ -214,7 +236,7 @@ def _tide_all_gather(leaves: list, lay: Layout) -> list:
     if _is_local(lay):
         return _local_all_gather(leaves, lay)
     _lib.ensure_registered(lay.platform)
-    result_types = [jax.ShapeDtypeStruct(p.shape, x.dtype) for p, x in zip(lay.params, leaves)]
+    result_types = [jax.ShapeDtypeStruct(p.local_shape, x.dtype) for p, x in zip(lay.params, leaves)]
     outs = jax.ffi.ffi_call("tide_all_gather", result_types, vmap_method="sequential")(*leaves, **_attrs(lay, _new_site()))
     return _vary_like(list(outs), leaves, lay.axis)
 
@@ -239,8 +261,8 @@ class Handle:
     def __init__(self, results, operands, meta):
         self.results = list(results)
         self.operands = list(operands)
-        self.meta = meta  # (op, layout, backend, output vma axes): static, the same for every
-        # start of one layout (so handles of different iterations fit one scan carry)
+        self.meta = meta  # (op, layout, backend, per parameter its result's vma axes): static, the
+        # same for every start of one layout (so handles of different iterations fit one scan carry)
 
     def tree_flatten(self):
         return (self.results, self.operands), self.meta
@@ -264,19 +286,21 @@ def _start(op: str, leaves: list, lay: Layout, backend: str) -> Handle:
         return Handle(outs, [], (op, lay, "local", ()))
     _lib.ensure_registered(lay.platform)
     if op == "all_gather":
-        types = [jax.ShapeDtypeStruct(p.shape, x.dtype) for p, x in zip(lay.params, leaves)]
+        types = [jax.ShapeDtypeStruct(p.local_shape, x.dtype) for p, x in zip(lay.params, leaves)]
     else:
         types = [jax.ShapeDtypeStruct(p.shard_shape, jnp.float32) for p in lay.params]
     n = len(leaves)
+    out_vmas = _out_vmas(leaves, lay.axis)
     # A barrier first: XLA:GPU's dynamic-slice fusion would otherwise fold a sliced operand (a layer
     # of stacked shards) into the custom call and not honor the aliasing below (seen on the H200).
     leaves = list(jax.lax.optimization_barrier(tuple(leaves)))
     # The operands come back as results N.. (aliased): done takes those, so XLA keeps the very
     # buffers tide reads alive until done, and cannot give done a recomputed copy.
     types = types + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-    vma = tuple(sorted(frozenset().union(*(_compat.vma_of(x) for x in leaves)) | {lay.axis}))
-    outs = _start_call(op, types, n, _attrs(lay, _new_site()), vma)(*leaves)
-    return Handle(list(outs[:n]), list(outs[n:]), (op, lay, backend, vma))
+    # In flight, the results are typed varying over the axis alone ([Note: vma of the collectives]).
+    tracked = any(_compat.vma_of(x) for x in leaves)
+    outs = _start_call(op, types, n, _attrs(lay, _new_site()), (lay.axis,) if tracked else ())(*leaves)
+    return Handle(list(outs[:n]), list(outs[n:]), (op, lay, backend, out_vmas))
 
 
 # [Note: start/done under vmap]
@@ -291,6 +315,7 @@ def _start(op: str, leaves: list, lay: Layout, backend: str) -> Handle:
 # would not wait for them). A done batched on some of its arrays only is refused at trace time.
 # Both forms type their results alike (varying over `vma`, the operands as they came), inside the
 # custom_vmap: a cast after it would meet already-varying values once the rule has replaced the call.
+# (`vma` is the in-flight type: the layout's axis alone; done types each result as its parameter's.)
 def _start_call(op: str, types: list, n: int, attrs: dict, vma):
     call = jax.ffi.ffi_call(f"tide_{op}_start", types, input_output_aliases={i: n + i for i in range(n)})
     sync = jax.ffi.ffi_call(f"tide_{op}", types[:n], vmap_method="sequential")
@@ -336,19 +361,21 @@ def _done_call(op: str, types: list, n: int, attrs: dict, vma):
 def _done(handle: Handle, op: str) -> list:
     if not isinstance(handle, Handle):
         raise TypeError(f"tide: {op}_done: expected the Handle its {op}_start returned, got {type(handle).__name__}")
-    hop, lay, backend, vma = handle.meta
+    hop, lay, backend, out_vmas = handle.meta
     if hop != op:
         raise ValueError(f"tide: {op}_done got the handle of a {hop}_start")
     if backend == "local":
         return list(handle.results)
     n = len(handle.results)
     types = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in handle.results]
-    outs = _done_call(op, types, n, _attrs(lay, _new_site()), vma)(*handle.results, *handle.operands)
+    tracked = any(out_vmas)
+    outs = _done_call(op, types, n, _attrs(lay, _new_site()), (lay.axis,) if tracked else ())(
+        *handle.results, *handle.operands)
     # A barrier after, as before start: XLA:GPU's dynamic-slice fusion would otherwise have done
     # write a result straight into a slice of a larger buffer (a scan's stacked outputs), which
     # breaks the aliasing done relies on (seen on the H200).
     outs = jax.lax.optimization_barrier(tuple(outs))
-    return [_compat.mark_varying(o, list(vma)) for o in outs]
+    return [_compat.mark_varying(o, v) for o, v in zip(outs, out_vmas)]
 
 
 def all_gather_start(shards, lay: Layout, dtype=None, *, backend: str | None = None) -> Handle:
@@ -361,7 +388,7 @@ def all_gather_start(shards, lay: Layout, dtype=None, *, backend: str | None = N
 
 
 def all_gather_done(handle: Handle):
-    """The full parameters of the all-gather `handle` started (same as `all_gather`)."""
+    """The gathered parameters (local blocks) of the all-gather `handle` started (same as `all_gather`)."""
     lay = handle.meta[1] if isinstance(handle, Handle) else None
     outs = _done(handle, "all_gather")
     return jax.tree_util.tree_unflatten(lay.treedef, outs)
@@ -414,19 +441,20 @@ def _all_gather(shards, lay: Layout, dtype, backend: str | None):
     return jax.tree_util.tree_unflatten(lay.treedef, gather(leaves, lay))
 
 
-def _reduce_scatter(grads, lay: Layout, dtypes: list, backend: str | None, psum_axes=()):
+def _reduce_scatter(grads, lay: Layout, dtypes: list, backend: str | None, psum_axes=None):
     _check_context(lay, "reduce_scatter")
     leaves = _check_grads(grads, lay, "reduce_scatter")
     _, scatter = _impl(backend)
     outs = scatter(leaves, lay)
-    if psum_axes:  # replicas of the shards (HSDP): sum the fp32 shards, not the bf16 gradients
-        outs = [jax.lax.psum(o, tuple(psum_axes)) for o in outs]
+    if psum_axes:  # per parameter, replicas of its shard (HSDP): sum the fp32 shards, not the bf16 gradients
+        outs = [jax.lax.psum(o, tuple(axes)) if axes else o for o, axes in zip(outs, psum_axes)]
     outs = [o if dt is None or o.dtype == dt else o.astype(dt) for o, dt in zip(outs, dtypes)]
     return jax.tree_util.tree_unflatten(lay.treedef, outs)
 
 
 def all_gather(shards, lay: Layout, dtype=None, *, backend: str | None = None):
-    """Local shards `(shard_rows, *rest)` -> full parameters (original shapes), inside shard_map.
+    """Local shards `(shard_rows, *rest)` -> full parameters (original shapes), inside shard_map; on a
+    mesh whose other axes split a parameter (its spec), its local block (full over the layout's axis).
 
     `dtype` (e.g. jnp.bfloat16) casts every floating shard before the gather, so only the local shard
     is converted and the wire carries the narrow type. One native call per pytree (parameter group).
@@ -435,7 +463,8 @@ def all_gather(shards, lay: Layout, dtype=None, *, backend: str | None = None):
 
 
 def reduce_scatter(grads, lay: Layout, dtype=jnp.float32, *, backend: str | None = None):
-    """Full gradients `(rows, *rest)` (bf16 / f16 / f32) -> this rank's shards of their sum over ranks.
+    """Full gradients `(rows, *rest)` (bf16 / f16 / f32; local blocks where a spec splits the
+    parameter over other axes) -> this rank's shards of their sum over the layout's axis.
 
     The sum is accumulated in float32; the result is `(shard_rows, *rest)` float32 with padding rows
     zero, cast to `dtype` afterwards if that differs.
@@ -460,23 +489,14 @@ def gather_params(shards, lay: Layout, dtype=jnp.bfloat16, *, backend: str | Non
             )
     shard_dtypes = [np.dtype(x.dtype) for x in leaves]
     backend = backend or _backend
-    # Mesh axes other than lay.axis over which the shards are replicated (e.g. the data-parallel axis
-    # of a 2-D mesh). The gathered parameters are declared varying over them, so JAX does not insert
-    # its own reduction of the (bf16) parameter cotangent over them; the backward pass sums the fp32
-    # shards over them instead. Only when shard_map tracks varying axes (check_vma=True); with
-    # check_vma=False the caller reduces over replicas, as with any collective.
-    shard_vma = frozenset().union(*(_compat.vma_of(x) for x in leaves))
-    replica_axes = ()
-    if shard_vma:
-        manual = _compat.manual_axes(_compat.enclosing_mesh())
-        replica_axes = tuple(sorted(manual - shard_vma - {lay.axis}))
+    shard_vmas, replicas = replica_axes(leaves, lay)
 
     @jax.custom_vjp
     def gather(shards):
         full = _all_gather(shards, lay, dtype, backend)
-        if replica_axes:
-            full = jax.tree.map(lambda t: _compat.mark_varying(t, replica_axes), full)
-        return full
+        flat, tree = jax.tree_util.tree_flatten(full)
+        flat = [_compat.mark_varying(t, r) if r else t for t, r in zip(flat, replicas)]
+        return jax.tree_util.tree_unflatten(tree, flat)
 
     def fwd(shards):
         return gather(shards), None
@@ -484,13 +504,33 @@ def gather_params(shards, lay: Layout, dtype=jnp.bfloat16, *, backend: str | Non
     def bwd(_, cotangent):
         # A cotangent may be typed less varying than the primal output (e.g. the same on every rank);
         # its values are still per device, so type it as such before summing it over devices.
-        ct_axes = sorted(shard_vma | set(replica_axes) | {lay.axis}) if shard_vma else []
-        if ct_axes:
-            cotangent = jax.tree.map(lambda t: _compat.mark_varying(t, ct_axes), cotangent)
-        grads = _reduce_scatter(cotangent, lay, shard_dtypes, backend, psum_axes=replica_axes)
-        if shard_vma:
-            grads = jax.tree.map(lambda t: _compat.mark_varying(t, sorted(shard_vma)), grads)
-        return (grads,)
+        flat, tree = jax.tree_util.tree_flatten(cotangent)
+        flat = [_compat.mark_varying(t, sorted(s | set(r) | {lay.axis})) if s else t
+                for t, s, r in zip(flat, shard_vmas, replicas)]
+        grads = _reduce_scatter(jax.tree_util.tree_unflatten(tree, flat), lay, shard_dtypes, backend,
+                                psum_axes=replicas)
+        flat, tree = jax.tree_util.tree_flatten(grads)
+        flat = [_compat.mark_varying(t, sorted(s)) if s else t for t, s in zip(flat, shard_vmas)]
+        return (jax.tree_util.tree_unflatten(tree, flat),)
 
     gather.defvjp(fwd, bwd)
     return gather(shards)
+
+
+def replica_axes(leaves, lay: Layout) -> tuple[list, list]:
+    """(per shard its varying axes, per shard the replica axes it is summed over).
+
+    The replica axes of a shard are the layout's `replicas` (HSDP: the mesh axes its shards are
+    copied over while the batch is split over them) it does not already vary over. Its gathered
+    block is declared varying over them, so JAX does not insert its own reduction of the (bf16)
+    cotangent there; the backward sums the fp32 shards over them instead. Any other axis the shard is
+    replicated over (a tensor or expert axis) keeps jax.lax's typing ([Note: vma of the collectives]):
+    JAX's autodiff sums the cotangent over it where the block meets values that vary over it.
+    Only when shard_map tracks varying axes (check_vma=True); with check_vma=False the caller
+    reduces over replicas, as with any collective."""
+    shard_vmas = [_compat.vma_of(x) for x in leaves]
+    if not any(shard_vmas):
+        return shard_vmas, [()] * len(leaves)
+    manual = _compat.manual_axes(_compat.enclosing_mesh())
+    wanted = set(lay.replicas) & set(manual)
+    return shard_vmas, [tuple(sorted(wanted - s - {lay.axis})) if s else () for s in shard_vmas]

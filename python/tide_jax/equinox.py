@@ -66,9 +66,7 @@ def _classify(model):
 
 
 def _layer_paths(model, layers) -> list[str]:
-    if layers is None:
-        raise TypeError("tide: tide_jax.equinox.shard: pass layers=, the path of the stacked layers (e.g. layers='layers')")
-    items = layers if isinstance(layers, (list, tuple)) else [layers]
+    items = _models.layer_items(layers, "tide_jax.equinox.shard", "layers")
     out = []
     for item in items:
         if isinstance(item, str):
@@ -94,34 +92,15 @@ def _layer_paths(model, layers) -> list[str]:
     return out
 
 
-class FSDP:
+class FSDP(_models.FrontDoor):
     """The front door of one sharded Equinox model (`tide_jax.equinox.shard`)."""
 
+    NAME = "tide_jax.equinox"
+
     def __init__(self, plan: _models.Plan, tree, kinds):
-        self.plan = plan
+        super().__init__(plan)
         self.tree = tree
         self._kinds = kinds
-
-    @property
-    def mesh(self):
-        return self.plan.mesh
-
-    @property
-    def axis(self) -> str:
-        return self.plan.axis
-
-    @property
-    def layouts(self) -> dict:
-        """{stack path: ONE layer's Layout, ..., "rest": the other parameters' Layout (or None)}."""
-        out = {s.name: s.lay for s in self.plan.stacks}
-        out["rest"] = self.plan.rest_lay
-        return out
-
-    def __repr__(self) -> str:
-        stacks = ", ".join(f"{s.name!r}: {s.num} layers x {len(s.params)} params" for s in self.plan.stacks)
-        return (f"tide_jax.equinox.FSDP(axis={self.axis!r}, world={self.plan.world}, {stacks}, "
-                f"{len(self.plan.rest)} other params, {sum(st.array for st in self.plan.state)} state arrays "
-                "passed through)")
 
     def _split(self, model, what: str):
         named, tree, kinds = _classify(model)
@@ -167,13 +146,7 @@ class FSDP:
 
     def filter_grad(self, fn: Callable, *, has_aux: bool = False):
         """`eqx.filter_grad(fn)` under FSDP: `(model, *batch) -> grads` (`(grads, aux)` with has_aux)."""
-        vg = self.filter_value_and_grad(fn, has_aux=has_aux)
-
-        def wrapped(model, *args):
-            out, grads = vg(model, *args)
-            return (grads, out[1]) if has_aux else grads
-
-        return wrapped
+        return self.grad_of(self.filter_value_and_grad(fn, has_aux=has_aux), has_aux)
 
     def apply(self, fn: Callable):
         """`(model, *batch) -> fn(model, *batch)` under FSDP, no gradient: 0-d outputs averaged over
@@ -216,26 +189,36 @@ class FSDP:
         return jax.tree_util.tree_unflatten(tree, [next(sharded) if k == "param" else next(state) for k in kinds])
 
 
-def shard(model, mesh, axis: str, *, layers, dtype=None, remat=None, prefetch: int = 1,
+def shard(model, mesh, axis: str, *, layers, specs=None, dtype=None, remat=None, prefetch: int = 1,
           reshard_after_forward: bool = True, backend: str | None = None, batch_axes=None):
     """(the model with its floating arrays as fp32 FSDP shards over `axis` of `mesh`, its front door).
 
     layers: path of the stacked layers ("layers", "decoder.blocks"; several: a tuple; or a function
       `lambda m: m.layers`); the model must run them through `call_layers`.
+    specs: how the floating arrays are split over the mesh's axes other than `axis`: a pytree of
+      PartitionSpecs (None: not split) matching the model or a prefix of it (e.g.
+      `eqx.tree_at(lambda m: m.layers.mlp.w1, jax.tree.map(lambda _: None, model), P(None, "tensor"))`);
+      a stacked array's spec is one layer's (or the stack's, its layer axis first and not split).
+      The model's own code runs the psums a split needs (Megatron-style); tide shards dim 0 of each
+      local block over `axis` (`tide_jax.layout`), and the batch is split over the axes no array is
+      split over (`batch_axes`). Default: nothing split (pure FSDP).
     dtype: the dtype the floating arrays are gathered in (None: as stored, fp32, the model's numerics
       unchanged; jnp.bfloat16: the model computes in bf16, half the bytes moved, fp32 gradient sums).
     remat, prefetch, reshard_after_forward: `tide_jax.scan_layers`'s (remat=None: the one
       `call_layers` is given, default no recompute).
     backend: "tide" or "jax" (default: `tide_jax.get_backend()`).
-    batch_axes: the mesh axes the batch is split over (default: all of them).
+    batch_axes: the mesh axes the batch is split over (default: every axis no array is split over);
+      the shards are replicated over those other than `axis` (HSDP).
     """
     stacks = _layer_paths(model, layers)
     named, tree, kinds = _classify(model)
     params = [nx for nx, k in zip(named, kinds) if k == "param"]
     state = [nx for nx, k in zip(named, kinds) if k == "state"]
+    leaf_specs = _models.specs_from_tree(specs, model, len(named), "tide_jax.equinox.shard")
     plan = _models.Plan(params, state, stacks, mesh, axis, dtype=dtype, remat=remat, prefetch=prefetch,
                         reshard_after_forward=reshard_after_forward, backend=backend, batch_axes=batch_axes,
-                        hook=HOOK, what="tide_jax.equinox.shard")
+                        hook=HOOK, what="tide_jax.equinox.shard",
+                        specs=[sp for sp, k in zip(leaf_specs, kinds) if k == "param"])
     fsdp = FSDP(plan, tree, kinds)
     return fsdp.shard(model), fsdp
 
@@ -243,8 +226,6 @@ def shard(model, mesh, axis: str, *, layers, dtype=None, remat=None, prefetch: i
 # ----------------------------------------------------------------------------------------------
 # the hook
 # ----------------------------------------------------------------------------------------------
-def _default_call(layer, carry, *args, **kwargs):
-    return layer(carry, *args, **kwargs)
 
 
 def call_layers(layers, carry, *args, key=None, xs=None, fn: Callable | None = None, remat=None, **kwargs):
@@ -260,7 +241,7 @@ def call_layers(layers, carry, *args, key=None, xs=None, fn: Callable | None = N
     Elsewhere: `eqx.partition` + `lax.scan` (the Equinox idiom), so the model trains without tide
     unchanged. A layer's output carry is cast to the input carry's dtypes. `remat`: None, True, a
     `jax.checkpoint` policy or a name (`tide_jax.remat_policy`), in both cases."""
-    call = fn or _default_call
+    call = fn or _models.default_call
     has_xs = xs is not None
     leaves, tree = jax.tree_util.tree_flatten(layers)
     found = _models.find_placeholders(leaves)

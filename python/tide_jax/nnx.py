@@ -21,7 +21,10 @@
 `shard` finds the stacked layers by their path (`layers="blocks"`: a module made with
 `nnx.split_rngs` + `nnx.vmap`, every leaf with the layers on its first axis), builds one layer's
 layout and one for the other parameters, and replaces every `nnx.Param` value by its fp32 FSDP shard
-(`(P * shard_rows, *rest)`, stacked `(L, P * shard_rows, *rest)`, sharded over `axis`).
+(`(P * shard_rows, *rest)`, stacked `(L, P * shard_rows, *rest)`, sharded over `axis`). On a mesh
+with tensor or expert axes, `shard(..., rules=[("mlp", "tensor"), ...])` reads the Params' own
+annotations (`nnx.with_partitioning`) through logical axis rules and FSDP-shards each local block
+(`tide_jax.layout(specs=...)`); the model's code runs its own psums (Megatron-style).
 
 `fsdp.value_and_grad(loss_fn)(model, *batch)` runs `loss_fn(model, *batch)` on every device under
 `shard_map`: the batch arguments split on their first axis, the model rebuilt with the other
@@ -52,6 +55,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 try:
     from flax import nnx as _nnx
@@ -72,9 +76,7 @@ def _flat(state):
 
 
 def _layer_paths(model, layers) -> list[str]:
-    if layers is None:
-        raise TypeError("tide: tide_jax.nnx.shard: pass layers=, the path of the stacked layers (e.g. layers='blocks')")
-    items = layers if isinstance(layers, (list, tuple)) else [layers]
+    items = _models.layer_items(layers, "tide_jax.nnx.shard", "blocks")
     out = []
     for item in items:
         if isinstance(item, str):
@@ -93,36 +95,19 @@ def _layer_paths(model, layers) -> list[str]:
     return out
 
 
-class FSDP:
+class FSDP(_models.FrontDoor):
     """The front door of one sharded NNX model (`tide_jax.nnx.shard`). Pure Python: close over it in
     a jitted step."""
 
-    def __init__(self, plan: _models.Plan, filt, what: str = "tide_jax.nnx"):
-        self.plan = plan
+    NAME = "tide_jax.nnx"
+
+    def __init__(self, plan: _models.Plan, filt):
+        super().__init__(plan)
         self.filter = filt
         plan.nnx_filter = filt
 
-    # ----- what it built -----
-    @property
-    def mesh(self):
-        return self.plan.mesh
-
-    @property
-    def axis(self) -> str:
-        return self.plan.axis
-
-    @property
-    def layouts(self) -> dict:
-        """{stack path: ONE layer's Layout, ..., "rest": the other parameters' Layout (or None)}."""
-        out = {s.name: s.lay for s in self.plan.stacks}
-        out["rest"] = self.plan.rest_lay
-        return out
-
-    def __repr__(self) -> str:
-        stacks = ", ".join(f"{s.name!r}: {s.num} layers x {len(s.params)} params" for s in self.plan.stacks)
-        return (f"tide_jax.nnx.FSDP(axis={self.axis!r}, world={self.plan.world}, {stacks}, "
-                f"{len(self.plan.rest)} other params, {sum(st.array for st in self.plan.state)} state arrays "
-                f"passed through, gather dtype {jnp.dtype(self.plan.dtype).name if self.plan.dtype else 'as stored'})")
+    def _repr_extra(self) -> str:
+        return f", gather dtype {jnp.dtype(self.plan.dtype).name if self.plan.dtype else 'as stored'}"
 
     # ----- the model's leaves -----
     def _split(self, model, what: str):
@@ -187,13 +172,7 @@ class FSDP:
 
     def grad(self, fn: Callable, *, has_aux: bool = False):
         """`nnx.grad(fn)` under FSDP: `(model, *batch) -> grads` (`(grads, aux)` with has_aux)."""
-        vg = self.value_and_grad(fn, has_aux=has_aux)
-
-        def wrapped(model, *args):
-            out, grads = vg(model, *args)
-            return (grads, out[1]) if has_aux else grads
-
-        return wrapped
+        return self.grad_of(self.value_and_grad(fn, has_aux=has_aux), has_aux)
 
     def apply(self, fn: Callable):
         """`(model, *batch) -> fn(model, *batch)` under FSDP, no gradient (evaluation): outputs' 0-d
@@ -235,7 +214,7 @@ class FSDP:
         return model
 
 
-def shard(model, mesh, axis: str, *, layers, params=_nnx.Param, dtype=None, remat=None,
+def shard(model, mesh, axis: str, *, layers, params=_nnx.Param, rules=None, dtype=None, remat=None,
           prefetch: int = 1, reshard_after_forward: bool = True, backend: str | None = None,
           batch_axes=None) -> FSDP:
     """Shards `model`'s parameters over `axis` of `mesh` in place (FSDP2's dim-0 rule, fp32 master
@@ -244,13 +223,22 @@ def shard(model, mesh, axis: str, *, layers, params=_nnx.Param, dtype=None, rema
     layers: path of the stacked layers ("blocks", "decoder.layers"; several: a tuple; or a function
       `lambda m: m.blocks`); the model must run them through `call_layers`.
     params: the filter of the trained variables (nnx.Param); every other variable is state.
+    rules: logical axis rules, `[(logical name, mesh axis | (axes...) | None), ...]` (MaxText's,
+      `nnx.logical_axis_rules`'), added to those of an enclosing `nnx.logical_axis_rules` context:
+      how the Params' own annotations (`nnx.with_partitioning`) map to the mesh's axes. A name no rule
+      maps stands for the mesh axis of that name (refused when it is none, if any rule is given;
+      without rules such names split nothing). Annotations that map to `axis` are left to tide
+      (it shards dim 0 of each local block over `axis` itself); the others split the parameters
+      (tensor, expert: Megatron-style code runs its own psums), and the batch is split over the mesh
+      axes no parameter is split over (`batch_axes`).
     dtype: the dtype the parameters are gathered in (None: as stored, fp32, the model's numerics
       unchanged). jnp.bfloat16 for a model that computes in bf16 (`nnx.Linear(..., dtype=jnp.bfloat16)`):
       the same results at half the bytes, gradients reduce-scattered from bf16 with fp32 sums.
     remat, prefetch, reshard_after_forward: `tide_jax.scan_layers`'s (remat=None: the one
       `call_layers` is given, default no recompute).
     backend: "tide" or "jax" (default: `tide_jax.get_backend()`).
-    batch_axes: the mesh axes the batch is split over (default: all of them).
+    batch_axes: the mesh axes the batch is split over (default: every axis no parameter is split
+      over); the shards are replicated over those other than `axis` (HSDP).
     """
     if not isinstance(model, _nnx.Module):
         raise TypeError(f"tide: tide_jax.nnx.shard: expected an nnx.Module, got {type(model).__name__}")
@@ -258,19 +246,60 @@ def shard(model, mesh, axis: str, *, layers, params=_nnx.Param, dtype=None, rema
     gd, pstate, ostate = _nnx.split(model, params, ...)
     p, _ = _flat(pstate)
     o, _ = _flat(ostate)
+    specs = _mesh_specs(pstate, p, rules, mesh, axis)
     plan = _models.Plan(p, o, stacks, mesh, axis, dtype=dtype, remat=remat, prefetch=prefetch,
                         reshard_after_forward=reshard_after_forward, backend=backend, batch_axes=batch_axes,
-                        hook=HOOK, what="tide_jax.nnx.shard")
+                        hook=HOOK, what="tide_jax.nnx.shard", specs=specs)
     fsdp = FSDP(plan, params)
     fsdp.shard(model)
     return fsdp
 
 
+def _mesh_specs(pstate, params: list, rules, mesh, axis: str) -> list:
+    """Per parameter, its annotation (`nnx.get_partition_spec`) mapped to mesh axes by the logical
+    axis rules (flax's context rules, then `rules`), `axis` left out. With rules, refuses (naming the
+    parameter) a name that maps to no axis of the mesh; with none, such names split nothing (models
+    annotated for another setup train as before)."""
+    from flax.core import spmd
+
+    try:
+        rules = dict(spmd.composite_rules(spmd.get_logical_axis_rules(), tuple(rules or ())))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"tide: tide_jax.nnx.shard: rules: {e}") from None
+    strict = bool(rules)  # without any rule, names that are not mesh axes split nothing (as before rules)
+    logical, _ = _flat(_nnx.get_partition_spec(pstate))
+    by_path = dict(logical)
+    out = []
+    for path, _ in params:
+        spec = by_path.get(path)
+        if not isinstance(spec, P) or not tuple(spec):
+            out.append(None)
+            continue
+        dims = []
+        for entry in tuple(spec):
+            names = entry if isinstance(entry, tuple) else (() if entry is None else (entry,))
+            axes = []
+            for name in names:
+                target = rules.get(name, name)
+                for a in target if isinstance(target, tuple) else (() if target is None else (target,)):
+                    if a not in mesh.axis_names and not strict:
+                        continue
+                    if a not in mesh.axis_names:
+                        raise ValueError(
+                            f"tide: tide_jax.nnx.shard: parameter {path}: its annotation {spec} names {name!r}, "
+                            f"which {'the rules map to ' + repr(a) + ', not' if name in rules else 'no rule maps to'} "
+                            f"an axis of the mesh (axes {tuple(mesh.axis_names)}): pass rules=[({name!r}, <mesh "
+                            "axis, or None for not split>), ...]")
+                    if a != axis:  # tide shards dim 0 of each local block over `axis` by its own rule
+                        axes.append(a)
+            dims.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+        out.append(P(*dims))
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # the hook
 # ----------------------------------------------------------------------------------------------
-def _default_call(layer, carry, *args, **kwargs):
-    return layer(carry, *args, **kwargs)
 
 
 def call_layers(blocks, carry, *args, xs=None, fn: Callable | None = None, remat=None, **kwargs):
@@ -288,7 +317,7 @@ def call_layers(blocks, carry, *args, xs=None, fn: Callable | None = None, remat
     name (`tide_jax.remat_policy`), in both cases."""
     if not isinstance(blocks, _nnx.Module):
         raise TypeError(f"tide: {HOOK}: expected the stacked layers (an nnx.Module), got {type(blocks).__name__}")
-    call = fn or _default_call
+    call = fn or _models.default_call
     has_xs = xs is not None
 
     def run(layer, c, x, extra=(args, kwargs)):

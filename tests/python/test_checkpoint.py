@@ -14,6 +14,7 @@ Global batch 24 (3 per device on 8), so that it splits over 8, 4 and 3 devices.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -277,3 +278,74 @@ def test_saved_by_two_processes_resumed_by_one(run_mp):
     a, b = _losses(full), _losses(resumed)
     worst = max(abs(a[s] - b[s]) / abs(a[s]) for s in b)
     assert worst < 1e-4, (worst, a, b)
+
+
+# ----- meshes with a tensor axis: saved on fsdp x tensor 4 x 2, restored on 4 x 2, 2 x 4 and 8 x 1 -----
+TP_CFG = dataclasses.replace(CFG, kv_heads=4)  # whole key/value heads on 4 tensor devices too
+
+
+def _tp_lays(shape):
+    mesh = make_mesh(shape, ("fsdp", "tensor"))
+    return mesh, llama.Layouts.build(TP_CFG, mesh)
+
+
+def _crop_host(x, lg) -> np.ndarray:
+    """A global array -> its logical array on the host (each block's padding dropped, checked zero)."""
+    full = np.asarray(x)
+    for d, k in enumerate(checkpoint.blocks_of(lg, full.shape)):
+        n, g = lg.shape[d], full.shape[d]
+        if n == g:
+            continue
+        blocks = full.reshape(*full.shape[:d], k, g // k, *full.shape[d + 1:])
+        assert not np.take(blocks, range(n // k, g // k), axis=d + 1).any(), f"dim {d}: padding is not zero"
+        full = np.take(blocks, range(n // k), axis=d + 1).reshape(*full.shape[:d], n, *full.shape[d + 1:])
+    return full
+
+
+def _logical_host(state, logical) -> dict:
+    return {checkpoint.leaf_name(k): _crop_host(x, lg) for (k, x), lg in
+            zip(jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(logical))}
+
+
+@pytest.fixture(scope="module")
+def saved_tp(tmp_path_factory):
+    """A state on fsdp x tensor 4 x 2 (random parameters and AdamW moments, each block padded on its
+    own), checkpointed at step 1."""
+    mesh, lays = _tp_lays((4, 2))
+    tx = llama.optimizer(llama.OptConfig(steps=10, lr=TP_CFG.lr, warmup=2), TP_CFG)
+    state = llama.init_state(TP_CFG, lays, tx, int(np.random.default_rng().integers(1 << 20)))
+    rng = np.random.default_rng()
+    randoms = lambda: lays.shard(jax.tree.map(  # noqa: E731
+        lambda x: rng.standard_normal(x.shape).astype(np.float32), llama.abstract_params(TP_CFG)))
+    adam = state["opt"][1][0]
+    state["opt"] = (state["opt"][0], (adam._replace(mu=randoms(), nu=randoms()), *state["opt"][1][1:]))
+    logical = llama.logical_state(state, lays)
+    w_down = state["params"]["layers"]["w_down"]
+    assert w_down.shape == (TP_CFG.layers, 2 * 4 * 22, TP_CFG.d_model)  # 86 rows per block, padded to 88
+    root = tmp_path_factory.mktemp("ck_tp") / "run"
+    ck = checkpoint.Checkpoints(str(root))
+    ck.save(1, state, logical, {"step": 1, "mesh": "4x2"})
+    ck.close()
+    return dict(root=root, state=state, tx=tx, want=_logical_host(state, logical))
+
+
+def test_tensor_parallel_checkpoint_holds_the_logical_arrays(saved_tp):
+    stored = checkpoint.stored_shapes(str(saved_tp["root"]))
+    assert stored["params.layers.w_down"] == ((2, 172, 64), "float32")
+    assert stored["opt.1.0.mu.layers.wo"] == ((2, 64, 64), "float32")
+    _same(_state_arrays(saved_tp["root"] / "1"), saved_tp["want"])  # the blocks in their logical places
+
+
+@pytest.mark.parametrize("shape", [(4, 2), (2, 4), (8, 1)])
+def test_tensor_parallel_restore_on_another_mesh_shape(saved_tp, shape):
+    mesh, lays = _tp_lays(shape)
+    target = llama.abstract_state(TP_CFG, lays, saved_tp["tx"])
+    logical = llama.logical_state(target, lays)
+    state, meta = checkpoint.restore(str(saved_tp["root"]), target, logical)
+    assert meta == {"step": 1, "mesh": "4x2"}
+    for x, t in zip(jax.tree.leaves(state), jax.tree.leaves(target)):
+        assert x.shape == t.shape and x.dtype == t.dtype and x.sharding == t.sharding
+    _same(_logical_host(state, logical), saved_tp["want"])  # (and every padding row zero)
+    if shape == (4, 2):  # the very arrays that were saved, padding included
+        assert all(np.asarray(x).tobytes() == np.asarray(y).tobytes()
+                   for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(saved_tp["state"])))
