@@ -309,75 +309,29 @@ fn cuda_engine_matches_cpu_engine() {
 /// One rank of a world-`world` call alone on GPU 0, its peers emulated by buffers holding their
 /// inputs (`tide::cuda::execute_emulated`, what examples/interference.rs measures at P = 2..8),
 /// against the CPU engine's output of that rank, bitwise; twice back to back.
-fn emulated_rank_matches(d: &Dev, op: Op, site: i64, world: usize, rank: usize, seed: u64) {
-    let layout = GroupLayout::new(&specs(), world).unwrap();
-    let topo = Topology::single_node(world);
-    let plan: Plan = match op {
-        Op::AllGather => plan::all_gather(&layout, topo).unwrap(),
-        Op::ReduceScatter => plan::reduce_scatter(&layout, topo, plan::RsOptions::from_config()).unwrap(),
-    };
-    let n = layout.len();
-    let inputs: Vec<Vec<Vec<u8>>> = (0..world)
-        .map(|r| {
-            (0..n)
-                .map(|i| {
-                    let mut b = vec![0u8; plan.input_bytes(i)];
-                    fill(&mut b, layout.params[i].dtype, seed ^ ((r as u64) << 32) ^ (i as u64 * 7919));
-                    b
-                })
-                .collect()
+fn emulated_rank_matches(gpu: &common::gpu::Gpu, op: Op, site: i64, world: usize, rank: usize, seed: u64) {
+    let stream = gpu.stream();
+    // Every rank's buffers (inputs uploaded, outputs 0xa5) and the CPU engine's outputs.
+    let ranks: Vec<(usize, usize)> = (0..world).map(|r| (r, stream)).collect();
+    let case = common::gpu::make_case(gpu, op, site, 0, world, &ranks, &specs(), seed, &mut |b| gpu.upload(b));
+    let bytes = |v: &BufferView| v.dims.iter().product::<usize>() * v.dtype.size_bytes();
+    let peers: Vec<tide::cuda::EmulatedPeer> = (0..world)
+        .filter(|&q| q != rank)
+        .map(|q| tide::cuda::EmulatedPeer {
+            inputs: case.calls[q].inputs.iter().map(|v| (v.ptr as u64, bytes(v))).collect(),
+            outputs: Vec::new(),
         })
         .collect();
-    let want = run_threads(&plan, &inputs).unwrap();
-    let mut peers = Vec::new();
-    for q in (0..world).filter(|&q| q != rank) {
-        peers.push(tide::cuda::EmulatedPeer {
-            inputs: (0..n).map(|i| (alloc_upload(d, &inputs[q][i]), inputs[q][i].len())).collect(),
-            outputs: Vec::new(),
-        });
-    }
-    let (mut ins, mut outs, mut optrs) = (Vec::new(), Vec::new(), Vec::new());
-    for i in 0..n {
-        let p = &layout.params[i];
-        let mut shard = vec![p.shard_rows];
-        shard.extend(p.shape.iter().skip(1));
-        let (idims, odims, odt) = match op {
-            Op::AllGather => (shard, p.shape.clone(), p.dtype),
-            Op::ReduceScatter => (p.shape.clone(), shard, DType::F32),
-        };
-        let o = alloc_upload(d, &vec![0xa5u8; plan.output_bytes(i)]);
-        optrs.push(o);
-        ins.push(BufferView { ptr: alloc_upload(d, &inputs[rank][i]) as usize, dtype: p.dtype, dims: idims });
-        outs.push(BufferView { ptr: o as usize, dtype: odt, dims: odims });
-    }
-    let call = CallInfo {
-        op,
-        site,
-        run_id: 0,
-        rank_devices: Default::default(),
-        job: 0,
-        device_ordinal: d.ordinal,
-        rank,
-        group: 0,
-        world,
-        topology: topo,
-        names: specs().iter().map(|s| s.name.clone()).collect(),
-        inputs: ins,
-        outputs: outs,
-        stream: d.stream as usize,
-    };
     for rep in 0..2 {
-        tide::cuda::execute_emulated(&call, &peers).unwrap_or_else(|e| panic!("{op:?} world {world} rank {rank} rep {rep}: {e}"));
+        tide::cuda::execute_emulated(&case.calls[rank], &peers)
+            .unwrap_or_else(|e| panic!("{op:?} world {world} rank {rank} rep {rep}: {e}"));
     }
-    set_ctx(d);
-    // SAFETY: our stream.
-    check(unsafe { sys::cuStreamSynchronize(d.stream) }, "cuStreamSynchronize", String::new).unwrap();
-    for i in 0..n {
-        let got = download(d, optrs[i], plan.output_bytes(i));
+    gpu.sync(stream);
+    for (i, &p) in case.outs[rank].iter().enumerate() {
         assert!(
-            got == want[rank][i],
-            "{op:?} world {world} rank {rank} (emulated peers): {} differs from the CPU engine",
-            layout.params[i].describe()
+            gpu.download(p, case.out_bytes[i]) == case.want[rank][i],
+            "{op:?} world {world} rank {rank} (emulated peers): param {i} ({}) differs from the CPU engine",
+            specs()[i].name
         );
     }
 }
@@ -386,7 +340,7 @@ fn emulated_rank_matches(d: &Dev, op: Op, site: i64, world: usize, rank: usize, 
 #[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
 fn emulated_ranks_match_the_cpu_engine() {
     std::env::set_var("TIDE_TIMEOUT_S", "60");
-    let Some(devs) = gpus() else { return };
+    let gpu = common::gpu::Gpu::open();
     let mut site = 7000;
     // (TIDE_RS_CTA_BYTES, TIDE_CE_PIECE_BYTES, TIDE_RS_SLOT_BYTES): one grid-stride launch per sum
     // and whole copies; tiny sum pieces and 4 KiB copy pieces through small slots; the defaults.
@@ -400,7 +354,7 @@ fn emulated_ranks_match_the_cpu_engine() {
             for op in [Op::AllGather, Op::ReduceScatter] {
                 for rank in [0, world - 1].into_iter().collect::<std::collections::BTreeSet<_>>() {
                     site += 1;
-                    emulated_rank_matches(&devs[0], op, site, world, rank, site as u64);
+                    emulated_rank_matches(&gpu, op, site, world, rank, site as u64);
                 }
             }
         }
