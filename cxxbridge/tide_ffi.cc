@@ -82,11 +82,14 @@ namespace tide::ffi {
 namespace {
 
 // Must match `Op` and `Phase` codes in src/ffi/mod.rs.
-enum class Op : uint8_t { kAllGather = 0, kReduceScatter = 1 };
+// kReduceScatterInto: the reduce-scatter into slices of larger buffers (`bridge_op` in Rust).
+enum class Op : uint8_t { kAllGather = 0, kReduceScatter = 1, kReduceScatterInto = 2 };
 enum class Phase : uint8_t { kSync = 0, kStart = 1, kDone = 2 };
 
 std::string Where(Op op, Phase phase, int64_t site) {
-  std::string name = op == Op::kAllGather ? "tide all_gather" : "tide reduce_scatter";
+  std::string name = op == Op::kAllGather       ? "tide all_gather"
+                     : op == Op::kReduceScatter ? "tide reduce_scatter"
+                                                : "tide reduce_scatter_into";
   if (phase == Phase::kStart) name += "_start";
   if (phase == Phase::kDone) name += "_done";
   return name + " site " + std::to_string(site);
@@ -281,3 +284,5 @@ TIDE_TARGET(all_gather_start, Op::kAllGather, Phase::kStart)
 TIDE_TARGET(all_gather_done, Op::kAllGather, Phase::kDone)
 TIDE_TARGET(reduce_scatter_start, Op::kReduceScatter, Phase::kStart)
 TIDE_TARGET(reduce_scatter_done, Op::kReduceScatter, Phase::kDone)
+TIDE_TARGET(reduce_scatter_into_start, Op::kReduceScatterInto, Phase::kStart)
+TIDE_TARGET(reduce_scatter_into_done, Op::kReduceScatterInto, Phase::kDone)

@@ -521,6 +521,7 @@ fn call_of(devs: &[Dev], b: &Bufs, op: Op, site: i64, r: usize, world: usize) ->
         inputs: ins,
         outputs: outs,
         stream: d.stream as usize,
+        at: None,
     }
 }
 

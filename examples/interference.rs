@@ -842,6 +842,7 @@ fn engine_call(op: Op, world: usize, site: i64) -> EngineCall {
         inputs: ins,
         outputs: outs,
         stream: 0,
+        at: None,
     };
     EngineCall { call, peers, bytes }
 }

@@ -21,6 +21,16 @@
 //   src/cuda/schedule.rs), so a CTA lives microseconds (docs/design.md "Stealing nothing").
 //
 // tide_copy(dst, src, bytes, width): copies bytes; width (16, 8, 4, 2 or 1) divides both addresses.
+//
+// Into slices of larger buffers (a reduce-scatter that writes one slice of a (L, ...) gradient
+// buffer, the slice index known only on the device: src/call.rs OutputAt):
+// rs_sum_at_<src>_f32(dst, srcs, nsrc, n, accumulate, vectorized, at, count, stride, mask):
+//   rs_sum_<src>_f32 with dst (mask bit 0) and source 0 (mask bit 1) moved s * stride bytes on,
+//   s = clamp(i, 0, count - 1) with i = *at, plus count if negative (jax.lax.dynamic_update_slice's
+//   rule: a negative index counts from the end; never outside the buffer).
+//   The host passes vectorized != 0 only if stride keeps the 16-byte alignment.
+// tide_zero_at(dst, bytes, at, count, stride): zeroes bytes at dst + s * stride (padding rows of a
+//   result; 4-byte units where dst and bytes allow).
 
 #define TIDE_THREADS 512
 #define TIDE_MAX_SRCS 8
@@ -315,6 +325,57 @@ rs_sum_f16_f32(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int ac
 extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
 rs_sum_f32_f32(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized) {
     tide_sum<TideF32>(dst, srcs, nsrc, n, accumulate, vectorized);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Into slices: the slice's byte offset, read once per thread from device memory.
+TIDE_DEV unsigned long long tide_at_offset(const int* at, unsigned long long count, unsigned long long stride) {
+    long long s = *at;
+    if (s < 0) s += (long long)count;  // counts from the end, as jax.lax's dynamic slices do
+    if (s < 0) s = 0;
+    if ((unsigned long long)s >= count) s = (long long)count - 1;
+    return (unsigned long long)s * stride;
+}
+
+template <class E>
+TIDE_DEV void tide_sum_at(float* dst, const TideSrcs& srcs, int nsrc, unsigned long long n, int accumulate,
+                          int vectorized, const int* at, unsigned long long count, unsigned long long stride,
+                          unsigned int mask) {
+    const unsigned long long off = tide_at_offset(at, count, stride);
+    TideSrcs s = srcs;
+    if (mask & 2u) s.p[0] = (const unsigned char*)s.p[0] + off;
+    if (mask & 1u) dst = (float*)((unsigned char*)dst + off);
+    tide_sum<E>(dst, s, nsrc, n, accumulate, vectorized);
+}
+
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
+rs_sum_at_bf16_f32(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized,
+                   const int* at, unsigned long long count, unsigned long long stride, unsigned int mask) {
+    tide_sum_at<TideBf16>(dst, srcs, nsrc, n, accumulate, vectorized, at, count, stride, mask);
+}
+
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
+rs_sum_at_f16_f32(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized,
+                  const int* at, unsigned long long count, unsigned long long stride, unsigned int mask) {
+    tide_sum_at<TideF16>(dst, srcs, nsrc, n, accumulate, vectorized, at, count, stride, mask);
+}
+
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
+rs_sum_at_f32_f32(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized,
+                  const int* at, unsigned long long count, unsigned long long stride, unsigned int mask) {
+    tide_sum_at<TideF32>(dst, srcs, nsrc, n, accumulate, vectorized, at, count, stride, mask);
+}
+
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+tide_zero_at(void* dst, unsigned long long bytes, const int* at, unsigned long long count, unsigned long long stride) {
+    unsigned char* d = (unsigned char*)dst + tide_at_offset(at, count, stride);
+    const unsigned long long threads = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned long long tid = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if ((((unsigned long long)d) | bytes) % 4 == 0) {
+        for (unsigned long long i = tid; i < bytes / 4; i += threads) ((unsigned int*)d)[i] = 0u;
+    } else {
+        for (unsigned long long i = tid; i < bytes; i += threads) d[i] = 0;
+    }
 }
 
 // Byte copy in units of T (U units in flight per thread), then the bytes past the last whole unit.

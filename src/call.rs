@@ -287,6 +287,34 @@ pub struct CallInfo {
     pub outputs: Vec<BufferView>,
     /// XLA's stream (CUstream) on CUDA, 0 on CPU.
     pub stream: usize,
+    /// Set for a reduce-scatter *into* slices of larger buffers (`tide_reduce_scatter_into_*`):
+    /// each result is a slice of `outputs[i]`, chosen on the device (`OutputAt`). None: the
+    /// outputs are the results themselves.
+    pub at: Option<OutputAt>,
+}
+
+/// Where a reduce-scatter into larger buffers writes (docs/design.md "FFI contract",
+/// `tide_reduce_scatter_into_start`): `outputs[i]` has shape `(count, *shard_i)` and the call's
+/// result i is `outputs[i][slice(index)]`, where `index` is the int32 scalar at `index_ptr` (device
+/// memory on CUDA, read by the kernels when they run; host memory on CPU) and `slice` is
+/// `jax.lax.dynamic_update_slice`'s rule: a negative index counts from the end, then it is clamped
+/// to [0, count - 1], so an index past either end writes the nearest slice and never outside the
+/// buffer. Every other slice is left as it was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OutputAt {
+    /// Address of the int32 slice index.
+    pub index_ptr: usize,
+    /// Slices in each output buffer (its leading dim), >= 1.
+    pub count: usize,
+}
+
+impl OutputAt {
+    /// The slice an index value selects: `index` (plus `count` if negative) clamped to [0, count - 1].
+    pub fn slice(&self, index: i32) -> usize {
+        let count = self.count as i64;
+        let i = if index < 0 { index as i64 + count } else { index as i64 };
+        i.clamp(0, (count - 1).max(0)) as usize
+    }
 }
 
 impl CallInfo {
@@ -378,6 +406,17 @@ fn build_layout(call: &CallInfo) -> Result<GroupLayout> {
             call.outputs.len()
         );
     }
+    if let Some(at) = call.at {
+        if call.op != Op::ReduceScatter || at.count == 0 || at.index_ptr == 0 {
+            return invalid!(
+                "{what} on {who}: writing into slices needs a reduce-scatter, buffers with at least \
+                 one slice and an index buffer (got {:?}, {} slices, index at {:#x})",
+                call.op,
+                at.count,
+                at.index_ptr
+            );
+        }
+    }
     if call.world == 0 || call.rank >= call.world {
         return invalid!(
             "{what} on {who}: rank {} is outside world size {}",
@@ -413,6 +452,9 @@ fn build_layout(call: &CallInfo) -> Result<GroupLayout> {
     for (i, p) in layout.params.iter().enumerate() {
         let mut want = vec![p.shard_rows];
         want.extend(p.shape.iter().skip(1));
+        if let (Op::ReduceScatter, Some(at)) = (call.op, call.at) {
+            want.insert(0, at.count);
+        }
         let got = &shard[i];
         let role = match call.op {
             Op::AllGather => "operand (local shard)",

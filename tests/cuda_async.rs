@@ -197,6 +197,7 @@ fn make_case(devs: &[Dev], dev_of: &[usize], streams: &[usize], op: Op, site: i6
             inputs: ins,
             outputs: os,
             stream: streams[r],
+            at: None,
         });
     }
     Case {

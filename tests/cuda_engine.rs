@@ -208,6 +208,7 @@ fn run_and_check(devs: &[Dev], op: Op, site: i64, world: usize, seed: u64, reps:
             inputs: ins,
             outputs: outs,
             stream: d.stream as usize,
+            at: None,
         });
     }
     std::thread::scope(|s| {

@@ -322,6 +322,7 @@ fn prepare_case(c: &Child, pool: &mut Pool, op: Op, site: i64, seed: u64) -> Cas
         inputs: ins,
         outputs: outs,
         stream: c.stream as usize,
+        at: None,
     };
     Case {
         call,

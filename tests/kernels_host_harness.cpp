@@ -326,6 +326,90 @@ static void check_ieee() {
     }
 }
 
+// rs_sum_at_* / tide_zero_at: the same sums into slice clamp(index, 0, count - 1) of a buffer of
+// `count` slices `stride` bytes apart (and, with mask bit 1, source 0 read from that slice: the
+// accumulate of the multi-node plan); every other slice left as it was.
+typedef void (*SumAtKernel)(float*, TideSrcs, int, unsigned long long, int, int, const int*, unsigned long long,
+                            unsigned long long, unsigned int);
+
+static void check_sum_at(int dtype, int nsrc, size_t n, int accumulate, int index, size_t count, size_t stride_pad,
+                         unsigned mask, unsigned grid, unsigned block, std::mt19937_64& rng) {
+    static const SumAtKernel kernels[3] = {rs_sum_at_bf16_f32, rs_sum_at_f16_f32, rs_sum_at_f32_f32};
+    const size_t esize = dtype == 2 ? 4 : 2;
+    const size_t stride = n * 4 + stride_pad * 4;  // bytes between slices
+    std::vector<unsigned char> bstore(count * stride + 64);
+    unsigned char* buf = (unsigned char*)((((uintptr_t)bstore.data() + 15) & ~(uintptr_t)15));
+    for (size_t i = 0; i < count * stride / 4; ++i) random_elem(2, rng, buf + 4 * i);
+    std::vector<unsigned char> before(buf, buf + count * stride);
+    std::vector<std::vector<unsigned char>> store(nsrc, std::vector<unsigned char>(n * esize + 64));
+    TideSrcs srcs;
+    std::memset(&srcs, 0, sizeof(srcs));
+    std::vector<const unsigned char*> sp(nsrc);
+    for (int k = 0; k < nsrc; ++k) {
+        unsigned char* p = (unsigned char*)((((uintptr_t)store[k].data() + 15) & ~(uintptr_t)15));
+        for (size_t i = 0; i < n; ++i) random_elem(dtype, rng, p + i * esize);
+        sp[k] = p;
+        srcs.p[k] = p;
+    }
+    long long wrapped = index < 0 ? (long long)index + (long long)count : index;
+    const size_t slice = wrapped < 0 ? 0 : ((size_t)wrapped >= count ? count - 1 : (size_t)wrapped);
+    float* dst_at = (float*)(buf + slice * stride);
+    // Source 0 from the slice (f32 only: the slice holds fp32), as the host passes it: slice 0.
+    if (mask & 2u) {
+        sp[0] = (const unsigned char*)dst_at;
+        srcs.p[0] = buf;
+    }
+    std::vector<float> expect(n);
+    for (size_t i = 0; i < n; ++i) {
+        float acc;
+        int k = 0;
+        if (accumulate) acc = dst_at[i];
+        else { acc = ref_one(dtype, sp[0], i); k = 1; }
+        for (; k < nsrc; ++k) acc = acc + ref_one(dtype, sp[k], i);
+        expect[i] = acc;
+    }
+    const int vectorized = (stride % 16 == 0) ? 1 : 0;
+    int idx = index;
+    SumAtKernel kern = kernels[dtype];
+    launch(grid, block, [&] {
+        kern((float*)buf, srcs, nsrc, (unsigned long long)n, accumulate, vectorized, &idx, count, stride, mask | 1u);
+    });
+    for (size_t b = 0; b < count * stride; ++b) {
+        const bool in_slice = b >= slice * stride && b < slice * stride + n * 4;
+        if (in_slice) continue;
+        ++checks;
+        if (buf[b] != before[b]) {
+            if (failures < 20) std::printf("MISMATCH sum_at wrote outside its slice: byte %zu (slice %zu)\n", b, slice);
+            ++failures;
+            return;
+        }
+    }
+    for (size_t i = 0; i < n; ++i) {
+        ++checks;
+        if (f32_bits(dst_at[i]) != f32_bits(expect[i])) {
+            if (failures < 20)
+                std::printf("MISMATCH sum_at dtype=%d nsrc=%d n=%zu acc=%d index=%d count=%zu mask=%u at %zu: got %a want %a\n",
+                            dtype, nsrc, n, accumulate, index, count, mask, i, dst_at[i], expect[i]);
+            ++failures;
+            return;
+        }
+    }
+    // tide_zero_at: `n` fp32 of the slice (and bytes at an odd size: the byte loop).
+    for (size_t bytes : {n * 4, n * 4 > 0 ? n * 4 - 1 : 0}) {
+        std::vector<unsigned char> b2(buf, buf + count * stride);
+        launch(grid, block, [&] { tide_zero_at(buf, (unsigned long long)bytes, &idx, count, stride); });
+        for (size_t b = 0; b < count * stride; ++b) {
+            ++checks;
+            const bool in = b >= slice * stride && b < slice * stride + bytes;
+            if (buf[b] != (in ? 0 : b2[b])) {
+                if (failures < 20) std::printf("MISMATCH zero_at bytes=%zu index=%d at byte %zu\n", bytes, index, b);
+                ++failures;
+                return;
+            }
+        }
+    }
+}
+
 int main() {
     std::mt19937_64 rng(12345);
     check_ieee();
@@ -346,6 +430,17 @@ int main() {
             for (unsigned block : {1u, 32u, 64u}) check_sum_batch(dtype, count, (unsigned)count, block, rng);
     for (int count : {1, 7, TIDE_COPY_BATCH})
         for (auto& g : grids) check_copy_batch(count, g[0], g[1], rng);
+    for (int dtype = 0; dtype < 3; ++dtype)
+        for (int nsrc : {1, 2, 3, TIDE_MAX_SRCS})
+            for (size_t n : {(size_t)0, (size_t)1, (size_t)5, (size_t)64, (size_t)1000})
+                for (int index : {-5, -3, -1, 0, 1, 2, 3, 1000})
+                    for (size_t pad : {(size_t)0, (size_t)1, (size_t)4})
+                        for (auto& g : grids) {
+                            check_sum_at(dtype, nsrc, n, 0, index, 3, pad, 0u, g[0], g[1], rng);
+                            check_sum_at(dtype, nsrc, n, 1, index, 3, pad, 0u, g[0], g[1], rng);
+                            if (dtype == 2 && n > 0) check_sum_at(dtype, nsrc, n, 0, index, 3, pad, 2u, g[0], g[1], rng);
+                        }
+    for (int index : {0, 5}) check_sum_at(0, 2, 77, 0, index, 1, 0, 0u, 3, 32, rng);
     std::printf("%ld checks, %d failures\n", checks, failures);
     if (failures == 0) std::printf("ALL OK\n");
     return failures == 0 ? 0 : 1;

@@ -80,6 +80,7 @@ fn call(job: u64, rank: usize, world: usize, device: i64, addr: usize) -> CallIn
         inputs: vec![BufferView { ptr: addr, dtype: DType::F32, dims: vec![shard, 4] }],
         outputs: vec![BufferView { ptr: addr + 4096, dtype: DType::F32, dims: vec![rows, 4] }],
         stream: 1,
+        at: None,
     }
 }
 

@@ -151,6 +151,7 @@ fn call_for(plan: &Plan, rank: usize, inputs: &[Vec<u8>], outputs: &mut [Vec<u8>
         inputs: ins,
         outputs: outs,
         stream: 0,
+        at: None,
     }
 }
 

@@ -53,6 +53,8 @@ At world size 1 the collectives are local identities (no native call; `_ops`).
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -343,11 +345,41 @@ class _Group:
         dp = [_compat.mark_varying(t, c) if c else t for t, c in zip(dp, self.ct_axes)]
         return _ops._start("reduce_scatter", list(dp), self.lay, self.backend)
 
+    def into_ok(self) -> bool:
+        """Whether this group's layer gradients can be reduce-scattered straight into their slice of
+        the (L, ...) gradient buffers ([Note: reduce-scatter into slices] in `_ops`): the native
+        backend at world size > 1 (or with TIDE_WORLD1_NATIVE=1), float32 shards, no replica axes
+        (HSDP's psum follows the reduce-scatter), and TIDE_RS_INTO not 0."""
+        return (_rs_into_enabled() and self.backend == "tide" and not _ops._is_local(self.lay)
+                and all(d == np.dtype(np.float32) for d in self.shard_dtypes)
+                and not any(self.replica_axes))
+
+    def start_scatter_into(self, dp, gbuf, index):
+        dp = jax.tree_util.tree_leaves(dp)
+        dp = [_compat.mark_varying(t, c) if c else t for t, c in zip(dp, self.ct_axes)]
+        return _ops._start_into(list(dp), list(gbuf), index, self.lay, self.backend)
+
+    def done_scatter_into(self, h):
+        outs = _ops._done_into(h)
+        return [_compat.mark_varying(o, sorted(v)) if v else o for o, v in zip(outs, self.shard_vma)]
+
     def done_scatter(self, h):
         outs = _ops._done(h, "reduce_scatter")
         outs = [jax.lax.psum(o, r) if r else o for o, r in zip(outs, self.replica_axes)]
         outs = [o if o.dtype == d else o.astype(d) for o, d in zip(outs, self.shard_dtypes)]
         return [_compat.mark_varying(o, sorted(v)) if v else o for o, v in zip(outs, self.shard_vma)]
+
+
+def _rs_into_enabled() -> bool:
+    """TIDE_RS_INTO (default on): scan_layers reduce-scatters layer gradients into their slice of the
+    gradient buffers in place; 0 restores a separate fp32 result and an update (the A/B switch of
+    bench/train_bench.py)."""
+    value = os.environ.get("TIDE_RS_INTO", "1").strip().lower()
+    if value in ("0", "false", "off", "no"):
+        return False
+    if value in ("", "1", "true", "on", "yes"):
+        return True
+    raise ValueError(f"tide: TIDE_RS_INTO={value!r}: expected 0/1 (false/true, off/on, no/yes)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -797,6 +829,16 @@ class _Loop:
         def put(buf, i, vals):
             return [jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), i, 0) for b, v in zip(buf, vals)]
 
+        # A layer's gradient shards go straight into slice i of the buffers where the native call can
+        # write them there (`_Group.into_ok`): no fp32 result in flight, no copy (issue #22).
+        into = g.into_ok()
+
+        def start_rs(dp, gbuf, i):
+            return g.start_scatter_into(dp, gbuf, i) if into else g.start_scatter(dp)
+
+        def done_rs(h, gbuf, i):
+            return g.done_scatter_into(h) if into else put(gbuf, i, g.done_scatter(h))
+
         def x_at(i):
             return None if xs is None else jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, i, 0, keepdims=False), xs)
 
@@ -809,7 +851,7 @@ class _Loop:
             saved, p_saved, plan = source(i, dynamic)
             starts = []
             if dp_prev is not None:
-                starts.append(g.start_scatter(dp_prev))
+                starts.append(start_rs(dp_prev, gbuf, i + 1))
             ahead = None
             if reshard and k:
                 ahead = i - k if dynamic or i - k >= 0 else None
@@ -834,7 +876,7 @@ class _Loop:
             if starts or extra_h:
                 (starts, extra_h), dp, dc = self.order((starts, extra_h), dp, dc)
             if dp_prev is not None:
-                gbuf = put(gbuf, i + 1, g.done_scatter(starts[0]))
+                gbuf = done_rs(starts[0], gbuf, i + 1)
                 starts = starts[1:]
             if ahead is not None:
                 ps = ps + (g.done_gather(starts[0]),)
@@ -880,7 +922,7 @@ class _Loop:
         dc, ps, dp0, dk, gbuf, dxbuf = state
 
         # layer 0's reduce-scatter behind the prologue's backward
-        h0 = g.start_scatter(dp0) if dp0 is not None else None
+        h0 = start_rs(dp0, gbuf, 0) if dp0 is not None else None
         d_pro = None
         dk_pro = _zeros_cts(k_pro)
         if self.pro_fn is not None:
@@ -892,14 +934,14 @@ class _Loop:
             if self.pro_group is not None:
                 hpr = self.pro_group.start_scatter(d_pro_p)
                 if h0 is not None:
-                    gbuf = put(gbuf, 0, g.done_scatter(h0))
+                    gbuf = done_rs(h0, gbuf, 0)
                 d_pro = self.pro_group.done_scatter(hpr)
             elif h0 is not None:
-                gbuf = put(gbuf, 0, g.done_scatter(h0))
+                gbuf = done_rs(h0, gbuf, 0)
         else:
             d_inputs = dc
             if h0 is not None:
-                gbuf = put(gbuf, 0, g.done_scatter(h0))
+                gbuf = done_rs(h0, gbuf, 0)
         d_epi = extras_done.get("epi")
 
         d_xs = None

@@ -378,6 +378,98 @@ def _done(handle: Handle, op: str) -> list:
     return [_compat.mark_varying(o, v) for o, v in zip(outs, out_vmas)]
 
 
+# ----- the reduce-scatter into slices of larger buffers (scan_layers' gradient buffers) -----
+# [Note: reduce-scatter into slices]
+# `_start_into(grads, bufs, index, lay, backend)` starts the reduce-scatter of `grads` and writes
+# each fp32 shard into slice `index` of its buffer `bufs[i]` (shape (L, *shard_shape), float32),
+# as `jax.lax.dynamic_update_index_in_dim(bufs[i], shard_i, index, 0)` would (a negative index
+# counts from the end, then it is clamped to [0, L - 1], as there); `_done_into(handle)` returns the buffers. On the tide backend the native
+# call writes the slice in place (`tide_reduce_scatter_into_start`/`_done`: the buffers aliased in
+# and out, the index read by the kernels on the device, src/call.rs `OutputAt`), so a layer loop
+# holds no per-layer fp32 result and copies nothing into its gradient buffer (issue #22). On the
+# jax backend and at world size 1 it is the reduce-scatter followed by that update.
+def _start_into(leaves: list, bufs: list, index, lay: Layout, backend: str) -> Handle:
+    n = len(leaves)
+    index = jnp.asarray(index, jnp.int32)
+    if backend == "jax" or _is_local(lay):
+        h = _start("reduce_scatter", leaves, lay, backend)
+        return Handle(list(bufs), [h, index], ("reduce_scatter_into", lay, "wrapped", ()))
+    _lib.ensure_registered(lay.platform)
+    for p, b in zip(lay.params, bufs):
+        if b.dtype != np.dtype(jnp.float32) or tuple(b.shape[1:]) != tuple(p.shard_shape) or b.ndim < 1:
+            raise ValueError(
+                f"tide: reduce_scatter into slices: {p.describe()}: buffer {jax.typeof(b)} is not "
+                f"float32[L, {', '.join(map(str, p.shard_shape))}]"
+            )
+    buf_vmas = tuple(tuple(sorted(_compat.vma_of(b))) for b in bufs)
+    leaves = list(jax.lax.optimization_barrier(tuple(leaves)))
+    types = ([jax.ShapeDtypeStruct(b.shape, b.dtype) for b in bufs]
+             + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+             + [jax.ShapeDtypeStruct((), jnp.int32)])
+    tracked = any(_compat.vma_of(x) for x in leaves) or any(buf_vmas)
+    outs = _start_into_call(types, n, _attrs(lay, _new_site()), (lay.axis,) if tracked else ())(*leaves, *bufs, index)
+    return Handle(list(outs[:n]), list(outs[n:]), ("reduce_scatter_into", lay, backend, buf_vmas))
+
+
+def _start_into_call(types: list, n: int, attrs: dict, vma):
+    aliases = {n + i: i for i in range(n)} | {i: n + i for i in range(n)} | {2 * n: 2 * n}
+    call = jax.ffi.ffi_call("tide_reduce_scatter_into_start", types, input_output_aliases=aliases)
+    sync = jax.ffi.ffi_call("tide_reduce_scatter", [jax.ShapeDtypeStruct(t.shape[1:], t.dtype) for t in types[:n]],
+                            vmap_method="sequential")
+
+    def typed(outs, args):
+        # the buffers in flight: their own axes and the layout's; the operands as they came
+        like = [*args[n:2 * n], *args[:n], args[2 * n]]
+        extra = [set(vma)] * n + [set()] * (n + 1)
+        return tuple(_compat.mark_varying(o, sorted(e | _compat.vma_of(x))) for o, x, e in zip(outs, like, extra))
+
+    @jax.custom_batching.custom_vmap
+    def start(*args):
+        return typed(call(*args, **attrs), args)
+
+    @start.def_vmap
+    def start_batched(axis_size, in_batched, *args):
+        # [Note: start/done under vmap]: the synchronous collective per batch element, then the update.
+        args = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(args, in_batched)]
+        grads, bufs, index = args[:n], args[n:2 * n], args[2 * n]
+
+        def one(gs, bs, i):
+            shards = sync(*gs, **attrs)
+            return tuple(jax.lax.dynamic_update_index_in_dim(b, s, i, 0) for b, s in zip(bs, shards))
+
+        new = jax.vmap(one)(grads, bufs, index)
+        return typed((*new, *grads, index), args), (True,) * (2 * n + 1)
+
+    return start
+
+
+def _done_into(handle: Handle) -> list:
+    if not isinstance(handle, Handle) or handle.meta[0] != "reduce_scatter_into":
+        raise TypeError("tide: reduce_scatter into slices: expected the handle of its start")
+    _, lay, backend, buf_vmas = handle.meta
+    if backend == "wrapped":
+        h, index = handle.operands
+        outs = _done(h, "reduce_scatter")
+        return [jax.lax.dynamic_update_index_in_dim(b, o.astype(b.dtype), index, 0) for b, o in zip(handle.results, outs)]
+    n = len(handle.results)
+    types = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in handle.results]
+    call = jax.ffi.ffi_call("tide_reduce_scatter_into_done", types, input_output_aliases={i: i for i in range(n)})
+    attrs = _attrs(lay, _new_site())
+
+    @jax.custom_batching.custom_vmap
+    def done(*arrays):
+        return tuple(_compat.mark_varying(o, list(v)) for o, v in zip(call(*arrays, **attrs), buf_vmas))
+
+    @done.def_vmap
+    def done_batched(axis_size, in_batched, *arrays):
+        if not all(in_batched[:n]):
+            raise ValueError("tide: reduce_scatter_into done is batched by jax.vmap but its start was not")
+        return tuple(arrays[:n]), (True,) * n
+
+    outs = done(*handle.results, *handle.operands)
+    return list(jax.lax.optimization_barrier(tuple(outs)))
+
+
 def all_gather_start(shards, lay: Layout, dtype=None, *, backend: str | None = None) -> Handle:
     """Starts `all_gather(shards, lay, dtype)` and returns at once (its copies run on tide's streams
     while XLA goes on); `all_gather_done(handle)` returns the full parameters. Order them around

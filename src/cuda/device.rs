@@ -30,6 +30,9 @@ pub struct Module {
     /// Batched launches: `tide_copy_batch`, `rs_sum_batch_{bf16,f16,f32}_f32` (TIDE_FUSE_BYTES).
     pub copy_batch: CUfunction,
     pub sum_batch: [CUfunction; 3],
+    /// Into slices of larger buffers (`CallInfo::at`): `rs_sum_at_{bf16,f16,f32}_f32`, `tide_zero_at`.
+    pub sum_at: [CUfunction; 3],
+    pub zero_at: CUfunction,
 }
 
 // SAFETY: a loaded module's handles are plain identifiers the driver accepts from any host thread;
@@ -50,6 +53,17 @@ impl Module {
                 })
             }
         })
+    }
+
+    /// The sum kernel into a slice chosen on the device, for sources of `dtype`.
+    pub fn sum_at(&self, dtype: DType) -> Result<CUfunction> {
+        let k = match dtype {
+            DType::BF16 => 0,
+            DType::F16 => 1,
+            DType::F32 => 2,
+            _ => return self.sum(dtype), // the same error
+        };
+        Ok(self.sum_at[k])
     }
 
     /// The batched sum kernel for sources of `dtype`.
@@ -476,6 +490,8 @@ impl DeviceState {
                     get("rs_sum_batch_f16_f32")?,
                     get("rs_sum_batch_f32_f32")?,
                 ],
+                sum_at: [get("rs_sum_at_bf16_f32")?, get("rs_sum_at_f16_f32")?, get("rs_sum_at_f32_f32")?],
+                zero_at: get("tide_zero_at")?,
             };
             self.module = Some(Arc::new(m));
         }

@@ -176,7 +176,8 @@ fn prepare_slot(call: &CallInfo, st: &mut DeviceState, cfg: &Config, slot: usize
     let prepared = st.plans.get(call, cfg)?;
     let plan = &prepared.plan;
     let sched = &prepared.schedule;
-    if sched.needs_kernels || cfg.fuse_bytes > 0 {
+    // (a reduce-scatter into slices zeroes padding rows with a kernel too: `issue`)
+    if sched.needs_kernels || call.at.is_some() || cfg.fuse_bytes > 0 {
         st.ensure_module()?;
     }
     let mc = prepare::multicast_grant(call, st.dev, plan, cfg);

@@ -183,6 +183,18 @@ impl Issuer<'_> {
                 return Ok(());
             }
         }
+        if self.call.at.is_some() {
+            if let Cmd::Copy { src, dst, .. } = cmd {
+                if src.kind == BufKind::Output || dst.kind == BufKind::Output {
+                    // Reduce-scatter plans write results with Reduce and Zero only (plan::build);
+                    // a copy would need a host address of a slice chosen on the device.
+                    return Err(TideError::Internal(format!(
+                        "{}: a copy touches a result of a reduce-scatter into slices",
+                        self.step_ctx(p, 0, dst)
+                    )));
+                }
+            }
+        }
         let rail = meeting.rail_event(p, cmd);
         if self.fusing && s == MAIN && rail.is_none() {
             if let Cmd::Reduce { dst, srcs, elems, .. } = cmd {
@@ -351,7 +363,10 @@ impl Issuer<'_> {
         // One CTA does a segment alone: it moves at most TIDE_RS_CTA_BYTES, as a CTA of a
         // launch does (issue #22), so it lives as briefly.
         let moved = elems.saturating_mul(4 + srcs.iter().map(|o| o.dtype.size_bytes()).sum::<usize>());
-        if elems.saturating_mul(4) >= self.cfg.fuse_bytes
+        let indexed = self.call.at.is_some()
+            && (dst.kind == BufKind::Output || srcs.iter().any(|o| o.region.kind == BufKind::Output));
+        if indexed
+            || elems.saturating_mul(4) >= self.cfg.fuse_bytes
             || (self.cfg.rs_cta_bytes > 0 && moved > self.cfg.rs_cta_bytes)
             || srcs.is_empty()
             || srcs.len() > kernels::MAX_SRCS
@@ -414,6 +429,9 @@ impl Issuer<'_> {
             Cmd::Copy { step, src, dst, bytes, via, .. } => self.copy(s, p, *step, src, dst, *bytes, *via),
             Cmd::Zero { step, dst, bytes, .. } => {
                 let da = address(self.infos, dst, *bytes)?;
+                if let Some((at, count, stride)) = self.at_of(p, *step, dst)? {
+                    return self.zero_at(s, p, *step, dst, da, *bytes, (at, count, stride));
+                }
                 // SAFETY: range bounds-checked; the buffer is this rank's output.
                 unsafe {
                     driver::memset_zero_async(da, *bytes, s, || {
@@ -468,6 +486,21 @@ impl Issuer<'_> {
         let m = self.res.module()?;
         let da = address(self.infos, dst, elems * 4)?;
         let dtypes: Vec<_> = srcs.iter().map(|o| o.dtype).collect();
+        // Into slices (`CallInfo::at`): dst and source 0 may be this rank's result, moved on the
+        // device to the slice the index selects; any other source must not be a result.
+        let dst_at = self.at_of(p, step, dst)?;
+        let src0_at = match srcs.first() {
+            Some(o) => self.at_of(p, step, &o.region)?,
+            None => None,
+        };
+        for o in srcs.iter().skip(1) {
+            if self.at_of(p, step, &o.region)?.is_some() {
+                return Err(TideError::Internal(format!(
+                    "{}: a sum reads a result of a reduce-scatter into slices past its first source",
+                    self.step_ctx(p, step, &o.region)
+                )));
+            }
+        }
         for l in kernels::sum_launches(&dtypes)? {
             let mut ptrs = kernels::SrcPtrs {
                 p: [0; kernels::MAX_SRCS],
@@ -476,9 +509,55 @@ impl Issuer<'_> {
                 let o = &srcs[l.first + k];
                 ptrs.p[k] = address(self.infos, &o.region, elems * o.dtype.size_bytes())?;
             }
-            let vectorized = kernels::sum_vectorized(da, &ptrs.p[..l.count]);
+            // Source 0 of this launch is the step's source 0 only in the first launch.
+            let s0_at = if l.first == 0 { src0_at } else { None };
+            let at = dst_at.or(s0_at);
+            if let (Some(a), Some(b)) = (dst_at, s0_at) {
+                if a != b {
+                    return Err(TideError::Internal(format!(
+                        "{}: a sum reads and writes results of different parameters of a reduce-scatter into slices",
+                        self.step_ctx(p, step, dst)
+                    )));
+                }
+            }
+            // A slice stride that is not a multiple of 16 bytes would break the vectors' alignment.
+            let vectorized = kernels::sum_vectorized(da, &ptrs.p[..l.count]) && at.is_none_or(|(_, _, stride)| stride % 16 == 0);
             let mode = kernels::sum_mode(vectorized);
             let grid = kernels::grid(kernels::sum_units(elems as u64, vectorized), self.cfg.rs_max_ctas);
+            if let Some((at_ptr, count, stride)) = at {
+                let mask = dst_at.is_some() as u32 | ((s0_at.is_some() as u32) << 1);
+                let f = m.sum_at(l.dtype)?;
+                let (mut d, mut nsrc, mut n, mut acc, mut vec) = (da, l.count as i32, elems as u64, l.accumulate as i32, mode);
+                let (mut ap, mut ac, mut st, mut mk) = (at_ptr, count, stride, mask);
+                let mut params: [*mut std::ffi::c_void; 10] = [
+                    &mut d as *mut u64 as *mut _,
+                    &mut ptrs as *mut kernels::SrcPtrs as *mut _,
+                    &mut nsrc as *mut i32 as *mut _,
+                    &mut n as *mut u64 as *mut _,
+                    &mut acc as *mut i32 as *mut _,
+                    &mut vec as *mut i32 as *mut _,
+                    &mut ap as *mut u64 as *mut _,
+                    &mut ac as *mut u64 as *mut _,
+                    &mut st as *mut u64 as *mut _,
+                    &mut mk as *mut u32 as *mut _,
+                ];
+                // SAFETY: params match rs_sum_at_*(float*, TideSrcs, int, unsigned long long, int,
+                // int, const int*, unsigned long long, unsigned long long, unsigned int); ranges
+                // bounds-checked against slice 0, and the kernel moves them to the slice
+                // clamp(index, 0, count - 1), inside the buffer of count slices.
+                unsafe {
+                    driver::launch_kernel(f, grid, kernels::THREADS, s, &mut params, "cuLaunchKernel(rs_sum_at)", || {
+                        format!(
+                            "{}, {} {} sources from {}, {elems} elements into a slice of {count}, grid {grid}",
+                            self.step_ctx(p, step, dst),
+                            l.count,
+                            l.dtype.name(),
+                            l.first
+                        )
+                    })?
+                };
+                continue;
+            }
             let f = m.sum(l.dtype)?;
             let mut d = da;
             let mut nsrc = l.count as i32;
@@ -509,6 +588,50 @@ impl Issuer<'_> {
             };
         }
         Ok(())
+    }
+
+    /// For a reduce-scatter into slices (`CallInfo::at`): (index address, slices, slice stride in
+    /// bytes) when `r` is a result, which must be this rank's own; None otherwise.
+    fn at_of(&self, p: usize, step: usize, r: &Region) -> Result<Option<(u64, u64, u64)>> {
+        let Some(at) = self.call.at else {
+            return Ok(None);
+        };
+        if r.kind != BufKind::Output {
+            return Ok(None);
+        }
+        if r.rank != self.call.rank {
+            return Err(TideError::Internal(format!(
+                "{}: touches another rank's result of a reduce-scatter into slices",
+                self.step_ctx(p, step, r)
+            )));
+        }
+        let stride = self.prepared.plan.output_bytes(r.index) as u64;
+        Ok(Some((at.index_ptr as u64, at.count as u64, stride)))
+    }
+
+    /// A Zero into a slice chosen on the device: `tide_zero_at` (padding rows: a few rows).
+    #[allow(clippy::too_many_arguments)]
+    fn zero_at(&self, s: CUstream, p: usize, step: usize, dst: &Region, da: u64, bytes: usize, at: (u64, u64, u64)) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let m = self.res.module()?;
+        let grid = kernels::grid((bytes as u64).div_ceil(4), self.cfg.rs_max_ctas);
+        let (mut d, mut n, mut ap, mut ac, mut st) = (da, bytes as u64, at.0, at.1, at.2);
+        let mut params: [*mut std::ffi::c_void; 5] = [
+            &mut d as *mut u64 as *mut _,
+            &mut n as *mut u64 as *mut _,
+            &mut ap as *mut u64 as *mut _,
+            &mut ac as *mut u64 as *mut _,
+            &mut st as *mut u64 as *mut _,
+        ];
+        // SAFETY: params match tide_zero_at(void*, unsigned long long, const int*, unsigned long
+        // long, unsigned long long); range bounds-checked against slice 0, moved in the buffer.
+        unsafe {
+            driver::launch_kernel(m.zero_at, grid, kernels::THREADS, s, &mut params, "cuLaunchKernel(tide_zero_at)", || {
+                format!("{}, {bytes} bytes into a slice of {}", self.step_ctx(p, step, dst), at.1)
+            })
+        }
     }
 
     /// "phase 0 step 12, param 3 (name, shape) on rank 1" for error messages.

@@ -15,7 +15,7 @@ pub const THREADS: u32 = 512;
 /// Sources one `rs_sum_*` launch sums (`TIDE_MAX_SRCS`, the size of `TideSrcs`).
 pub const MAX_SRCS: usize = 8;
 /// Every kernel the module must export.
-pub const KERNEL_NAMES: [&str; 8] = [
+pub const KERNEL_NAMES: [&str; 12] = [
     "rs_sum_bf16_f32",
     "rs_sum_f16_f32",
     "rs_sum_f32_f32",
@@ -24,6 +24,10 @@ pub const KERNEL_NAMES: [&str; 8] = [
     "rs_sum_batch_bf16_f32",
     "rs_sum_batch_f16_f32",
     "rs_sum_batch_f32_f32",
+    "rs_sum_at_bf16_f32",
+    "rs_sum_at_f16_f32",
+    "rs_sum_at_f32_f32",
+    "tide_zero_at",
 ];
 
 /// Segments per batched launch (`TIDE_COPY_BATCH`, `TIDE_SUM_BATCH` in kernels/rs_sum.cu).

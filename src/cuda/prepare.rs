@@ -185,11 +185,17 @@ fn same_shapes(layout: &GroupLayout, call: &CallInfo) -> bool {
             Op::AllGather => (&call.outputs[i], &call.inputs[i], p.dtype),
             Op::ReduceScatter => (&call.inputs[i], &call.outputs[i], crate::layout::DType::F32),
         };
+        // A reduce-scatter into slices: every result buffer has `at.count` slices in front.
+        let shard_dims = match (call.op, call.at) {
+            (Op::ReduceScatter, Some(at)) if shard.dims.first() == Some(&at.count) => &shard.dims[1..],
+            (Op::ReduceScatter, Some(_)) => return false,
+            _ => &shard.dims[..],
+        };
         full.dims == p.shape
             && full.dtype == p.dtype
             && shard.dtype == shard_dtype
-            && shard.dims.first() == Some(&p.shard_rows)
-            && shard.dims.iter().skip(1).eq(p.shape.iter().skip(1))
+            && shard_dims.first() == Some(&p.shard_rows)
+            && shard_dims.iter().skip(1).eq(p.shape.iter().skip(1))
     })
 }
 
@@ -215,7 +221,9 @@ pub(crate) fn multicast_grant(call: &CallInfo, dev: CUdevice, plan: &Plan, cfg: 
     d.granted()
 }
 
-/// (address, bytes) of each operand and result, null buffers refused.
+/// (address, bytes) of each operand and result, null buffers refused. For a reduce-scatter into
+/// slices (`CallInfo::at`) a result is its buffer's slice 0: the kernels that write it add the
+/// slice the index selects on the device (`issue`).
 #[allow(clippy::type_complexity)]
 pub(crate) fn buffer_lists(call: &CallInfo, plan: &Plan) -> Result<(Vec<(u64, usize)>, Vec<(u64, usize)>)> {
     let n = plan.layout.len();

@@ -122,6 +122,34 @@ fn same_plan(what: &str, key: Key, published: &[Published]) -> Result<Vec<RankBu
 
 /// Runs `call` as one rank of a CPU collective in XLA's run `run_id`. Returns once every rank of
 /// the call is done with this rank's buffers.
+
+/// A reduce-scatter into slices (`CallInfo::at`) on CPU: reads the slice index (host memory) and
+/// points each result at its slice, so the CPU engine runs the plain call on it. A call without
+/// `at` is returned as it is.
+///
+/// # Safety
+/// `at.index_ptr` must be the address of a live int32 (XLA's operand of the call).
+pub unsafe fn resolve_at(mut info: CallInfo) -> Result<CallInfo> {
+    let Some(at) = info.at.take() else {
+        return Ok(info);
+    };
+    // SAFETY: per the contract above.
+    let index = unsafe { std::ptr::read_unaligned(at.index_ptr as *const i32) };
+    let slice = at.slice(index);
+    let what = format!("tide reduce_scatter_into site {} on device {}", info.site, info.device_ordinal);
+    for (i, b) in info.outputs.iter_mut().enumerate() {
+        let bytes = b.dims[1..]
+            .iter()
+            .try_fold(b.dtype.size_bytes(), |acc, &d| acc.checked_mul(d))
+            .and_then(|s| s.checked_mul(slice))
+            .filter(|&off| off <= crate::call::MAX_BUFFER_BYTES)
+            .ok_or_else(|| TideError::InvalidArgument(format!("{what}: buffer {i} of shape {:?} is too large", b.dims)))?;
+        b.ptr += bytes;
+        b.dims.remove(0);
+    }
+    Ok(info)
+}
+
 pub fn execute(call: &CallInfo, run_id: i64) -> Result<()> {
     execute_seq(call, run_seq(call.site, call.group, call.rank, run_id))
 }

@@ -153,7 +153,19 @@ pub mod targets {
         all_gather_done,
         reduce_scatter_start,
         reduce_scatter_done,
+        reduce_scatter_into_start,
+        reduce_scatter_into_done,
     );
+}
+
+/// The bridge's op code: 0 all-gather, 1 reduce-scatter, 2 reduce-scatter into slices of larger
+/// buffers (`tide_reduce_scatter_into_*`: a reduce-scatter whose `CallInfo` carries `at`).
+/// Must match `Op` in cxxbridge/tide_ffi.cc.
+fn bridge_op(code: u8) -> Result<(Op, bool)> {
+    match code {
+        2 => Ok((Op::ReduceScatter, true)),
+        c => Ok((op_from_code(c)?, false)),
+    }
 }
 
 extern "C" {
@@ -231,10 +243,15 @@ fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize
     };
     let (site, device) = (call.site, call.device_ordinal);
     let prepared = catch_unwind(AssertUnwindSafe(|| -> Result<_> {
-        let (op, phase) = (op_from_code(op)?, Phase::from_code(phase)?);
+        let ((op, into), phase) = (bridge_op(op)?, Phase::from_code(phase)?);
         let call = with_site_key(op, instance, call)?;
         if phase == Phase::Done {
-            let info = decode_done(op, &call)?;
+            let info = if into {
+                // SAFETY: a CPU call's index operand is host memory XLA keeps alive for the call.
+                unsafe { cpu::resolve_at(decode_done_into(&call, call.site)?)? }
+            } else {
+                decode_done(op, &call)?
+            };
             let record = crate::inflight::take(
                 &phase_name(op, phase, site),
                 op_code(op),
@@ -247,7 +264,13 @@ fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize
             )?;
             return Ok((info, 0, Some(record), phase));
         }
-        let info = if phase == Phase::Start {
+        let info = if into {
+            if phase != Phase::Start {
+                return Err(TideError::Internal(format!("reduce_scatter_into phase {phase:?}")));
+            }
+            // SAFETY: as above.
+            unsafe { cpu::resolve_at(decode_start_into(&call, call.site)?)? }
+        } else if phase == Phase::Start {
             decode_start(op, &call)?
         } else {
             decode(op, &call)?
@@ -326,12 +349,15 @@ fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize
 /// split it: `crate::cuda::execute_phase`).
 fn tide_call_cuda(op: u8, phase: u8, instance: u64, call: &FfiCall) -> FfiStatus {
     let result = catch_unwind(AssertUnwindSafe(|| {
-        let (op, phase) = (op_from_code(op)?, Phase::from_code(phase)?);
+        let ((op, into), phase) = (bridge_op(op)?, Phase::from_code(phase)?);
         let site = site_key(op, call.site, instance)?;
-        let info = match phase {
-            Phase::Done => decode_done_as(op, call, site)?,
-            Phase::Start => decode_start_as(op, call, site)?,
-            Phase::Sync => decode_as(op, call, site, &call.outputs)?,
+        let info = match (phase, into) {
+            (Phase::Done, false) => decode_done_as(op, call, site)?,
+            (Phase::Start, false) => decode_start_as(op, call, site)?,
+            (Phase::Sync, false) => decode_as(op, call, site, &call.outputs)?,
+            (Phase::Start, true) => decode_start_into(call, site)?,
+            (Phase::Done, true) => decode_done_into(call, site)?,
+            (Phase::Sync, true) => return Err(TideError::Internal("reduce_scatter_into has no synchronous target".into())),
         };
         // The CUDA engine validates the layout itself, after taking its rendezvous sequence
         // number, so a rank that fails validation still tells its peers.
@@ -456,6 +482,97 @@ fn decode_done_as(op: Op, call: &FfiCall, site: i64) -> Result<CallInfo> {
     decode_as(op, call, site, &call.outputs)
 }
 
+const INTO_START: &str = "tide reduce_scatter_into_start";
+const INTO_DONE: &str = "tide reduce_scatter_into_done";
+
+/// Checks the index operand of a reduce-scatter into slices: an int32 scalar.
+fn index_operand(b: &FfiBuffer, what: &str, device: i64, position: usize) -> Result<usize> {
+    if b.dtype != 4 || !b.dims.is_empty() || b.data == 0 {
+        return crate::invalid!(
+            "{what} on device {device}: operand {position} (the slice index) must be an int32 scalar; got \
+             dtype code {} with dims {:?}",
+            b.dtype,
+            b.dims
+        );
+    }
+    Ok(b.data)
+}
+
+/// The slices of the N buffers of a reduce-scatter into slices: every buffer's leading dim, equal.
+fn slice_count(bufs: &[FfiBuffer], what: &str, device: i64) -> Result<usize> {
+    let first = bufs[0].dims.first().copied().unwrap_or(0);
+    for (i, b) in bufs.iter().enumerate() {
+        let lead = b.dims.first().copied().unwrap_or(0);
+        if b.dims.is_empty() || lead < 1 || lead != first {
+            return crate::invalid!(
+                "{what} on device {device}: buffer {i} has shape {:?}; every buffer needs the same \
+                 leading slice dim >= 1 (the first has {first})",
+                b.dims
+            );
+        }
+    }
+    Ok(first as usize)
+}
+
+/// Decodes `tide_reduce_scatter_into_start` (docs/design.md "FFI contract"): operands the N
+/// gradients, the N fp32 buffers `(L, *shard)` and the int32 slice index; results the N buffers
+/// (result i aliased to operand N + i), then the N gradients (N + i aliased to i) and the index
+/// (2N aliased to 2N), passed through so XLA keeps what tide reads alive until done. The
+/// `CallInfo` has the gradients as inputs, the whole buffers as outputs and `at` set.
+pub fn decode_start_into(call: &FfiCall, site: i64) -> Result<CallInfo> {
+    let (ops, res) = (call.inputs.len(), call.outputs.len());
+    let device = call.device_ordinal;
+    if ops < 3 || ops % 2 == 0 || res != ops {
+        return crate::invalid!(
+            "{INTO_START} site {} on device {device}: takes N gradients, N buffers and an index \
+             (2N + 1 operands) and returns 2N + 1 results; got {ops} operands and {res} results",
+            call.site
+        );
+    }
+    let n = (ops - 1) / 2;
+    let aliased = (0..n).all(|i| call.outputs[i].data == call.inputs[n + i].data && call.outputs[n + i].data == call.inputs[i].data)
+        && call.outputs[2 * n].data == call.inputs[2 * n].data;
+    if !aliased {
+        return crate::invalid!(
+            "{INTO_START} site {} on device {device}: input_output_aliases must map operand N + i to \
+             result i, operand i to result N + i and operand 2N to result 2N",
+            call.site
+        );
+    }
+    let index_ptr = index_operand(&call.inputs[2 * n], INTO_START, device, 2 * n)?;
+    let count = slice_count(&call.outputs[..n], INTO_START, device)?;
+    let mut info = decode_io(Op::ReduceScatter, call, site, &call.inputs[..n], &call.outputs[..n])?;
+    info.at = Some(crate::call::OutputAt { index_ptr, count });
+    Ok(info)
+}
+
+/// Decodes `tide_reduce_scatter_into_done`: operands start's 2N + 1 results (the N buffers, the N
+/// gradients, the index), results the N buffers (result i aliased to operand i). The `CallInfo`
+/// has the shape of a plain done (inputs: the N buffers then the N gradients) with `at` set.
+pub fn decode_done_into(call: &FfiCall, site: i64) -> Result<CallInfo> {
+    let n = call.outputs.len();
+    let device = call.device_ordinal;
+    if n == 0 || call.inputs.len() != 2 * n + 1 {
+        return crate::invalid!(
+            "{INTO_DONE} site {} on device {device}: takes start's 2N + 1 results and returns the N \
+             buffers; got {} operands and {n} results",
+            call.site,
+            call.inputs.len()
+        );
+    }
+    if (0..n).any(|i| call.inputs[i].data != call.outputs[i].data) {
+        return crate::invalid!(
+            "{INTO_DONE} site {} on device {device}: input_output_aliases must map operand i to result i",
+            call.site
+        );
+    }
+    let index_ptr = index_operand(&call.inputs[2 * n], INTO_DONE, device, 2 * n)?;
+    let count = slice_count(&call.outputs, INTO_DONE, device)?;
+    let mut info = decode_io(Op::ReduceScatter, call, site, &call.inputs[..2 * n], &call.outputs)?;
+    info.at = Some(crate::call::OutputAt { index_ptr, count });
+    Ok(info)
+}
+
 pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
         s.to_string()
@@ -523,6 +640,11 @@ pub fn decode(op: Op, call: &FfiCall) -> Result<CallInfo> {
 
 /// `decode` with the site key and the results to use (a start's first N), without copying the call.
 fn decode_as(op: Op, call: &FfiCall, site: i64, outputs: &[FfiBuffer]) -> Result<CallInfo> {
+    decode_io(op, call, site, &call.inputs, outputs)
+}
+
+/// `decode_as` with the operands to use too.
+fn decode_io(op: Op, call: &FfiCall, site: i64, inputs: &[FfiBuffer], outputs: &[FfiBuffer]) -> Result<CallInfo> {
     let attrs = crate::call::check_attributes(
         op,
         &crate::call::Attributes {
@@ -535,7 +657,7 @@ fn decode_as(op: Op, call: &FfiCall, site: i64, outputs: &[FfiBuffer]) -> Result
             device_ranks: &call.device_ranks,
             device_groups: &call.device_groups,
             job: call.job,
-            operands: call.inputs.len(),
+            operands: inputs.len(),
             results: outputs.len(),
         },
     )?;
@@ -573,8 +695,9 @@ fn decode_as(op: Op, call: &FfiCall, site: i64, outputs: &[FfiBuffer]) -> Result
         world,
         topology,
         names,
-        inputs: buffers(&call.inputs, "operand", &name)?,
+        inputs: buffers(inputs, "operand", &name)?,
         outputs: buffers(outputs, "result", &name)?,
         stream: call.stream,
+        at: None,
     })
 }

@@ -267,6 +267,7 @@ pub fn make_case(
             inputs: ins,
             outputs: os,
             stream,
+            at: None,
         });
     }
     Case {

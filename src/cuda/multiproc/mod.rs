@@ -508,7 +508,8 @@ fn prepare(call: &CallInfo, st: &mut DeviceState, cfg: &Config, multi_node: bool
         &plan.stage_slot_bytes,
         cfg.rs_stage_slots.saturating_mul(cfg.rs_slot_bytes),
     )?;
-    if sched.needs_kernels {
+    // (a reduce-scatter into slices zeroes padding rows with a kernel too: `issue`)
+    if sched.needs_kernels || call.at.is_some() {
         st.ensure_module()?;
     }
     let mc = prepare::multicast_grant(call, st.dev, plan, cfg);

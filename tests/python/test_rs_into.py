@@ -1,0 +1,145 @@
+"""The reduce-scatter into slices of larger buffers (issue #22: no fp32 result in flight, no copy
+into the gradient buffer; [Note: reduce-scatter into slices] in tide_jax/_ops.py).
+
+`_start_into(grads, bufs, index)` + `_done_into` must equal
+`dynamic_update_index_in_dim(bufs[i], reduce_scatter(grads)[i], index, 0)` bitwise for every index
+(a negative one counting from the end, then clamped, as jax.lax does), leave every other slice as it was, on fresh random data with rows
+that the world size does not divide, bf16 / f16 / f32 gradients, world sizes 1 (native), 2, 3 and
+8; and scan_layers must give the same bits with it (TIDE_RS_INTO=1, the default) as without.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import tide_jax
+from tide_jax import _ops
+from conftest import make_mesh
+
+AXIS = "fsdp"
+SHAPES = {"w": (11, 6), "b": (5,), "s": (), "v": (3, 2, 3)}  # rows 11, 5 and 3: uneven over 2, 3, 8
+
+
+def _params(rng):
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+@pytest.fixture
+def world1_native():
+    previous, _ops._world1_native = _ops._world1_native, True
+    yield
+    _ops._world1_native = previous
+
+
+def _check(world, dtype, seed, num=4):
+    rng = np.random.default_rng(seed)
+    mesh = make_mesh((world,), (AXIS,))
+    lay = tide_jax.layout(_params(rng), mesh, AXIS)
+    # per rank: a full gradient (different on every rank) and the (num, *shard) buffers, random
+    grads = {k: rng.standard_normal((world, *s)).astype(np.float32) for k, s in SHAPES.items()}
+    grads = {k: jnp.asarray(v).astype(dtype) for k, v in grads.items()}
+    bufs = [rng.standard_normal((world, num, *p.shard_shape)).astype(np.float32) for p in lay.params]
+    gspec = jax.tree.map(lambda _: P(AXIS), grads)
+
+    def body(index, grads, bufs):
+        g = jax.tree.map(lambda t: t[0], grads)
+        b = [t[0] for t in bufs]
+        h = _ops._start_into(_ops._check_grads(g, lay, "test"), b, index, lay, "tide")
+        got = _ops._done_into(h)
+        shards = jax.tree_util.tree_leaves(tide_jax.reduce_scatter(g, lay, backend="jax"))
+        want = [jax.lax.dynamic_update_index_in_dim(t, s, index, 0) for t, s in zip(b, shards)]
+        return [t[None] for t in got], [t[None] for t in want]
+
+    f = jax.jit(tide_jax.shard_map(body, mesh=mesh, in_specs=(P(), gspec, [P(AXIS)] * len(bufs)),
+                                   out_specs=([P(AXIS)] * len(bufs), [P(AXIS)] * len(bufs))))
+    for index in (0, num - 1, 1, -2, num + 3):
+        got, want = f(jnp.int32(index), grads, bufs)
+        for k, (a, b, orig) in enumerate(zip(got, want, bufs)):
+            a, b = np.asarray(a), np.asarray(b)
+            assert a.shape == orig.shape
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), (world, dtype, index, k)
+            slice_ = min(max(index + num if index < 0 else index, 0), num - 1)  # jax.lax's rule
+            keep = [j for j in range(num) if j != slice_]
+            assert np.array_equal(a[:, keep], orig[:, keep]), (world, index, k)
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_into_slices_equals_reduce_scatter_then_update(world, dtype):
+    _check(world, dtype, seed=world * 10 + len(np.dtype(dtype).name))
+
+
+def test_into_slices_world1_native(world1_native):
+    _check(1, jnp.bfloat16, seed=7)
+
+
+def test_into_slices_refuses_a_wrong_buffer():
+    mesh = make_mesh((2,), (AXIS,))
+    lay = tide_jax.layout({"w": np.zeros((5, 3), np.float32)}, mesh, AXIS)
+
+    def body(g, b):
+        h = _ops._start_into([g[0]], [b[0]], 0, lay, "tide")
+        return _ops._done_into(h)[0][None]
+
+    f = jax.jit(tide_jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS)))
+    with pytest.raises(ValueError, match=r"'w'.*float32\[L, 3, 3\]"):
+        f(jnp.zeros((2, 5, 3), jnp.bfloat16), jnp.zeros((2, 4, 2, 3), jnp.float32))
+
+
+def _loop_step(world, num_layers, remat, reshard, seed):
+    from test_loop import AXIS as LAXIS, D, _one, layer_fn, model
+
+    mesh = make_mesh((world,), (LAXIS,))
+    rng = np.random.default_rng(seed)
+    stacked = model(rng, num_layers)
+    lay = tide_jax.layout(_one(stacked), mesh, LAXIS)
+    shards = lay.shard_stacked(stacked)
+    x = jax.device_put(rng.standard_normal((2 * world, D)).astype(np.float32), NamedSharding(mesh, P(LAXIS)))
+    specs = dict(mesh=mesh, in_specs=(lay.stacked_spec, P(LAXIS)), out_specs=(P(), (lay.stacked_spec, P(LAXIS))))
+
+    def per_device(s, x):
+        def loss(s, x):
+            y = tide_jax.scan_layers(layer_fn, x, s, lay, prefetch=1, remat=remat, reshard_after_forward=reshard,
+                                     dtype=jnp.bfloat16)
+            return jnp.sum(y * y)
+
+        v, g = jax.value_and_grad(loss, argnums=(0, 1))(s, x)
+        return jax.lax.psum(v, LAXIS), g
+
+    f = jax.jit(tide_jax.shard_map(per_device, **specs))
+    return f, (shards, x)
+
+
+@pytest.mark.parametrize("world,num_layers,remat,reshard", [(3, 5, "dots", True), (8, 2, None, False), (2, 1, True, True)])
+def test_scan_layers_into_slices_same_bits(monkeypatch, world, num_layers, remat, reshard):
+    """scan_layers writes each layer's gradient shards into the (L, ...) buffers in place (the HLO
+    has the into calls and no plain reduce-scatter of the layers), with the same bits as a separate
+    result and an update (TIDE_RS_INTO=0)."""
+    out = {}
+    for into in ("1", "0"):
+        monkeypatch.setenv("TIDE_RS_INTO", into)
+        f, args = _loop_step(world, num_layers, remat, reshard, seed=world + num_layers)
+        hlo = f.lower(*args).compile().as_text()
+        n_into = len(re.findall(r'custom_call_target="tide_reduce_scatter_into_start"', hlo))
+        n_plain = len(re.findall(r'custom_call_target="tide_reduce_scatter_start"', hlo))
+        if into == "1":
+            assert n_into >= 1 and n_plain == 0, (n_into, n_plain)
+        else:
+            assert n_into == 0 and n_plain >= 1, (n_into, n_plain)
+        out[into] = f(*args)
+    for a, b in zip(jax.tree.leaves(out["1"]), jax.tree.leaves(out["0"])):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_rs_into_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("TIDE_RS_INTO", "maybe")
+    f, args = _loop_step(2, 2, None, True, seed=1)
+    with pytest.raises(ValueError, match="TIDE_RS_INTO='maybe'"):
+        f.lower(*args)
