@@ -7,7 +7,9 @@ assignment XLA dumps, the largest buffers live at the step's peak.
     python3 bench/step_memory.py --model 8b-layers --remat dots --devices 1 --runs tide-native,tide,jax-fp32
 
 Runs: `tide` (tide_jax, world 1: the collectives are local, no native call), `tide-native` (the
-same with the native calls, TIDE_WORLD1_NATIVE=1), `jax-fp32` (plain JAX, fp32 gradient sums).
+same with the native calls, TIDE_WORLD1_NATIVE=1), `tide-native-nointo` (the native calls with
+TIDE_RS_INTO=0: each layer's gradient shards reduce-scattered into a result of their own, then
+copied into the gradient buffer), `jax-fp32` (plain JAX, fp32 gradient sums).
 On a CPU the plan is XLA:CPU's (its fusions and schedule differ from XLA:GPU's); on a GPU, XLA:GPU's.
 """
 
@@ -50,7 +52,7 @@ def main() -> int:
     ap.add_argument("--model", default="8b-layers")
     ap.add_argument("--remat", default="dots")
     ap.add_argument("--reshard", default="on", choices=["on", "off"])
-    ap.add_argument("--runs", default="tide-native,tide,jax-fp32")
+    ap.add_argument("--runs", default="tide-native,tide-native-nointo,tide,jax-fp32")
     ap.add_argument("--devices", type=int, default=1)
     ap.add_argument("--top", type=int, default=12, help="peak buffers to list per run")
     args = ap.parse_args()
@@ -89,13 +91,14 @@ def main() -> int:
     print(f"model {args.model}: {cfg.n_params() / 1e6:.0f}M params, {cfg.layers} layers, d {cfg.d_model}; "
           f"remat {args.remat}, reshard {args.reshard}; {len(devices)} x {devices[0].device_kind}")
     for run in args.runs.split(","):
-        _ops._world1_native = run == "tide-native"
+        _ops._world1_native = run.startswith("tide-native")
+        os.environ["TIDE_RS_INTO"] = "0" if run == "tide-native-nointo" else "1"
         backend = llama.Backend("tide" if run.startswith("tide") else "jax", "fp32")
         step = llama.make_train_step(cfg, backend, lays, mesh, tx, shardings)
         compiled = step.lower(state, tokens).compile()
         m = compiled.memory_analysis()
         total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-        print(f"{run:12s} step {total / gib:7.3f} GiB = arguments {m.argument_size_in_bytes / gib:.3f} + outputs "
+        print(f"{run:18s} step {total / gib:7.3f} GiB = arguments {m.argument_size_in_bytes / gib:.3f} + outputs "
               f"{m.output_size_in_bytes / gib:.3f} - aliased {m.alias_size_in_bytes / gib:.3f} + temporaries "
               f"{m.temp_size_in_bytes / gib:.3f}")
         for line in peak_buffers(dump_root, args.top):

@@ -337,6 +337,73 @@ fn emulated_rank_matches(gpu: &common::gpu::Gpu, op: Op, site: i64, world: usize
     }
 }
 
+/// A reduce-scatter into slices (`CallInfo::at`, what scan_layers' gradient buffers take): rank
+/// `rank` of world `world` (emulated peers) writes its shards into slice `slice(index)` of buffers of
+/// 3 slices, bitwise the CPU engine's, every other byte of the buffers untouched.
+fn into_slices_match(gpu: &common::gpu::Gpu, site: i64, world: usize, rank: usize, index: i32, seed: u64) {
+    const COUNT: usize = 3;
+    let stream = gpu.stream();
+    let ranks: Vec<(usize, usize)> = (0..world).map(|r| (r, stream)).collect();
+    let case = common::gpu::make_case(gpu, Op::ReduceScatter, site, 0, world, &ranks, &specs(), seed, &mut |b| gpu.upload(b));
+    let bytes = |v: &BufferView| v.dims.iter().product::<usize>() * v.dtype.size_bytes();
+    let peers: Vec<tide::cuda::EmulatedPeer> = (0..world)
+        .filter(|&q| q != rank)
+        .map(|q| tide::cuda::EmulatedPeer {
+            inputs: case.calls[q].inputs.iter().map(|v| (v.ptr as u64, bytes(v))).collect(),
+            outputs: Vec::new(),
+        })
+        .collect();
+    let mut call = case.calls[rank].clone();
+    let at = tide::call::OutputAt { index_ptr: gpu.upload(&index.to_le_bytes()) as usize, count: COUNT };
+    let mut bufs = Vec::new();
+    for (i, o) in call.outputs.iter_mut().enumerate() {
+        let fill: Vec<u8> = (0..COUNT * case.out_bytes[i]).map(|k| (k as u8).wrapping_mul(31) ^ 0x5a).collect();
+        let p = gpu.upload(&fill);
+        o.ptr = p as usize;
+        o.dims.insert(0, COUNT);
+        bufs.push((p, fill));
+    }
+    call.at = Some(at);
+    tide::cuda::execute_emulated(&call, &peers).unwrap_or_else(|e| panic!("into world {world} rank {rank}: {e}"));
+    gpu.sync(stream);
+    let s = at.slice(index);
+    for (i, (p, fill)) in bufs.iter().enumerate() {
+        let n = case.out_bytes[i];
+        let got = gpu.download(*p, COUNT * n);
+        let mut want = fill.clone();
+        want[s * n..(s + 1) * n].copy_from_slice(&case.want[rank][i]);
+        assert!(
+            got == want,
+            "into slices, world {world} rank {rank} index {index}: param {i} ({}) differs (slice {s} from the CPU engine, the rest untouched)",
+            specs()[i].name
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+fn into_slices_match_the_cpu_engine() {
+    std::env::set_var("TIDE_TIMEOUT_S", "60");
+    let gpu = common::gpu::Gpu::open();
+    let mut site = 7600;
+    for (cta, fuse) in [(0usize, 0usize), (4096, 1 << 20), (512 << 10, 1 << 20)] {
+        let mut c = tide::config::Config::from_env();
+        c.rs_cta_bytes = cta;
+        c.fuse_bytes = fuse;
+        tide::config::set_override(Some(c));
+        for world in [1usize, 2, 3, 8] {
+            for rank in [0, world - 1].into_iter().collect::<std::collections::BTreeSet<_>>() {
+                for index in [0, 2, -1, 9, -7] {
+                    site += 1;
+                    into_slices_match(&gpu, site, world, rank, index, site as u64);
+                }
+            }
+        }
+        say(&format!("cuda_engine: reduce-scatter into slices (TIDE_RS_CTA_BYTES={cta}, TIDE_FUSE_BYTES={fuse}): bitwise equal to the CPU engine, other slices untouched"));
+    }
+    tide::config::set_override(None);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
 fn emulated_ranks_match_the_cpu_engine() {

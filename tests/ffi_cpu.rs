@@ -341,3 +341,80 @@ fn cpu_programs_interleaved_across_devices_fail_fast_then_run() {
         assert_eq!(full, vec![0.0, 0.0, 1.0, 1.0, 2.0, 2.0]);
     }
 }
+
+// ----- the reduce-scatter into slices (tide_reduce_scatter_into_start / _done) -----
+
+const S32: i32 = 4;
+
+/// An into start of world 2 (rank 0, device 10): gradients (5, 3) bf16 and (4,) f32 at 0x1000..,
+/// buffers (3, 3, 3) and (3, 2) f32 at 0x2000.., the index at 0x3000; results aliased as the
+/// contract says.
+fn into_start() -> FfiCall {
+    let ins = vec![
+        buf(0x1000, BF16, &[5, 3]),
+        buf(0x1100, F32, &[4]),
+        buf(0x2000, F32, &[3, 3, 3]),
+        buf(0x2100, F32, &[3, 2]),
+        buf(0x3000, S32, &[]),
+    ];
+    let outs = vec![ins[2].clone(), ins[3].clone(), ins[0].clone(), ins[1].clone(), ins[4].clone()];
+    call(1, 2, 10, ins, outs)
+}
+
+#[test]
+fn into_start_decodes_gradients_buffers_and_index() {
+    let info = tide::ffi::decode_start_into(&into_start(), 1).unwrap();
+    assert_eq!(info.inputs.len(), 2);
+    assert_eq!(info.outputs.len(), 2);
+    assert_eq!(info.outputs[0].dims, vec![3, 3, 3]);
+    assert_eq!(info.at, Some(tide::call::OutputAt { index_ptr: 0x3000, count: 3 }));
+    let lay = info.layout().unwrap();
+    assert_eq!(lay.params[0].shard_rows, 3);
+    // done: start's results, in the same order; inputs as a plain done has them
+    let s = into_start();
+    let done = call(1, 2, 10, s.outputs.clone(), s.outputs[..2].to_vec());
+    let d = tide::ffi::decode_done_into(&done, 1).unwrap();
+    assert_eq!(d.inputs.len(), 4);
+    assert_eq!(d.at, info.at);
+    assert_eq!(d.outputs[1].data, 0x2100);
+}
+
+#[test]
+fn into_start_refuses_what_breaks_the_contract() {
+    let msg = |c: &FfiCall| tide::ffi::decode_start_into(c, 1).and_then(|i| i.layout().map(|_| ())).unwrap_err().to_string();
+    // an even operand count
+    let mut c = into_start();
+    c.inputs.pop();
+    c.outputs.pop();
+    assert!(msg(&c).contains("2N + 1 operands"), "{}", msg(&c));
+    // a buffer not aliased to its result
+    let mut c = into_start();
+    c.outputs[0].data = 0x9000;
+    assert!(msg(&c).contains("input_output_aliases"), "{}", msg(&c));
+    // the index not an int32 scalar
+    for (dtype, dims) in [(F32, vec![]), (S32, vec![1i64])] {
+        let mut c = into_start();
+        c.inputs[4] = buf(0x3000, dtype, &dims);
+        c.outputs[4] = c.inputs[4].clone();
+        assert!(msg(&c).contains("int32 scalar"), "{}", msg(&c));
+    }
+    // buffers with different slice counts
+    let mut c = into_start();
+    c.inputs[3] = buf(0x2100, F32, &[2, 2]);
+    c.outputs[1] = c.inputs[3].clone();
+    assert!(msg(&c).contains("same leading slice dim"), "{}", msg(&c));
+    // a slice of the wrong shape: the layout names the parameter and wants (3, shard)
+    let mut c = into_start();
+    c.inputs[2] = buf(0x2000, F32, &[3, 2, 3]);
+    c.outputs[0] = c.inputs[2].clone();
+    let m = msg(&c);
+    assert!(m.contains("p0") && m.contains("[3, 3, 3]"), "{m}");
+}
+
+#[test]
+fn output_at_slice_is_jax_dynamic_update_slice_rule() {
+    let at = tide::call::OutputAt { index_ptr: 1, count: 4 };
+    let got: Vec<usize> = [-9, -5, -4, -1, 0, 2, 3, 4, 100, i32::MIN, i32::MAX].iter().map(|&i| at.slice(i)).collect();
+    assert_eq!(got, vec![0, 0, 0, 3, 0, 2, 3, 3, 3, 0, 3]);
+    assert_eq!(tide::call::OutputAt { index_ptr: 1, count: 1 }.slice(-1), 0);
+}

@@ -120,9 +120,6 @@ fn same_plan(what: &str, key: Key, published: &[Published]) -> Result<Vec<RankBu
     Ok(published.iter().map(|p| p.0.clone()).collect())
 }
 
-/// Runs `call` as one rank of a CPU collective in XLA's run `run_id`. Returns once every rank of
-/// the call is done with this rank's buffers.
-
 /// A reduce-scatter into slices (`CallInfo::at`) on CPU: reads the slice index (host memory) and
 /// points each result at its slice, so the CPU engine runs the plain call on it. A call without
 /// `at` is returned as it is.
@@ -150,6 +147,8 @@ pub unsafe fn resolve_at(mut info: CallInfo) -> Result<CallInfo> {
     Ok(info)
 }
 
+/// Runs `call` as one rank of a CPU collective in XLA's run `run_id`. Returns once every rank of
+/// the call is done with this rank's buffers.
 pub fn execute(call: &CallInfo, run_id: i64) -> Result<()> {
     execute_seq(call, run_seq(call.site, call.group, call.rank, run_id))
 }

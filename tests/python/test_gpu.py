@@ -515,3 +515,19 @@ def test_compiled_edges_overlap_on_gpu():
     assert lookup and scatter, "no gather/scatter op in the entry computation"
     assert any(s < lookup[0] < d for s in ag_s for d in ag_d), (ag_s, ag_d, lookup)
     assert any(s < scatter[-1] < d for s in rs_s for d in rs_d), (rs_s, rs_d, scatter)
+
+
+# ----- the reduce-scatter into slices of the gradient buffers (issue #22) -----
+@pytest.mark.parametrize("n", [1, 2])
+def test_reduce_scatter_into_slices_on_gpus(n, rng, monkeypatch):
+    """The native call writes each shard into slice `index` of its (L, ...) buffer, read on the
+    device: bitwise the reduce-scatter then jax.lax's update, other slices untouched, for indices
+    in range, negative and past the end; scan_layers gives the same bits with it as without."""
+    from jax.sharding import Mesh
+
+    import test_rs_into as T
+
+    mesh = Mesh(np.array(_need(n)), (AXIS,))
+    T.check_into_slices(mesh, seed=int(rng.integers(1 << 30)))
+    T.check_loop_same_bits(monkeypatch, n, 4, "dots", True, mesh=mesh)
+    T.check_loop_same_bits(monkeypatch, n, 3, None, False, mesh=mesh)

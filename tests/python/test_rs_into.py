@@ -38,9 +38,9 @@ def world1_native():
     _ops._world1_native = previous
 
 
-def _check(world, dtype, seed, num=4):
+def _check(world, dtype, seed, num=4, mesh=None):
     rng = np.random.default_rng(seed)
-    mesh = make_mesh((world,), (AXIS,))
+    mesh = make_mesh((world,), (AXIS,)) if mesh is None else mesh
     lay = tide_jax.layout(_params(rng), mesh, AXIS)
     # per rank: a full gradient (different on every rank) and the (num, *shard) buffers, random
     grads = {k: rng.standard_normal((world, *s)).astype(np.float32) for k, s in SHAPES.items()}
@@ -80,6 +80,12 @@ def test_into_slices_world1_native(world1_native):
     _check(1, jnp.bfloat16, seed=7)
 
 
+def check_into_slices(mesh, seed):
+    """`_check` on `mesh` (test_gpu.py runs it on GPUs), every gradient dtype."""
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+        _check(mesh.devices.size, dtype, seed=seed, mesh=mesh)
+
+
 def test_into_slices_refuses_a_wrong_buffer():
     mesh = make_mesh((2,), (AXIS,))
     lay = tide_jax.layout({"w": np.zeros((5, 3), np.float32)}, mesh, AXIS)
@@ -93,10 +99,10 @@ def test_into_slices_refuses_a_wrong_buffer():
         f(jnp.zeros((2, 5, 3), jnp.bfloat16), jnp.zeros((2, 4, 2, 3), jnp.float32))
 
 
-def _loop_step(world, num_layers, remat, reshard, seed):
+def _loop_step(world, num_layers, remat, reshard, seed, mesh=None):
     from test_loop import AXIS as LAXIS, D, _one, layer_fn, model
 
-    mesh = make_mesh((world,), (LAXIS,))
+    mesh = make_mesh((world,), (LAXIS,)) if mesh is None else mesh
     rng = np.random.default_rng(seed)
     stacked = model(rng, num_layers)
     lay = tide_jax.layout(_one(stacked), mesh, LAXIS)
@@ -117,15 +123,11 @@ def _loop_step(world, num_layers, remat, reshard, seed):
     return f, (shards, x)
 
 
-@pytest.mark.parametrize("world,num_layers,remat,reshard", [(3, 5, "dots", True), (8, 2, None, False), (2, 1, True, True)])
-def test_scan_layers_into_slices_same_bits(monkeypatch, world, num_layers, remat, reshard):
-    """scan_layers writes each layer's gradient shards into the (L, ...) buffers in place (the HLO
-    has the into calls and no plain reduce-scatter of the layers), with the same bits as a separate
-    result and an update (TIDE_RS_INTO=0)."""
+def check_loop_same_bits(monkeypatch, world, num_layers, remat, reshard, mesh=None):
     out = {}
     for into in ("1", "0"):
         monkeypatch.setenv("TIDE_RS_INTO", into)
-        f, args = _loop_step(world, num_layers, remat, reshard, seed=world + num_layers)
+        f, args = _loop_step(world, num_layers, remat, reshard, seed=world + num_layers, mesh=mesh)
         hlo = f.lower(*args).compile().as_text()
         n_into = len(re.findall(r'custom_call_target="tide_reduce_scatter_into_start"', hlo))
         n_plain = len(re.findall(r'custom_call_target="tide_reduce_scatter_start"', hlo))
@@ -136,6 +138,14 @@ def test_scan_layers_into_slices_same_bits(monkeypatch, world, num_layers, remat
         out[into] = f(*args)
     for a, b in zip(jax.tree.leaves(out["1"]), jax.tree.leaves(out["0"])):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("world,num_layers,remat,reshard", [(3, 5, "dots", True), (8, 2, None, False), (2, 1, True, True)])
+def test_scan_layers_into_slices_same_bits(monkeypatch, world, num_layers, remat, reshard):
+    """scan_layers writes each layer's gradient shards into the (L, ...) buffers in place (the HLO
+    has the into calls and no plain reduce-scatter of the layers), with the same bits as a separate
+    result and an update (TIDE_RS_INTO=0)."""
+    check_loop_same_bits(monkeypatch, world, num_layers, remat, reshard)
 
 
 def test_rs_into_setting_is_checked(monkeypatch):
