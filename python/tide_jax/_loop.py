@@ -47,7 +47,9 @@ Schedule (forward, layer i; backward, layer i; `[b]` = `ordered` barrier, tide b
 The steady state runs in a `lax.scan` (one HLO body for any L); steps without a prefetch or a
 reduce-scatter are unrolled around it (`unroll=True`: everything in Python). A start and its done
 are always in one iteration (a handle never crosses a loop boundary); what is carried are finished
-values. Gradients of the stacked shards are written in place into one (L, ...) buffer per leaf.
+values. Gradients of the stacked shards are written in place into one (L, ...) buffer per leaf: on
+the native backend the reduce-scatter itself writes slice i, the index read on the device
+([Note: reduce-scatter into slices] in `_ops`; TIDE_RS_INTO=0: a separate result, then an update).
 At world size 1 the collectives are local identities (no native call; `_ops`).
 """
 
