@@ -60,7 +60,7 @@ fn start(call: &CallInfo) -> Result<()> {
             call.device_ordinal
         ),
         call.device_ordinal,
-        call.outputs.iter().map(|b| b.ptr).collect(),
+        record_outputs(call, &call.outputs),
         call.inputs.iter().map(|b| b.ptr).collect(),
     );
     let seq = (call.job == 0).then(|| rendezvous::run_seq(call.site, call.group, call.rank, call.run_id));
@@ -107,7 +107,7 @@ fn done(call: &CallInfo) -> Result<()> {
             call.inputs.len()
         )));
     }
-    let outputs: Vec<usize> = call.outputs.iter().map(|b| b.ptr).collect();
+    let outputs = record_outputs(call, &call.outputs);
     let inputs: Vec<usize> = call.inputs[n..].iter().map(|b| b.ptr).collect();
     let record = inflight::take(&what, op_code(call.op), call.device_ordinal, &outputs, &inputs)?;
     // A CUDA start finishes before it returns, so the result is there at once; the bound
@@ -143,4 +143,15 @@ fn done(call: &CallInfo) -> Result<()> {
             unsafe { lease.join_into(call.stream as CUstream) }
         }
     }
+}
+
+/// The buffers a start's record is found by: its results; for a reduce-scatter into slices
+/// (`CallInfo::at`) the index operand first, then the whole buffers, so two calls in flight into
+/// different slices of the same buffers keep records of their own (the index buffers differ).
+fn record_outputs(call: &CallInfo, outputs: &[crate::call::BufferView]) -> Vec<usize> {
+    call.at
+        .map(|at| at.index_ptr)
+        .into_iter()
+        .chain(outputs.iter().map(|b| b.ptr))
+        .collect()
 }
