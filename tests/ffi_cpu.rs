@@ -376,7 +376,7 @@ fn into_start_decodes_gradients_buffers_and_index() {
     let d = tide::ffi::decode_done_into(&done, 1).unwrap();
     assert_eq!(d.inputs.len(), 4);
     assert_eq!(d.at, info.at);
-    assert_eq!(d.outputs[1].data, 0x2100);
+    assert_eq!(d.outputs[1].ptr, 0x2100);
 }
 
 #[test]
