@@ -352,7 +352,7 @@ class _Group:
         the (L, ...) gradient buffers ([Note: reduce-scatter into slices] in `_ops`): the native
         backend at world size > 1 (or with TIDE_WORLD1_NATIVE=1), float32 shards, no replica axes
         (HSDP's psum follows the reduce-scatter), and TIDE_RS_INTO not 0."""
-        return (_rs_into_enabled() and self.backend == "tide" and not _ops._is_local(self.lay)
+        return (_rs_into_enabled() and self.backend == "tide" and not _ops._is_local(self.lay, "reduce_scatter")
                 and all(d == np.dtype(np.float32) for d in self.shard_dtypes)
                 and not any(self.replica_axes))
 

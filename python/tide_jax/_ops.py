@@ -63,22 +63,35 @@ def _backend_from_env() -> str:
 _backend = _backend_from_env()
 
 
-def _world1_native_from_env() -> bool:
+def _world1_native_from_env():
     value = os.environ.get("TIDE_WORLD1_NATIVE", "").strip().lower()
     if value in ("", "0", "false", "off", "no"):
         return False
     if value in ("1", "true", "on", "yes"):
         return True
-    raise ValueError(f"tide: TIDE_WORLD1_NATIVE={value!r}: expected 0/1 (false/true, off/on, no/yes)")
+    # attribution of the world-1 step's cost: one op native, the other local; or "pipeline": both
+    # local but scan_layers' pipeline (starts, barriers, dones) as with native calls
+    if value in ("all_gather", "reduce_scatter", "pipeline"):
+        return frozenset({value})
+    raise ValueError(f"tide: TIDE_WORLD1_NATIVE={value!r}: expected 0/1 (false/true, off/on, no/yes), "
+                     "all_gather, reduce_scatter or pipeline")
 
 
 # At world size 1 the collectives are local (no native call) unless TIDE_WORLD1_NATIVE=1: a test
 # knob, so one GPU can still run the native start/done path through XLA (tests/python/test_gpu.py).
+# True: both ops native; a frozenset: the ops named in it (TIDE_WORLD1_NATIVE=all_gather, ...).
 _world1_native = _world1_native_from_env()
 
 
-def _is_local(lay: Layout) -> bool:
-    return lay.world == 1 and not _world1_native
+def _is_local(lay: Layout, op: str | None = None) -> bool:
+    """Whether `op` ("all_gather" / "reduce_scatter"; None: every op, as scan_layers asks whether
+    to pipeline at all) runs without a native call: world size 1 unless TIDE_WORLD1_NATIVE asks
+    for it."""
+    if lay.world != 1 or _world1_native is True:
+        return False
+    if not _world1_native:
+        return True
+    return op is not None and op not in _world1_native
 
 
 def set_backend(name: str) -> str:
@@ -233,7 +246,7 @@ def _local_reduce_scatter(leaves: list, lay: Layout) -> list:
 
 # ----- the native (tide) implementations, on validated leaves -----
 def _tide_all_gather(leaves: list, lay: Layout) -> list:
-    if _is_local(lay):
+    if _is_local(lay, "all_gather"):
         return _local_all_gather(leaves, lay)
     _lib.ensure_registered(lay.platform)
     result_types = [jax.ShapeDtypeStruct(p.local_shape, x.dtype) for p, x in zip(lay.params, leaves)]
@@ -242,7 +255,7 @@ def _tide_all_gather(leaves: list, lay: Layout) -> list:
 
 
 def _tide_reduce_scatter(leaves: list, lay: Layout) -> list:
-    if _is_local(lay):
+    if _is_local(lay, "reduce_scatter"):
         return _local_reduce_scatter(leaves, lay)
     _lib.ensure_registered(lay.platform)
     result_types = [jax.ShapeDtypeStruct(p.shard_shape, jnp.float32) for p in lay.params]
@@ -276,7 +289,7 @@ class Handle:
 
 
 def _start(op: str, leaves: list, lay: Layout, backend: str) -> Handle:
-    if backend == "jax" or _is_local(lay):  # XLA schedules its own collectives, or nothing moves:
+    if backend == "jax" or _is_local(lay, op):  # XLA schedules its own collectives, or nothing moves:
         # the handle holds the results
         if backend == "jax":
             gather, scatter = _impl("jax")
@@ -391,7 +404,7 @@ def _done(handle: Handle, op: str) -> list:
 def _start_into(leaves: list, bufs: list, index, lay: Layout, backend: str) -> Handle:
     n = len(leaves)
     index = jnp.asarray(index, jnp.int32)
-    if backend == "jax" or _is_local(lay):
+    if backend == "jax" or _is_local(lay, "reduce_scatter"):
         h = _start("reduce_scatter", leaves, lay, backend)
         return Handle(list(bufs), [h, index], ("reduce_scatter_into", lay, "wrapped", ()))
     _lib.ensure_registered(lay.platform)
