@@ -420,21 +420,23 @@ def _start_into(leaves: list, bufs: list, index, lay: Layout, backend: str) -> H
              + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
              + [jax.ShapeDtypeStruct((), jnp.int32)])
     tracked = any(_compat.vma_of(x) for x in leaves) or any(buf_vmas)
-    outs = _start_into_call(types, n, _attrs(lay, _new_site()), (lay.axis,) if tracked else ())(*leaves, *bufs, index)
+    outs = _start_into_call(types, n, _attrs(lay, _new_site()), (lay.axis,) if tracked else (), buf_vmas)(
+        *leaves, *bufs, index)
     return Handle(list(outs[:n]), list(outs[n:]), ("reduce_scatter_into", lay, backend, buf_vmas))
 
 
-def _start_into_call(types: list, n: int, attrs: dict, vma):
+def _start_into_call(types: list, n: int, attrs: dict, vma, buf_vmas):
     aliases = {n + i: i for i in range(n)} | {i: n + i for i in range(n)} | {2 * n: 2 * n}
     call = jax.ffi.ffi_call("tide_reduce_scatter_into_start", types, input_output_aliases=aliases)
     sync = jax.ffi.ffi_call("tide_reduce_scatter", [jax.ShapeDtypeStruct(t.shape[1:], t.dtype) for t in types[:n]],
                             vmap_method="sequential")
 
     def typed(outs, args):
-        # the buffers in flight: their own axes and the layout's; the operands as they came
-        like = [*args[n:2 * n], *args[:n], args[2 * n]]
-        extra = [set(vma)] * n + [set()] * (n + 1)
-        return tuple(_compat.mark_varying(o, sorted(e | _compat.vma_of(x))) for o, x, e in zip(outs, like, extra))
+        # the buffers in flight: their own axes (as the caller typed them: inside the call JAX has
+        # made every operand vary alike) and the layout's; the operands passed through as they came
+        bufs = [_compat.mark_varying(o, sorted(set(vma) | set(v))) for o, v in zip(outs[:n], buf_vmas)]
+        rest = [_compat.mark_varying(o, sorted(_compat.vma_of(x))) for o, x in zip(outs[n:], [*args[:n], args[2 * n]])]
+        return (*bufs, *rest)
 
     @jax.custom_batching.custom_vmap
     def start(*args):
@@ -479,8 +481,9 @@ def _done_into(handle: Handle) -> list:
             raise ValueError("tide: reduce_scatter_into done is batched by jax.vmap but its start was not")
         return tuple(arrays[:n]), (True,) * n
 
-    outs = done(*handle.results, *handle.operands)
-    return list(jax.lax.optimization_barrier(tuple(outs)))
+    # (no barrier after, unlike `_done`: the results are whole buffers, nothing slices them into a
+    # larger one; and a barrier would type every buffer as varying over the union of their axes)
+    return list(done(*handle.results, *handle.operands))
 
 
 def all_gather_start(shards, lay: Layout, dtype=None, *, backend: str | None = None) -> Handle:
