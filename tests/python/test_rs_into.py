@@ -38,7 +38,7 @@ def world1_native():
     _ops._world1_native = previous
 
 
-def _check(world, dtype, seed, num=4, mesh=None):
+def _check(world, dtype, seed, num=4, mesh=None, backend="tide"):
     rng = np.random.default_rng(seed)
     mesh = make_mesh((world,), (AXIS,)) if mesh is None else mesh
     lay = tide_jax.layout(_params(rng), mesh, AXIS)
@@ -51,7 +51,7 @@ def _check(world, dtype, seed, num=4, mesh=None):
     def body(index, grads, bufs):
         g = jax.tree.map(lambda t: t[0], grads)
         b = [t[0] for t in bufs]
-        h = _ops._start_into(_ops._check_grads(g, lay, "test"), b, index, lay, "tide")
+        h = _ops._start_into(_ops._check_grads(g, lay, "test"), b, index, lay, backend)
         got = _ops._done_into(h)
         shards = jax.tree_util.tree_leaves(tide_jax.reduce_scatter(g, lay, backend="jax"))
         want = [jax.lax.dynamic_update_index_in_dim(t, s, index, 0) for t, s in zip(b, shards)]
@@ -78,6 +78,13 @@ def test_into_slices_equals_reduce_scatter_then_update(world, dtype):
 
 def test_into_slices_world1_native(world1_native):
     _check(1, jnp.bfloat16, seed=7)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_into_slices_jax_backend_and_local(world):
+    """The jax backend and world size 1 without native calls: the reduce-scatter, then the update."""
+    _check(world, jnp.bfloat16, seed=11 + world, backend="jax")
+    _check(world, jnp.float32, seed=13 + world, backend="tide")
 
 
 def check_into_slices(mesh, seed):
