@@ -29,6 +29,12 @@ pub struct Config {
     /// holds (issue #22: on one H200, 16 CTAs of 512 KiB: a one-wave GEMM beside it +2 %, resident
     /// CTAs +49 to +68 %). Smaller: less interference, more launches (2.5 us each); 0: fastest alone.
     pub rs_cta_bytes: usize,
+    /// TIDE_HIGH_PRIORITY (default 0; a flag): 1 creates each in-flight slot's tide stream (where a
+    /// call's reductions and their waits run, in-process) with the device's greatest stream
+    /// priority, so when SMs free up a pending reduction CTA is placed before a pending compute CTA.
+    /// Consecutive launches on one stream still leave a ~2.5 us gap in which compute takes the SMs
+    /// back. Measured on one H200 (bench/RESULTS.md, issue #22).
+    pub high_priority: bool,
     /// TIDE_RS_STAGE_SLOTS (default 3; an integer in [1, 64]): number of staging slots in the
     /// reduce-scatter pipeline (3 beat 2 on 2 H200s: bench/results/2026-11-30-cuda-bench.md).
     pub rs_stage_slots: usize,
@@ -286,6 +292,7 @@ impl Config {
             rs_copy_streams: r.int("TIDE_RS_COPY_STREAMS", 1, 1, 16) as usize,
             local_copy: r.choice("TIDE_LOCAL_COPY", LocalCopy::CopyEngine, "ce or sm"),
             copy_batch: r.flag("TIDE_COPY_BATCH", true),
+            high_priority: r.flag("TIDE_HIGH_PRIORITY", false),
             ce_piece_bytes: r.int("TIDE_CE_PIECE_BYTES", 32 << 20, 4096, 1 << 32) as usize,
             max_in_flight: r.int("TIDE_MAX_IN_FLIGHT", 4, 1, 16) as usize,
             fuse_bytes: r.int("TIDE_FUSE_BYTES", 512 << 10, 0, 1 << 30) as usize,

@@ -325,7 +325,11 @@ impl DeviceState {
         let have = self.slots[list].len();
         let what = |e: &str| format!("in-flight slot {have}, {e}");
         // Context current (CtxGuard held by the caller).
-        let tide = driver::stream_create(|| format!("device {ord}, {}", what("tide stream")))?;
+        let tide = if crate::config::current().high_priority {
+            driver::stream_create_high_priority(|| format!("device {ord}, {}", what("tide stream, high priority")))?
+        } else {
+            driver::stream_create(|| format!("device {ord}, {}", what("tide stream")))?
+        };
         let slot = Slot {
             tide,
             side: Vec::new(),

@@ -231,6 +231,25 @@ pub fn stream_create(what: impl FnOnce() -> String) -> Result<CUstream> {
     Ok(s)
 }
 
+/// A new non-blocking stream with the context's greatest priority (`cuCtxGetStreamPriorityRange`).
+pub fn stream_create_high_priority(what: impl FnOnce() -> String) -> Result<CUstream> {
+    let (mut least, mut greatest) = (0i32, 0i32);
+    // SAFETY: valid out-pointers; the device's context is current (callers hold a CtxGuard).
+    check(
+        unsafe { sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest) },
+        "cuCtxGetStreamPriorityRange",
+        String::new,
+    )?;
+    let mut s: CUstream = std::ptr::null_mut();
+    // SAFETY: as `stream_create`.
+    check(
+        unsafe { sys::cuStreamCreateWithPriority(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32, greatest) },
+        "cuStreamCreateWithPriority",
+        what,
+    )?;
+    Ok(s)
+}
+
 /// A new event without timing (the only kind tide records; cheaper to record and wait on).
 pub fn event_create(what: impl FnOnce() -> String) -> Result<CUevent> {
     let mut e: CUevent = std::ptr::null_mut();
