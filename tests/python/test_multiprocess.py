@@ -90,14 +90,28 @@ def worker(out_dir: str, die: int | None, hsdp: int = 0) -> None:
         ref = {k: jax.lax.all_gather(v, "fsdp", tiled=True) for k, v in sh.items()}
         gr = {k: v.reshape(params[k].shape) for k, v in gr.items()}
         rs = tide_jax.reduce_scatter(gr, lay)
+        # the reduce-scatter into slice 1 of 3 (scan_layers' gradient buffers; issue #22)
+        from tide_jax import _ops
+
+        bufs = [jnp.zeros((3, *p.shard_shape), jnp.float32) for p in lay.params]
+        h = _ops._start_into(_ops._check_grads(gr, lay, "test"), bufs, 1, lay, "tide")
+        into = jax.tree_util.tree_unflatten(lay.treedef, _ops._done_into(h))
+        into_rs = {k: v[1] for k, v in into.items()}
+        others = {k: (jnp.abs(v[0]).max() + jnp.abs(v[2]).max())[None] for k, v in into.items()}
         stacked = lambda t: {k: v[None] for k, v in t.items()}  # noqa: E731  one copy per rank
-        return stacked(full), stacked(ref), rs
+        return stacked(full), stacked(ref), rs, into_rs, others
 
     fn = jax.jit(
-        tide_jax.shard_map(step, mesh=mesh, in_specs=(P("fsdp"), P("fsdp")), out_specs=(P("fsdp"), P("fsdp"), P("fsdp")))
+        tide_jax.shard_map(step, mesh=mesh, in_specs=(P("fsdp"), P("fsdp")),
+                           out_specs=(P("fsdp"), P("fsdp"), P("fsdp"), P("fsdp"), P("fsdp")))
     )
-    full, ref, rs = fn(shards, gstack)
-    jax.block_until_ready((full, ref, rs))
+    full, ref, rs, into_rs, others = fn(shards, gstack)
+    jax.block_until_ready((full, ref, rs, into_rs, others))
+    for k in params:
+        for a, b in zip(rs[k].addressable_shards, into_rs[k].addressable_shards):
+            assert np.asarray(a.data).tobytes() == np.asarray(b.data).tobytes(), f"reduce_scatter into slices {k}"
+        for o in others[k].addressable_shards:
+            assert not np.asarray(o.data).any(), f"reduce_scatter into slices wrote another slice of {k}"
 
     results = {}
     for k in params:
