@@ -82,14 +82,16 @@ namespace tide::ffi {
 namespace {
 
 // Must match `Op` and `Phase` codes in src/ffi/mod.rs.
-// kReduceScatterInto: the reduce-scatter into slices of larger buffers (`bridge_op` in Rust).
-enum class Op : uint8_t { kAllGather = 0, kReduceScatter = 1, kReduceScatterInto = 2 };
+// kReduceScatterInto: the reduce-scatter into slices of larger buffers; kAllGatherCast: the
+// casting all-gather, fp32 in, bf16 out (`bridge_op` in Rust).
+enum class Op : uint8_t { kAllGather = 0, kReduceScatter = 1, kReduceScatterInto = 2, kAllGatherCast = 3 };
 enum class Phase : uint8_t { kSync = 0, kStart = 1, kDone = 2 };
 
 std::string Where(Op op, Phase phase, int64_t site) {
-  std::string name = op == Op::kAllGather       ? "tide all_gather"
-                     : op == Op::kReduceScatter ? "tide reduce_scatter"
-                                                : "tide reduce_scatter_into";
+  std::string name = op == Op::kAllGather         ? "tide all_gather"
+                     : op == Op::kReduceScatter   ? "tide reduce_scatter"
+                     : op == Op::kAllGatherCast   ? "tide all_gather_cast"
+                                                  : "tide reduce_scatter_into";
   if (phase == Phase::kStart) name += "_start";
   if (phase == Phase::kDone) name += "_done";
   return name + " site " + std::to_string(site);
@@ -286,3 +288,5 @@ TIDE_TARGET(reduce_scatter_start, Op::kReduceScatter, Phase::kStart)
 TIDE_TARGET(reduce_scatter_done, Op::kReduceScatter, Phase::kDone)
 TIDE_TARGET(reduce_scatter_into_start, Op::kReduceScatterInto, Phase::kStart)
 TIDE_TARGET(reduce_scatter_into_done, Op::kReduceScatterInto, Phase::kDone)
+TIDE_TARGET(all_gather_cast_start, Op::kAllGatherCast, Phase::kStart)
+TIDE_TARGET(all_gather_cast_done, Op::kAllGatherCast, Phase::kDone)

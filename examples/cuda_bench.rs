@@ -522,6 +522,7 @@ fn call_of(devs: &[Dev], b: &Bufs, op: Op, site: i64, r: usize, world: usize) ->
         outputs: outs,
         stream: d.stream as usize,
         at: None,
+        cast: None,
     }
 }
 

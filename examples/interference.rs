@@ -843,6 +843,7 @@ fn engine_call(op: Op, world: usize, site: i64) -> EngineCall {
         outputs: outs,
         stream: 0,
         at: None,
+        cast: None,
     };
     EngineCall { call, peers, bytes }
 }

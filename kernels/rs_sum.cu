@@ -31,6 +31,12 @@
 //   The host passes vectorized != 0 only if stride keeps the 16-byte alignment.
 // tide_zero_at(dst, bytes, at, count, stride): zeroes bytes at dst + s * stride (padding rows of a
 //   result; 4-byte units where dst and bytes allow).
+//
+// The casting all-gather (src/cast.rs), on XLA's stream before the collective:
+// tide_cast_at_f32_bf16(dst, src, n, at, count, stride, vectorized): dst[e] = bf16(src'[e]) for e in
+//   [0, n), src' = src moved s * stride bytes on (s as above); round to nearest even, a NaN becomes a
+//   quiet NaN of its sign: bit for bit `cast::f32_to_bf16` (the CPU engine's rounding).
+//   vectorized != 0 promises src' 16-byte and dst 8-byte aligned (4 elements per thread and step).
 
 #define TIDE_THREADS 512
 #define TIDE_MAX_SRCS 8
@@ -375,6 +381,31 @@ tide_zero_at(void* dst, unsigned long long bytes, const int* at, unsigned long l
         for (unsigned long long i = tid; i < bytes / 4; i += threads) ((unsigned int*)d)[i] = 0u;
     } else {
         for (unsigned long long i = tid; i < bytes; i += threads) d[i] = 0;
+    }
+}
+
+// fp32 bits -> bf16 bits (src/cast.rs f32_to_bf16).
+TIDE_DEV unsigned int tide_bf16_bits(unsigned int b) {
+    if ((b & 0x7fffffffu) > 0x7f800000u) return ((b >> 16) & 0x8000u) | 0x7fc0u;
+    return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+}
+
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+tide_cast_at_f32_bf16(unsigned short* dst, const float* src, unsigned long long n, const int* at,
+                      unsigned long long count, unsigned long long stride, int vectorized) {
+    const unsigned int* s = (const unsigned int*)((const unsigned char*)src + tide_at_offset(at, count, stride));
+    const unsigned long long threads = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned long long tid = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned long long nvec = vectorized ? n / 4 : 0;
+    for (unsigned long long v = tid; v < nvec; v += threads) {
+        const uint4 x = ((const uint4*)s)[v];
+        uint2 y;
+        y.x = tide_bf16_bits(x.x) | (tide_bf16_bits(x.y) << 16);
+        y.y = tide_bf16_bits(x.z) | (tide_bf16_bits(x.w) << 16);
+        ((uint2*)dst)[v] = y;
+    }
+    for (unsigned long long i = nvec * 4 + tid; i < n; i += threads) {
+        dst[i] = (unsigned short)tide_bf16_bits(s[i]);
     }
 }
 

@@ -291,6 +291,20 @@ pub struct CallInfo {
     /// each result is a slice of `outputs[i]`, chosen on the device (`OutputAt`). None: the
     /// outputs are the results themselves.
     pub at: Option<OutputAt>,
+    /// Set for the casting all-gather (`tide_all_gather_cast_*`, `crate::cast`): its fp32 operands
+    /// and slice index; `inputs` are then bf16 views of this rank's own rows of `outputs` (start) or
+    /// the start's results (done). None for every other call.
+    pub cast: Option<CastFrom>,
+}
+
+/// What a casting all-gather reads (`crate::cast`): per parameter an fp32 buffer `(count, *shard)`,
+/// and the int32 index of the slice to gather (`OutputAt::slice`'s rule; device memory on CUDA,
+/// host memory on CPU). A done carries `srcs` empty (it only pairs with its start).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CastFrom {
+    pub srcs: Vec<BufferView>,
+    pub index_ptr: usize,
+    pub count: usize,
 }
 
 /// Where a reduce-scatter into larger buffers writes (docs/design.md "FFI contract",
@@ -501,7 +515,7 @@ fn build_layout(call: &CallInfo) -> Result<GroupLayout> {
 }
 
 /// At most `MAX_NAME_CHARS` characters of a parameter name, for messages.
-fn short_name(name: &str) -> String {
+pub(crate) fn short_name(name: &str) -> String {
     match name.char_indices().nth(MAX_NAME_CHARS) {
         Some((at, _)) => format!("{}...", &name[..at]),
         None => name.to_string(),

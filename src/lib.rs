@@ -1,7 +1,7 @@
 //! tide: zero-copy FSDP collectives for JAX.
 //!
 //! Layers, innermost first (docs/design.md):
-//! - `layout`, `topology`, `plan`: the pure core. Shard arithmetic and collective plans as data; no
+//! - `layout`, `topology`, `plan`, `cast`: the pure core. Shard arithmetic and collective plans as data; no
 //!   CUDA, no XLA, no Python.
 //! - `engine::cpu`: runs plans on host memory, ranks as threads; the test oracle and the JAX CPU backend.
 //! - `cuda`: runs plans on GPUs with copy engines and short-lived reduction kernels.
@@ -9,6 +9,7 @@
 //! - `info`: the build stamp and the runtime probe behind `tide_jax.info()`.
 
 pub mod call;
+pub mod cast;
 pub mod config;
 pub mod cuda;
 pub mod deadlock;

@@ -198,6 +198,7 @@ fn make_case(devs: &[Dev], dev_of: &[usize], streams: &[usize], op: Op, site: i6
             outputs: os,
             stream: streams[r],
             at: None,
+            cast: None,
         });
     }
     Case {

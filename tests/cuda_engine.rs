@@ -209,6 +209,7 @@ fn run_and_check(devs: &[Dev], op: Op, site: i64, world: usize, seed: u64, reps:
             outputs: outs,
             stream: d.stream as usize,
             at: None,
+            cast: None,
         });
     }
     std::thread::scope(|s| {

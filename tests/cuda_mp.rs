@@ -323,6 +323,7 @@ fn prepare_case(c: &Child, pool: &mut Pool, op: Op, site: i64, seed: u64) -> Cas
         outputs: outs,
         stream: c.stream as usize,
         at: None,
+        cast: None,
     };
     Case {
         call,

@@ -410,6 +410,68 @@ static void check_sum_at(int dtype, int nsrc, size_t n, int accumulate, int inde
     }
 }
 
+// bf16 nearest to x, ties to even, by distances in double (not the kernel's bit trick); NaN -> a
+// quiet NaN of its sign (0x7fc0 | sign), infinities stay.
+static unsigned short ref_bf16(unsigned int bits) {
+    float x = tide_host_bits_f32(bits);
+    if (x != x) return (unsigned short)(((bits >> 16) & 0x8000u) | 0x7fc0u);
+    const unsigned short lo = (unsigned short)(bits >> 16);
+    if ((bits & 0x7fffffffu) == 0x7f800000u) return lo;
+    const unsigned short hi = (unsigned short)(lo + 1);
+    auto val = [](unsigned short b) {
+        double v = (double)tide_host_bits_f32((unsigned int)b << 16);
+        if (v > 3.5e38) return 340282366920938463463374607431768211456.0;  // 2^128 for +inf
+        if (v < -3.5e38) return -340282366920938463463374607431768211456.0;
+        return v;
+    };
+    const double dl = x - val(lo) < 0 ? val(lo) - x : x - val(lo);
+    const double dh = val(hi) - x < 0 ? x - val(hi) : val(hi) - x;
+    return (dl < dh || (dl == dh && (lo & 1) == 0)) ? lo : hi;
+}
+
+// tide_cast_at_f32_bf16: slice `index` of `count` fp32 slices `stride` bytes apart, rounded into a
+// bf16 buffer at `doff` elements past an 8-byte boundary; nothing written outside [0, n).
+static void check_cast(size_t n, int index, size_t count, size_t pad, size_t doff, unsigned grid, unsigned block,
+                       std::mt19937_64& rng) {
+    const size_t stride = (n + pad) * 4;
+    std::vector<unsigned char> sstore(count * stride + 64);
+    unsigned char* src = (unsigned char*)((((uintptr_t)sstore.data() + 15) & ~(uintptr_t)15));
+    for (size_t i = 0; i < count * stride / 4; ++i) {
+        unsigned int b;
+        const int kind = (int)(rng() % 8);
+        if (kind == 0) b = (unsigned int)rng();  // anything: NaNs, infinities, subnormals
+        else if (kind == 1) b = ((unsigned int)rng() & 0xffff0000u) | 0x8000u;  // a tie
+        else if (kind == 2) b = (unsigned int)(rng() % 0x800000u) | ((unsigned int)(rng() & 1) << 31);  // subnormal
+        else if (kind == 3) b = 0x7f7f8000u + (unsigned int)(rng() % 0x10000u);  // near overflow
+        else { float f = (float)((double)(int64_t)(rng() % 2000001) - 1000000.0) * 1e-3f; std::memcpy(&b, &f, 4); }
+        std::memcpy(src + 4 * i, &b, 4);
+    }
+    std::vector<unsigned char> dstore((n + 16) * 2 + 64);
+    unsigned short* dst = (unsigned short*)((((uintptr_t)dstore.data() + 15) & ~(uintptr_t)15)) + doff;
+    const unsigned short canary = 0xa5a5;
+    for (size_t i = 0; i < n + 8; ++i) dst[i] = canary;
+    long long wrapped = index < 0 ? (long long)index + (long long)count : index;
+    const size_t slice = wrapped < 0 ? 0 : ((size_t)wrapped >= count ? count - 1 : (size_t)wrapped);
+    const int vectorized = (stride % 16 == 0 && ((uintptr_t)dst % 8) == 0) ? 1 : 0;
+    int idx = index;
+    launch(grid, block, [&] {
+        tide_cast_at_f32_bf16(dst, (const float*)src, (unsigned long long)n, &idx, count, stride, vectorized);
+    });
+    for (size_t i = 0; i < n + 8; ++i) {
+        ++checks;
+        unsigned int b;
+        std::memcpy(&b, src + slice * stride + 4 * i, 4);
+        const unsigned short want = i < n ? ref_bf16(b) : canary;
+        if (dst[i] != want) {
+            if (failures < 20)
+                std::printf("MISMATCH cast n=%zu index=%d count=%zu pad=%zu doff=%zu at %zu: %08x -> got %04x want %04x\n",
+                            n, index, count, pad, doff, i, i < n ? b : 0u, dst[i], want);
+            ++failures;
+            return;
+        }
+    }
+}
+
 int main() {
     std::mt19937_64 rng(12345);
     check_ieee();
@@ -441,6 +503,19 @@ int main() {
                             if (dtype == 2 && n > 0) check_sum_at(dtype, nsrc, n, 0, index, 3, pad, 2u, g[0], g[1], rng);
                         }
     for (int index : {0, 5}) check_sum_at(0, 2, 77, 0, index, 1, 0, 0u, 3, 32, rng);
+    for (size_t n : {(size_t)0, (size_t)1, (size_t)3, (size_t)4, (size_t)5, (size_t)64, (size_t)1001, (size_t)4096})
+        for (int index : {-4, -1, 0, 2, 1000})
+            for (size_t pad : {(size_t)0, (size_t)1, (size_t)4})
+                for (size_t doff : {(size_t)0, (size_t)1, (size_t)4})
+                    for (auto& g : grids) check_cast(n, index, 3, pad, doff, g[0], g[1], rng);
+    for (unsigned int b : {0x3f808000u, 0x3f818000u, 0x7f7fffffu, 0x7f7f8000u, 0x7f7f7fffu, 0xff7f8000u, 0x00008000u,
+                           0x00018000u, 0x7f800001u, 0xffc00000u, 0x80000000u}) {
+        ++checks;
+        if (tide_bf16_bits(b) != ref_bf16(b)) {
+            std::printf("MISMATCH bf16 bits %08x: got %04x want %04x\n", b, tide_bf16_bits(b), ref_bf16(b));
+            ++failures;
+        }
+    }
     std::printf("%ld checks, %d failures\n", checks, failures);
     if (failures == 0) std::printf("ALL OK\n");
     return failures == 0 ? 0 : 1;

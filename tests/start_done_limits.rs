@@ -81,6 +81,7 @@ fn call(job: u64, rank: usize, world: usize, device: i64, addr: usize) -> CallIn
         outputs: vec![BufferView { ptr: addr + 4096, dtype: DType::F32, dims: vec![rows, 4] }],
         stream: 1,
         at: None,
+        cast: None,
     }
 }
 

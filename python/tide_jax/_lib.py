@@ -28,6 +28,8 @@ TARGETS = {
     "tide_reduce_scatter_done": "tide_ffi_reduce_scatter_done",
     "tide_reduce_scatter_into_start": "tide_ffi_reduce_scatter_into_start",
     "tide_reduce_scatter_into_done": "tide_ffi_reduce_scatter_into_done",
+    "tide_all_gather_cast_start": "tide_ffi_all_gather_cast_start",
+    "tide_all_gather_cast_done": "tide_ffi_all_gather_cast_done",
 }
 
 #: The instantiate-stage state type every target uses (docs/design.md "Call sites and instances").

@@ -331,9 +331,24 @@ class _Group:
              for p, d, v in zip(self.lay.params, self.param_dtypes, self.p_vma)],
         )
 
+    def cast_ok(self) -> bool:
+        """Whether this group gathers with the casting all-gather ([Note: the casting all-gather] in
+        `_ops`): the native backend (not local), float32 shards, bfloat16 parameters, TIDE_AG_CAST."""
+        return (len(set(self.param_dtypes)) == 1
+                and _ops._cast_ok(self.lay, self.shard_dtypes, self.param_dtypes[0], self.backend))
+
     def start_gather(self, leaves):
+        if self.cast_ok():  # one layer's shards: a stack of one (a free reshape)
+            return _ops._start_cast([x[None] for x in leaves], 0, self.lay, self.backend)
         cast = [_ops._maybe_cast(s, d) for s, d in zip(leaves, self.param_dtypes)]
         return _ops._start("all_gather", cast, self.lay, self.backend)
+
+    def start_gather_at(self, stacked, i):
+        """`start_gather` of layer `i` of the stacked shards: the casting all-gather reads the slice
+        in place (no fp32 slice is cut out of the stack)."""
+        if self.cast_ok():
+            return _ops._start_cast(list(stacked), i, self.lay, self.backend)
+        return self.start_gather([jax.lax.dynamic_index_in_dim(s, i, 0, keepdims=False) for s in stacked])
 
     def done_gather(self, h):
         outs = _ops._done(h, "all_gather")
@@ -679,7 +694,7 @@ class _Loop:
         L, k, g = self.num, self.k, self.layer
         res = {}
         # the prologue, with the first k layer gathers in flight behind it
-        pending = [g.start_gather(self.index(stacked, j)) for j in range(k)]
+        pending = [g.start_gather_at(stacked, j) for j in range(k)]
         if self.pro_fn is not None:
             pro_p = []
             if self.pro_group is not None:
@@ -703,13 +718,13 @@ class _Loop:
             carry, queue, and (saved residuals, gathered params) of layer i."""
             nonlocal epi_h
             if k == 0:
-                p = g.gather_now(self.index(stacked, i))
+                p = g.done_gather(g.start_gather_at(stacked, i))
                 rest = ps
             else:
                 p, rest = ps[0], tuple(ps[1:])
             starts = []
             if ahead is not None:
-                starts.append(g.start_gather(self.index(stacked, ahead)))
+                starts.append(g.start_gather_at(stacked, ahead))
             want_epi = self.epi_group is not None and k > 0 and isinstance(i, int) and i == L - 1
             if want_epi:
                 starts.append(self.epi_group.start_gather(epi_leaves))
@@ -858,7 +873,7 @@ class _Loop:
             if reshard and k:
                 ahead = i - k if dynamic or i - k >= 0 else None
                 if ahead is not None:
-                    starts.append(g.start_gather(self.index(stacked, ahead)))
+                    starts.append(g.start_gather_at(stacked, ahead))
             extra_h = [h for _, h in extra]
             if reshard:
                 if k:
@@ -866,7 +881,7 @@ class _Loop:
                 elif not dynamic and i >= n_scan:
                     p = p_saved
                 else:
-                    p = g.gather_now(self.index(stacked, i))
+                    p = g.done_gather(g.start_gather_at(stacked, i))
             else:
                 p = p_saved
             if starts or extra_h:

@@ -382,7 +382,8 @@ def _done(handle: Handle, op: str) -> list:
     n = len(handle.results)
     types = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in handle.results]
     tracked = any(out_vmas)
-    outs = _done_call(op, types, n, _attrs(lay, _new_site()), (lay.axis,) if tracked else ())(
+    target = "all_gather_cast" if backend == "tide-cast" else op  # [Note: the casting all-gather]
+    outs = _done_call(target, types, n, _attrs(lay, _new_site()), (lay.axis,) if tracked else ())(
         *handle.results, *handle.operands)
     # A barrier after, as before start: XLA:GPU's dynamic-slice fusion would otherwise have done
     # write a result straight into a slice of a larger buffer (a scan's stacked outputs), which
@@ -484,6 +485,82 @@ def _done_into(handle: Handle) -> list:
     # (no barrier after, unlike `_done`: the results are whole buffers, nothing slices them into a
     # larger one; and a barrier would type every buffer as varying over the union of their axes)
     return list(done(*handle.results, *handle.operands))
+
+
+# ----- the casting all-gather (fp32 shards in, bf16 parameters out) -----
+# [Note: the casting all-gather]
+# `_start_cast(stacked, index, lay, backend)` starts the all-gather of
+# `[s[index].astype(bfloat16) for s in stacked]` (each `stacked[i]` float32 (L, *shard_shape): a layer
+# loop's stacked shards; `index` as jax.lax.dynamic_index_in_dim's, a negative one counting from the
+# end, then clamped) and `all_gather_done` of its handle returns the bf16 parameters. On the tide
+# backend the native call (`tide_all_gather_cast_start` / `_done`, src/cast.rs) rounds this rank's rows
+# of the slice straight into their place in the gathered result on XLA's stream, and peers copy them
+# from there: no bf16 shard is made or held until done, no fp32 slice is cut out of the stack, and the
+# own shard is not copied (issue #22: at world size 1 the gather is the rounding alone). Its bits are
+# those of XLA's convert then the all-gather (round to nearest even; a NaN stays a NaN). Other dtypes,
+# the jax backend and world size 1 without TIDE_WORLD1_NATIVE are the cast then `_start`.
+def _cast_ok(lay: Layout, shard_dtypes, dtype, backend: str) -> bool:
+    """Whether the casting all-gather applies: the tide backend (not local), float32 shards gathered
+    as bfloat16, and TIDE_AG_CAST not 0."""
+    return (_ag_cast_enabled() and backend == "tide" and not _is_local(lay, "all_gather")
+            and dtype is not None and np.dtype(dtype) == np.dtype(jnp.bfloat16)
+            and all(np.dtype(d) == np.dtype(np.float32) for d in shard_dtypes))
+
+
+def _ag_cast_enabled() -> bool:
+    """TIDE_AG_CAST (default on): the layer loop gathers float32 shards as bfloat16 with the casting
+    all-gather; 0 restores XLA's convert then the plain all-gather (the A/B switch)."""
+    value = os.environ.get("TIDE_AG_CAST", "1").strip().lower()
+    if value in ("0", "false", "off", "no"):
+        return False
+    if value in ("", "1", "true", "on", "yes"):
+        return True
+    raise ValueError(f"tide: TIDE_AG_CAST={value!r}: expected 0/1 (false/true, off/on, no/yes)")
+
+
+def _start_cast(stacked: list, index, lay: Layout, backend: str) -> Handle:
+    index = jnp.asarray(index, jnp.int32)
+    if not _cast_ok(lay, [s.dtype for s in stacked], jnp.bfloat16, backend):
+        leaves = [jax.lax.dynamic_index_in_dim(s, index, 0, keepdims=False).astype(jnp.bfloat16) for s in stacked]
+        return _start("all_gather", leaves, lay, backend)
+    _lib.ensure_registered(lay.platform)
+    for p, s in zip(lay.params, stacked):
+        if s.ndim < 1 or tuple(s.shape[1:]) != tuple(p.shard_shape) or s.dtype != np.dtype(np.float32):
+            raise ValueError(
+                f"tide: all_gather_cast: {p.describe()}: operand {jax.typeof(s)} is not "
+                f"float32[L, {', '.join(map(str, p.shard_shape))}]"
+            )
+    types = [jax.ShapeDtypeStruct(p.local_shape, jnp.bfloat16) for p in lay.params]
+    out_vmas = _out_vmas(stacked, lay.axis)
+    tracked = any(_compat.vma_of(x) for x in stacked)
+    outs = _start_cast_call(types, len(stacked), _attrs(lay, _new_site()), (lay.axis,) if tracked else ())(
+        *stacked, index)
+    return Handle(list(outs), [], ("all_gather", lay, "tide-cast", out_vmas))
+
+
+def _start_cast_call(types: list, n: int, attrs: dict, vma):
+    call = jax.ffi.ffi_call("tide_all_gather_cast_start", types)
+    sync = jax.ffi.ffi_call("tide_all_gather", types, vmap_method="sequential")
+
+    def typed(results):
+        return tuple(_compat.mark_varying(r, list(vma)) for r in results)
+
+    @jax.custom_batching.custom_vmap
+    def start(*args):
+        return typed(call(*args, **attrs))
+
+    @start.def_vmap
+    def start_batched(axis_size, in_batched, *args):
+        # [Note: start/done under vmap]: the convert and the synchronous all-gather per element.
+        args = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(args, in_batched)]
+
+        def one(*a):
+            shards = [jax.lax.dynamic_index_in_dim(s, a[n], 0, keepdims=False).astype(jnp.bfloat16) for s in a[:n]]
+            return tuple(sync(*shards, **attrs))
+
+        return typed(jax.vmap(one)(*args)), (True,) * n
+
+    return start
 
 
 def all_gather_start(shards, lay: Layout, dtype=None, *, backend: str | None = None) -> Handle:

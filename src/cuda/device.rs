@@ -33,6 +33,8 @@ pub struct Module {
     /// Into slices of larger buffers (`CallInfo::at`): `rs_sum_at_{bf16,f16,f32}_f32`, `tide_zero_at`.
     pub sum_at: [CUfunction; 3],
     pub zero_at: CUfunction,
+    /// The casting all-gather's rounding (`cuda::cast`): `tide_cast_at_f32_bf16`.
+    pub cast_at: CUfunction,
 }
 
 // SAFETY: a loaded module's handles are plain identifiers the driver accepts from any host thread;
@@ -496,6 +498,7 @@ impl DeviceState {
                 ],
                 sum_at: [get("rs_sum_at_bf16_f32")?, get("rs_sum_at_f16_f32")?, get("rs_sum_at_f32_f32")?],
                 zero_at: get("tide_zero_at")?,
+                cast_at: get("tide_cast_at_f32_bf16")?,
             };
             self.module = Some(Arc::new(m));
         }

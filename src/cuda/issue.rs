@@ -183,6 +183,13 @@ impl Issuer<'_> {
                 return Ok(());
             }
         }
+        if let Cmd::Copy { src, dst, bytes, .. } = cmd {
+            // A copy onto itself moves nothing: the casting all-gather's own rows, already in place
+            // (`crate::cast`: this rank's operand is a view of its own rows of the result).
+            if address(self.infos, src, *bytes)? == address(self.infos, dst, *bytes)? {
+                return Ok(());
+            }
+        }
         if self.call.at.is_some() {
             if let Cmd::Copy { src, dst, .. } = cmd {
                 if src.kind == BufKind::Output || dst.kind == BufKind::Output {

@@ -15,7 +15,7 @@ pub const THREADS: u32 = 512;
 /// Sources one `rs_sum_*` launch sums (`TIDE_MAX_SRCS`, the size of `TideSrcs`).
 pub const MAX_SRCS: usize = 8;
 /// Every kernel the module must export.
-pub const KERNEL_NAMES: [&str; 12] = [
+pub const KERNEL_NAMES: [&str; 13] = [
     "rs_sum_bf16_f32",
     "rs_sum_f16_f32",
     "rs_sum_f32_f32",
@@ -28,6 +28,7 @@ pub const KERNEL_NAMES: [&str; 12] = [
     "rs_sum_at_f16_f32",
     "rs_sum_at_f32_f32",
     "tide_zero_at",
+    "tide_cast_at_f32_bf16",
 ];
 
 /// Segments per batched launch (`TIDE_COPY_BATCH`, `TIDE_SUM_BATCH` in kernels/rs_sum.cu).

@@ -132,6 +132,7 @@
 //! of the call is refused (the handler must not be declared command-buffer compatible).
 
 pub mod device;
+mod cast;
 pub mod driver;
 pub mod emulate;
 pub mod fuse;

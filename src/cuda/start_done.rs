@@ -4,7 +4,7 @@
 //! A4's `released` event and the slot); the paths below it own everything else:
 //! - sync: in-process `inprocess::start` then A4 at once; multi-process `multiproc::execute` on
 //!   XLA's stream.
-//! - start: the record registered first (at most `inflight::MAX_RECORDS_PER_DEVICE` per device and
+//! - start: the record registered first, then (casting all-gather) its rounding on XLA's stream (at most `inflight::MAX_RECORDS_PER_DEVICE` per device and
 //!   op: beyond that the start fails and tells its peers at once), then `inprocess::start` or
 //!   `multiproc::start` (which may run synchronously: no lease); the record holds the lease.
 //! - done: the record found by the buffers (never stale data), its start's result, then A4.
@@ -61,10 +61,16 @@ fn start(call: &CallInfo) -> Result<()> {
         ),
         call.device_ordinal,
         record_outputs(call, &call.outputs),
-        call.inputs.iter().map(|b| b.ptr).collect(),
+        crate::ffi::held_operands(call),
     );
     let seq = (call.job == 0).then(|| rendezvous::run_seq(call.site, call.group, call.rank, call.run_id));
-    if let Err(e) = inflight::register(op_code(call.op), record.clone()) {
+    // The casting all-gather first rounds this rank's rows into its results on XLA's stream, so
+    // the collective's `ready` follows them (`cuda::cast`).
+    let registered = inflight::register(op_code(call.op), record.clone())
+        .and_then(|()| super::cast::launch(call).inspect_err(|_| {
+            let _ = inflight::take("", op_code(call.op), call.device_ordinal, &record.outputs, &record.inputs);
+        }));
+    if let Err(e) = registered {
         // Tell the peers at once rather than at their timeout.
         match seq {
             Some(seq) => inprocess::abandon(call, seq, &e),
@@ -100,10 +106,12 @@ fn start(call: &CallInfo) -> Result<()> {
 fn done(call: &CallInfo) -> Result<()> {
     let n = call.outputs.len();
     let what = format!("tide {}_done site {}", op_name(call.op), call.site);
-    if call.inputs.len() != 2 * n {
+    // Start's results, then the operands it held (none for the casting all-gather).
+    let held = if call.cast.is_some() { 0 } else { n };
+    if call.inputs.len() != n + held {
         return Err(TideError::InvalidArgument(format!(
-            "{what}: expected {} operands (start's {n} results, then its {n} operands), got {}",
-            2 * n,
+            "{what}: expected {} operands (start's {n} results, then the {held} operands it held), got {}",
+            n + held,
             call.inputs.len()
         )));
     }

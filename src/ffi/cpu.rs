@@ -147,6 +147,38 @@ pub unsafe fn resolve_at(mut info: CallInfo) -> Result<CallInfo> {
     Ok(info)
 }
 
+/// The casting all-gather on CPU (`crate::cast`): reads the slice index (host memory), rounds this
+/// rank's slice of each fp32 operand into a bf16 shard of its own (padding rows zero) and points the
+/// call's operands at them, so the CPU engine runs the plain all-gather. The shards must outlive the
+/// call. A call without `cast` is returned as it is, with none.
+///
+/// # Safety
+/// `cast.index_ptr` must be the address of a live int32 and every `cast.srcs[i]` of a live fp32
+/// buffer of its dims (XLA's operands of the call).
+pub unsafe fn cast_shards(mut info: CallInfo) -> Result<(CallInfo, Vec<Vec<u16>>)> {
+    let Some(cast) = info.cast.clone() else {
+        return Ok((info, Vec::new()));
+    };
+    let layout = info.layout()?;
+    // SAFETY: per the contract above.
+    let index = unsafe { std::ptr::read_unaligned(cast.index_ptr as *const i32) };
+    let slice = crate::call::OutputAt { index_ptr: cast.index_ptr, count: cast.count }.slice(index);
+    let mut shards = Vec::with_capacity(layout.len());
+    for ((p, src), view) in layout.params.iter().zip(&cast.srcs).zip(info.inputs.iter_mut()) {
+        let mut shard = vec![0u16; p.shard_rows * p.row_elems];
+        let elems = crate::cast::own_rows(p, info.rank).1;
+        // SAFETY: `src` holds `count` slices of `slice_stride` bytes (checked by `cast::views`);
+        // slice < count; elems <= the shard's elements.
+        let from = unsafe {
+            std::slice::from_raw_parts((src.ptr + slice * crate::cast::slice_stride(p)) as *const f32, elems)
+        };
+        crate::cast::round_into(&mut shard[..elems], from);
+        view.ptr = shard.as_ptr() as usize;
+        shards.push(shard);
+    }
+    Ok((info, shards))
+}
+
 /// Runs `call` as one rank of a CPU collective in XLA's run `run_id`. Returns once every rank of
 /// the call is done with this rank's buffers.
 pub fn execute(call: &CallInfo, run_id: i64) -> Result<()> {

@@ -155,16 +155,27 @@ pub mod targets {
         reduce_scatter_done,
         reduce_scatter_into_start,
         reduce_scatter_into_done,
+        all_gather_cast_start,
+        all_gather_cast_done,
     );
 }
 
 /// The bridge's op code: 0 all-gather, 1 reduce-scatter, 2 reduce-scatter into slices of larger
-/// buffers (`tide_reduce_scatter_into_*`: a reduce-scatter whose `CallInfo` carries `at`).
+/// buffers (`tide_reduce_scatter_into_*`: a reduce-scatter whose `CallInfo` carries `at`), 3 the
+/// casting all-gather (`tide_all_gather_cast_*`: fp32 in, bf16 out; `CallInfo::cast`, `crate::cast`).
 /// Must match `Op` in cxxbridge/tide_ffi.cc.
-fn bridge_op(code: u8) -> Result<(Op, bool)> {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    Plain,
+    Into,
+    Cast,
+}
+
+fn bridge_op(code: u8) -> Result<(Op, Variant)> {
     match code {
-        2 => Ok((Op::ReduceScatter, true)),
-        c => Ok((op_from_code(c)?, false)),
+        2 => Ok((Op::ReduceScatter, Variant::Into)),
+        3 => Ok((Op::AllGather, Variant::Cast)),
+        c => Ok((op_from_code(c)?, Variant::Plain)),
     }
 }
 
@@ -243,14 +254,14 @@ fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize
     };
     let (site, device) = (call.site, call.device_ordinal);
     let prepared = catch_unwind(AssertUnwindSafe(|| -> Result<_> {
-        let ((op, into), phase) = (bridge_op(op)?, Phase::from_code(phase)?);
+        let ((op, variant), phase) = (bridge_op(op)?, Phase::from_code(phase)?);
         let call = with_site_key(op, instance, call)?;
         if phase == Phase::Done {
-            let info = if into {
+            let info = match variant {
                 // SAFETY: a CPU call's index operand is host memory XLA keeps alive for the call.
-                unsafe { cpu::resolve_at(decode_done_into(&call, call.site)?)? }
-            } else {
-                decode_done(op, &call)?
+                Variant::Into => unsafe { cpu::resolve_at(decode_done_into(&call, call.site)?)? },
+                Variant::Cast => decode_done_cast(&call, call.site)?,
+                Variant::Plain => decode_done(op, &call)?,
             };
             let record = crate::inflight::take(
                 &phase_name(op, phase, site),
@@ -262,18 +273,26 @@ fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize
                     .map(|b| b.ptr)
                     .collect::<Vec<_>>(),
             )?;
-            return Ok((info, 0, Some(record), phase));
+            return Ok((info, 0, Some(record), phase, Vec::new()));
         }
-        let info = if into {
-            if phase != Phase::Start {
-                return Err(TideError::Internal(format!("reduce_scatter_into phase {phase:?}")));
-            }
+        if variant != Variant::Plain && phase != Phase::Start {
+            return Err(TideError::Internal(format!("{variant:?} target in phase {phase:?}")));
+        }
+        // The casting all-gather's bf16 shards, rounded here on XLA's thread (the operand is read
+        // now, as on the GPU); they stand as the operands and live until the worker is done.
+        let mut shards = Vec::new();
+        let info = match (variant, phase) {
             // SAFETY: as above.
-            unsafe { cpu::resolve_at(decode_start_into(&call, call.site)?)? }
-        } else if phase == Phase::Start {
-            decode_start(op, &call)?
-        } else {
-            decode(op, &call)?
+            (Variant::Into, _) => unsafe { cpu::resolve_at(decode_start_into(&call, call.site)?)? },
+            (Variant::Cast, _) => {
+                let info = decode_start_cast(&call, call.site)?;
+                // SAFETY: the operands and the index are host memory XLA keeps alive for the call.
+                let (info, s) = unsafe { cpu::cast_shards(info)? };
+                shards = s;
+                info
+            }
+            (Variant::Plain, Phase::Start) => decode_start(op, &call)?,
+            (Variant::Plain, _) => decode(op, &call)?,
         };
         // Registered before the sequence number is taken: nothing after that may fail.
         let record = if phase == Phase::Start {
@@ -286,7 +305,7 @@ fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize
                 what,
                 info.device_ordinal,
                 info.outputs.iter().map(|b| b.ptr).collect(),
-                info.inputs.iter().map(|b| b.ptr).collect(),
+                held_operands(&info),
             );
             crate::inflight::register(op_code(op), record.clone())?;
             Some(record)
@@ -298,7 +317,7 @@ fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize
         } else {
             cpu::lane_ticket(&info)
         };
-        Ok((info, seq, record, phase))
+        Ok((info, seq, record, phase, shards))
     }))
     .unwrap_or_else(|payload| {
         Err(internal_panic(
@@ -306,7 +325,7 @@ fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize
             &*payload,
         ))
     });
-    let (info, seq, record, phase) = match prepared {
+    let (info, seq, record, phase, shards) = match prepared {
         Ok(p) => p,
         Err(e) => return complete(status(Err(e))),
     };
@@ -320,6 +339,7 @@ fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize
     // frees XLA's thread at once, so independent work overlaps; done then checks the pairing.
     let record_for_job = record.clone();
     worker::submit(move || {
+        let _shards = shards; // the casting all-gather's operands, alive until the call is done
         let result = catch_unwind(AssertUnwindSafe(|| {
             if info.job != 0 {
                 cpu::execute_multiprocess_ticket(&info, info.job, seq)
@@ -349,15 +369,17 @@ fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize
 /// split it: `crate::cuda::execute_phase`).
 fn tide_call_cuda(op: u8, phase: u8, instance: u64, call: &FfiCall) -> FfiStatus {
     let result = catch_unwind(AssertUnwindSafe(|| {
-        let ((op, into), phase) = (bridge_op(op)?, Phase::from_code(phase)?);
+        let ((op, variant), phase) = (bridge_op(op)?, Phase::from_code(phase)?);
         let site = site_key(op, call.site, instance)?;
-        let info = match (phase, into) {
-            (Phase::Done, false) => decode_done_as(op, call, site)?,
-            (Phase::Start, false) => decode_start_as(op, call, site)?,
-            (Phase::Sync, false) => decode_as(op, call, site, &call.outputs)?,
-            (Phase::Start, true) => decode_start_into(call, site)?,
-            (Phase::Done, true) => decode_done_into(call, site)?,
-            (Phase::Sync, true) => return Err(TideError::Internal("reduce_scatter_into has no synchronous target".into())),
+        let info = match (phase, variant) {
+            (Phase::Done, Variant::Plain) => decode_done_as(op, call, site)?,
+            (Phase::Start, Variant::Plain) => decode_start_as(op, call, site)?,
+            (Phase::Sync, Variant::Plain) => decode_as(op, call, site, &call.outputs)?,
+            (Phase::Start, Variant::Into) => decode_start_into(call, site)?,
+            (Phase::Done, Variant::Into) => decode_done_into(call, site)?,
+            (Phase::Start, Variant::Cast) => decode_start_cast(call, site)?,
+            (Phase::Done, Variant::Cast) => decode_done_cast(call, site)?,
+            (Phase::Sync, v) => return Err(TideError::Internal(format!("{v:?} target has no synchronous form"))),
         };
         // The CUDA engine validates the layout itself, after taking its rendezvous sequence
         // number, so a rank that fails validation still tells its peers.
@@ -573,6 +595,65 @@ pub fn decode_done_into(call: &FfiCall, site: i64) -> Result<CallInfo> {
     Ok(info)
 }
 
+const CAST_START: &str = "tide all_gather_cast_start";
+const CAST_DONE: &str = "tide all_gather_cast_done";
+
+/// Decodes `tide_all_gather_cast_start` (docs/design.md "FFI contract", `crate::cast`): operands
+/// the N fp32 stacked shards `(L, *shard_i)` and the int32 slice index; results the N bf16 full
+/// parameters, aliased to nothing (start reads the operands before it returns, in stream order: it
+/// holds none of them). The `CallInfo` has `cast` set and bf16 views of this rank's rows of the
+/// results as inputs (`cast::views`).
+pub fn decode_start_cast(call: &FfiCall, site: i64) -> Result<CallInfo> {
+    let (ops, res) = (call.inputs.len(), call.outputs.len());
+    let device = call.device_ordinal;
+    if res == 0 || ops != res + 1 {
+        return crate::invalid!(
+            "{CAST_START} site {} on device {device}: takes N fp32 shards and an index (N + 1 \
+             operands) and returns N results; got {ops} operands and {res} results",
+            call.site
+        );
+    }
+    let n = res;
+    let index_ptr = index_operand(&call.inputs[n], CAST_START, device, n)?;
+    let info = decode_io(Op::AllGather, call, site, &call.inputs[..n], &call.outputs)?;
+    crate::cast::views(info, index_ptr)
+}
+
+/// Decodes `tide_all_gather_cast_done`: operands start's N results, results the same N buffers
+/// (result i aliased to operand i). The `CallInfo` has the N results as inputs and outputs and
+/// `cast` set with no sources: done only finds its start (which held no operands).
+pub fn decode_done_cast(call: &FfiCall, site: i64) -> Result<CallInfo> {
+    let n = call.outputs.len();
+    let device = call.device_ordinal;
+    if n == 0 || call.inputs.len() != n {
+        return crate::invalid!(
+            "{CAST_DONE} site {} on device {device}: takes start's N results and returns them; got \
+             {} operands and {n} results",
+            call.site,
+            call.inputs.len()
+        );
+    }
+    if (0..n).any(|i| call.inputs[i].data != call.outputs[i].data) {
+        return crate::invalid!(
+            "{CAST_DONE} site {} on device {device}: input_output_aliases must map operand i to result i",
+            call.site
+        );
+    }
+    let mut info = decode_io(Op::AllGather, call, site, &call.inputs, &call.outputs)?;
+    info.cast = Some(crate::call::CastFrom { srcs: Vec::new(), index_ptr: 0, count: 0 });
+    Ok(info)
+}
+
+/// The operands a start's in-flight record holds (done passes them again, so XLA keeps them
+/// alive): all of them, except for the casting all-gather, which holds none.
+pub fn held_operands(info: &CallInfo) -> Vec<usize> {
+    if info.cast.is_some() {
+        Vec::new()
+    } else {
+        info.inputs.iter().map(|b| b.ptr).collect()
+    }
+}
+
 pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
         s.to_string()
@@ -699,5 +780,6 @@ fn decode_io(op: Op, call: &FfiCall, site: i64, inputs: &[FfiBuffer], outputs: &
         outputs: buffers(outputs, "result", &name)?,
         stream: call.stream,
         at: None,
+        cast: None,
     })
 }

@@ -268,6 +268,7 @@ pub fn make_case(
             outputs: os,
             stream,
             at: None,
+            cast: None,
         });
     }
     Case {
