@@ -9,7 +9,8 @@ assignment XLA dumps, the largest buffers live at the step's peak.
 Runs: `tide` (tide_jax, world 1: the collectives are local, no native call), `tide-native` (the
 same with the native calls, TIDE_WORLD1_NATIVE=1), `tide-native-nointo` (the native calls with
 TIDE_RS_INTO=0: each layer's gradient shards reduce-scattered into a result of their own, then
-copied into the gradient buffer), `jax-fp32` (plain JAX, fp32 gradient sums).
+copied into the gradient buffer), `tide-native-nocast` (the native calls with TIDE_AG_CAST=0: XLA's
+convert to a bf16 shard, then the plain all-gather), `jax-fp32` (plain JAX, fp32 gradient sums).
 On a CPU the plan is XLA:CPU's (its fusions and schedule differ from XLA:GPU's); on a GPU, XLA:GPU's.
 """
 
@@ -52,7 +53,7 @@ def main() -> int:
     ap.add_argument("--model", default="8b-layers")
     ap.add_argument("--remat", default="dots")
     ap.add_argument("--reshard", default="on", choices=["on", "off"])
-    ap.add_argument("--runs", default="tide-native,tide-native-nointo,tide,jax-fp32")
+    ap.add_argument("--runs", default="tide-native,tide-native-nocast,tide,jax-fp32")
     ap.add_argument("--devices", type=int, default=1)
     ap.add_argument("--top", type=int, default=12, help="peak buffers to list per run")
     args = ap.parse_args()
@@ -93,6 +94,7 @@ def main() -> int:
     for run in args.runs.split(","):
         _ops._world1_native = run.startswith("tide-native")
         os.environ["TIDE_RS_INTO"] = "0" if run == "tide-native-nointo" else "1"
+        os.environ["TIDE_AG_CAST"] = "0" if run == "tide-native-nocast" else "1"
         backend = llama.Backend("tide" if run.startswith("tide") else "jax", "fp32")
         step = llama.make_train_step(cfg, backend, lays, mesh, tx, shardings)
         compiled = step.lower(state, tokens).compile()

@@ -531,3 +531,23 @@ def test_reduce_scatter_into_slices_on_gpus(n, rng, monkeypatch):
     T.check_into_slices(mesh, seed=int(rng.integers(1 << 30)))
     T.check_loop_same_bits(monkeypatch, n, 4, "dots", True, mesh=mesh)
     T.check_loop_same_bits(monkeypatch, n, 3, None, False, mesh=mesh)
+
+
+# ----- the casting all-gather: fp32 shards in, bf16 parameters out (issue #22) -----
+@pytest.mark.parametrize("n", [1, 2])
+def test_all_gather_cast_on_gpus(n, rng, monkeypatch):
+    """Each rank rounds its rows of slice `index` of the fp32 stack into their place in the bf16
+    result on XLA's stream, peers copy them from there: bitwise XLA's convert then the all-gather
+    (any NaN for a NaN) for indices in range, negative and past the end, with ties, overflow,
+    subnormals and NaNs; scan_layers gives the same bits with it as without (world 1: native calls)."""
+    from jax.sharding import Mesh
+
+    import test_ag_cast as T
+    from tide_jax import _ops
+
+    if n == 1:
+        monkeypatch.setattr(_ops, "_world1_native", True)
+    mesh = Mesh(np.array(_need(n)), (AXIS,))
+    T.check_cast_gather(mesh, seed=int(rng.integers(1 << 30)))
+    T.check_loop_same_bits(monkeypatch, n, 4, "dots", True, mesh=mesh)
+    T.check_loop_same_bits(monkeypatch, n, 3, None, False, mesh=mesh)
