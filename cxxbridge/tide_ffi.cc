@@ -8,7 +8,7 @@
 //   RemainingRets   N results (all-gather: full parameters; reduce-scatter: fp32 shards; done: the
 //                   same buffers as its first N operands, aliased by tide_jax)
 //   TideAttrs       site, world, nodes, gpus_per_node, device_ordinals, device_ranks,
-//                   device_groups, names, job (docs/design.md "FFI contract")
+//                   device_groups, names, job, urgent (docs/design.md "FFI contract")
 //   DeviceOrdinal   context: the executing device (CPU: global device id; GPU: local hardware id)
 //   RunId           context: XLA's run id, the same on every device of one launch
 //   State<Instance> context: which instance of its call site this HLO instruction is (below)
@@ -56,6 +56,7 @@ struct TideAttrs {
   ::ffi::Span<const int64_t> device_groups;
   std::string_view names;
   int64_t job;
+  int64_t urgent;
 };
 
 // Instantiate-stage state of one HLO instruction: its instance number within its site.
@@ -76,7 +77,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("device_ranks"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("device_groups"),
     ::xla::ffi::StructMember<std::string_view>("names"),
-    ::xla::ffi::StructMember<int64_t>("job"));
+    ::xla::ffi::StructMember<int64_t>("job"), ::xla::ffi::StructMember<int64_t>("urgent"));
 
 namespace tide::ffi {
 namespace {
@@ -132,6 +133,7 @@ FfiBuffer ToBuffer(const ::ffi::AnyBuffer& buf) {
   call.stream = reinterpret_cast<size_t>(stream);
   call.run_id = run_id.run_id;
   call.job = a.job;
+  call.urgent = a.urgent;
 
   call.inputs.reserve(args.size());
   for (size_t i = 0; i < args.size(); ++i) {

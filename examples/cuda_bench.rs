@@ -523,6 +523,7 @@ fn call_of(devs: &[Dev], b: &Bufs, op: Op, site: i64, r: usize, world: usize) ->
         stream: d.stream as usize,
         at: None,
         cast: None,
+        urgent: false,
     }
 }
 

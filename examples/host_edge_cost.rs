@@ -31,6 +31,7 @@ fn main() {
             stream: 0,
             run_id: 0,
             job: 0,
+            urgent: 0,
         };
         let mut done = base.clone();
         done.inputs = outs.iter().cloned().chain(ins.iter().cloned()).collect();

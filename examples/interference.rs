@@ -844,6 +844,7 @@ fn engine_call(op: Op, world: usize, site: i64) -> EngineCall {
         stream: 0,
         at: None,
         cast: None,
+        urgent: false,
     };
     EngineCall { call, peers, bytes }
 }

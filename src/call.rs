@@ -295,6 +295,10 @@ pub struct CallInfo {
     /// and slice index; `inputs` are then bf16 views of this rank's own rows of `outputs` (start) or
     /// the start's results (done). None for every other call.
     pub cast: Option<CastFrom>,
+    /// The caller waits on this call's done next (attribute `urgent`, scan_layers' last
+    /// reduce-scatters): nothing runs beside it, so its reductions take the whole GPU
+    /// (`config::for_call`). False for every call a step hides behind compute.
+    pub urgent: bool,
 }
 
 /// What a casting all-gather reads (`crate::cast`): per parameter an fp32 buffer `(count, *shard)`,

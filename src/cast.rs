@@ -225,6 +225,7 @@ mod tests {
             stream: 0,
             at: None,
             cast: None,
+            urgent: false,
         }
     }
 

@@ -384,6 +384,25 @@ pub fn current() -> Arc<Config> {
     BASE.clone()
 }
 
+/// CTAs of one reduction launch of an *urgent* call (`CallInfo::urgent`): the whole GPU (grid-stride).
+pub const URGENT_MAX_CTAS: u32 = 1024;
+
+/// The configuration `call` runs under: `current()`, except that an urgent call (its caller's next
+/// step waits on its done: nothing runs beside it to protect, docs/design.md "Stealing nothing")
+/// sums with the whole GPU in one grid-stride launch per reduction (TIDE_RS_MAX_CTAS and
+/// TIDE_RS_CTA_BYTES do not apply to it).
+pub fn for_call(call: &crate::call::CallInfo) -> Arc<Config> {
+    let c = current();
+    if !call.urgent {
+        return c;
+    }
+    Arc::new(Config {
+        rs_max_ctas: URGENT_MAX_CTAS,
+        rs_cta_bytes: 0,
+        ..(*c).clone()
+    })
+}
+
 /// Test and benchmark hook: every call that starts after this returns runs under `config`
 /// (`None`: back to the environment's). Process-wide, so every device thread of one collective sees
 /// the same settings; change it only between calls (no call in flight), or ranks may disagree.
@@ -397,6 +416,35 @@ pub fn set_override(config: Option<Config>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn urgent_calls_sum_with_the_whole_gpu_and_others_as_configured() {
+        let mut call = crate::call::CallInfo {
+            op: crate::plan::Op::ReduceScatter,
+            site: 1,
+            run_id: 0,
+            rank_devices: Vec::new().into(),
+            job: 0,
+            device_ordinal: 0,
+            rank: 0,
+            group: 0,
+            world: 1,
+            topology: crate::topology::Topology::single_node(1),
+            names: Vec::new(),
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            stream: 0,
+            at: None,
+            cast: None,
+            urgent: false,
+        };
+        let base = current();
+        assert_eq!(*for_call(&call), *base, "a call the step hides keeps the configuration");
+        call.urgent = true;
+        let u = for_call(&call);
+        assert_eq!((u.rs_max_ctas, u.rs_cta_bytes), (URGENT_MAX_CTAS, 0));
+        assert_eq!(Config { rs_max_ctas: base.rs_max_ctas, rs_cta_bytes: base.rs_cta_bytes, ..(*u).clone() }, *base);
+    }
 
     fn parse_one(variable: &str, value: &str) -> Result<Config, Vec<SettingError>> {
         let (variable, value) = (variable.to_string(), value.to_string());

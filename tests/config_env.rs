@@ -28,6 +28,7 @@ fn single_rank_call(site: i64, src: &[f32], dst: &mut [f32]) -> FfiCall {
         stream: 0,
         run_id: 0,
         job: 0,
+        urgent: 0,
     }
 }
 

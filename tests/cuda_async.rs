@@ -199,6 +199,7 @@ fn make_case(devs: &[Dev], dev_of: &[usize], streams: &[usize], op: Op, site: i6
             stream: streams[r],
             at: None,
             cast: None,
+            urgent: false,
         });
     }
     Case {

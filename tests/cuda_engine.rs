@@ -210,6 +210,7 @@ fn run_and_check(devs: &[Dev], op: Op, site: i64, world: usize, seed: u64, reps:
             stream: d.stream as usize,
             at: None,
             cast: None,
+            urgent: false,
         });
     }
     std::thread::scope(|s| {

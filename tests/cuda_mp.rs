@@ -324,6 +324,7 @@ fn prepare_case(c: &Child, pool: &mut Pool, op: Op, site: i64, seed: u64) -> Cas
         stream: c.stream as usize,
         at: None,
         cast: None,
+        urgent: false,
     };
     Case {
         call,

@@ -44,6 +44,7 @@ fn call(
         stream: 0,
         run_id: 0,
         job: 0,
+        urgent: 0,
     }
 }
 

@@ -202,6 +202,7 @@ impl Case {
             stream: 0,
             run_id: 0,
             job: self.job,
+            urgent: 0,
         };
         (call, st)
     }

@@ -82,6 +82,7 @@ fn call(job: u64, rank: usize, world: usize, device: i64, addr: usize) -> CallIn
         stream: 1,
         at: None,
         cast: None,
+        urgent: false,
     }
 }
 

@@ -153,6 +153,7 @@ fn call_for(plan: &Plan, rank: usize, inputs: &[Vec<u8>], outputs: &mut [Vec<u8>
         stream: 0,
         at: None,
         cast: None,
+        urgent: false,
     }
 }
 

@@ -357,10 +357,12 @@ class _Group:
     def gather_now(self, leaves):
         return self.done_gather(self.start_gather(leaves))
 
-    def start_scatter(self, dp):
+    def start_scatter(self, dp, urgent: bool = False):
+        """`urgent`: the step waits on this reduce-scatter next (the backward's last ones): its sums
+        take the whole GPU, as nothing runs beside them (src/call.rs `CallInfo::urgent`)."""
         dp = jax.tree_util.tree_leaves(dp)
         dp = [_compat.mark_varying(t, c) if c else t for t, c in zip(dp, self.ct_axes)]
-        return _ops._start("reduce_scatter", list(dp), self.lay, self.backend)
+        return _ops._start("reduce_scatter", list(dp), self.lay, self.backend, urgent)
 
     def into_ok(self) -> bool:
         """Whether this group's layer gradients can be reduce-scattered straight into their slice of
@@ -371,10 +373,10 @@ class _Group:
                 and all(d == np.dtype(np.float32) for d in self.shard_dtypes)
                 and not any(self.replica_axes))
 
-    def start_scatter_into(self, dp, gbuf, index):
+    def start_scatter_into(self, dp, gbuf, index, urgent: bool = False):
         dp = jax.tree_util.tree_leaves(dp)
         dp = [_compat.mark_varying(t, c) if c else t for t, c in zip(dp, self.ct_axes)]
-        return _ops._start_into(list(dp), list(gbuf), index, self.lay, self.backend)
+        return _ops._start_into(list(dp), list(gbuf), index, self.lay, self.backend, urgent)
 
     def done_scatter_into(self, h):
         outs = _ops._done_into(h)
@@ -385,6 +387,18 @@ class _Group:
         outs = [jax.lax.psum(o, r) if r else o for o, r in zip(outs, self.replica_axes)]
         outs = [o if o.dtype == d else o.astype(d) for o, d in zip(outs, self.shard_dtypes)]
         return [_compat.mark_varying(o, sorted(v)) if v else o for o, v in zip(outs, self.shard_vma)]
+
+
+def _rs_urgent_enabled() -> bool:
+    """TIDE_RS_URGENT (default on): the backward's last reduce-scatters (layer 0's and the
+    prologue's, which the update waits on) are urgent, their sums taking the whole GPU; 0 sums them
+    as every other (the A/B switch)."""
+    value = os.environ.get("TIDE_RS_URGENT", "1").strip().lower()
+    if value in ("0", "false", "off", "no"):
+        return False
+    if value in ("", "1", "true", "on", "yes"):
+        return True
+    raise ValueError(f"tide: TIDE_RS_URGENT={value!r}: expected 0/1 (false/true, off/on, no/yes)")
 
 
 def _rs_into_enabled() -> bool:
@@ -850,8 +864,8 @@ class _Loop:
         # write them there (`_Group.into_ok`): no fp32 result in flight, no copy (issue #22).
         into = g.into_ok()
 
-        def start_rs(dp, gbuf, i):
-            return g.start_scatter_into(dp, gbuf, i) if into else g.start_scatter(dp)
+        def start_rs(dp, gbuf, i, urgent=False):
+            return g.start_scatter_into(dp, gbuf, i, urgent) if into else g.start_scatter(dp, urgent)
 
         def done_rs(h, gbuf, i):
             return g.done_scatter_into(h) if into else put(gbuf, i, g.done_scatter(h))
@@ -938,8 +952,10 @@ class _Loop:
             first = False
         dc, ps, dp0, dk, gbuf, dxbuf = state
 
-        # layer 0's reduce-scatter behind the prologue's backward
-        h0 = start_rs(dp0, gbuf, 0) if dp0 is not None else None
+        # layer 0's reduce-scatter behind the prologue's backward; it and the prologue's are the
+        # step's last: urgent (the update waits on them, nothing else is left to hide them)
+        urgent = _rs_urgent_enabled()
+        h0 = start_rs(dp0, gbuf, 0, urgent=urgent) if dp0 is not None else None
         d_pro = None
         dk_pro = _zeros_cts(k_pro)
         if self.pro_fn is not None:
@@ -949,7 +965,7 @@ class _Loop:
             d_pro_p, d_inputs, dk_pro = res["pro_pb"]((dc, daux))
             h0, d_pro_p, d_inputs = self.order(h0, d_pro_p, d_inputs)
             if self.pro_group is not None:
-                hpr = self.pro_group.start_scatter(d_pro_p)
+                hpr = self.pro_group.start_scatter(d_pro_p, urgent=urgent)
                 if h0 is not None:
                     gbuf = done_rs(h0, gbuf, 0)
                 d_pro = self.pro_group.done_scatter(hpr)

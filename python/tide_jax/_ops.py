@@ -216,8 +216,11 @@ def _vary_like(outs, ins, axis):
     return [_compat.mark_varying(o, v) for o, v in zip(outs, _out_vmas(ins, axis))]
 
 
-def _attrs(lay: Layout, site: int) -> dict[str, Any]:
+def _attrs(lay: Layout, site: int, urgent: bool = False) -> dict[str, Any]:
+    """The attributes of every tide target (docs/design.md "FFI contract"). `urgent`: the caller
+    waits on this call's done next, so its reductions may take the whole GPU (src/call.rs)."""
     return dict(
+        urgent=np.int64(1 if urgent else 0),
         site=np.int64(site),
         world=np.int64(lay.world),
         nodes=np.int64(lay.nodes),
@@ -288,7 +291,7 @@ class Handle:
         return f"Handle({self.meta[0]}, {len(self.results)} arrays, backend {self.meta[2]})"
 
 
-def _start(op: str, leaves: list, lay: Layout, backend: str) -> Handle:
+def _start(op: str, leaves: list, lay: Layout, backend: str, urgent: bool = False) -> Handle:
     if backend == "jax" or _is_local(lay, op):  # XLA schedules its own collectives, or nothing moves:
         # the handle holds the results
         if backend == "jax":
@@ -312,7 +315,7 @@ def _start(op: str, leaves: list, lay: Layout, backend: str) -> Handle:
     types = types + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     # In flight, the results are typed varying over the axis alone ([Note: vma of the collectives]).
     tracked = any(_compat.vma_of(x) for x in leaves)
-    outs = _start_call(op, types, n, _attrs(lay, _new_site()), (lay.axis,) if tracked else ())(*leaves)
+    outs = _start_call(op, types, n, _attrs(lay, _new_site(), urgent), (lay.axis,) if tracked else ())(*leaves)
     return Handle(list(outs[:n]), list(outs[n:]), (op, lay, backend, out_vmas))
 
 
@@ -402,11 +405,11 @@ def _done(handle: Handle, op: str) -> list:
 # and out, the index read by the kernels on the device, src/call.rs `OutputAt`), so a layer loop
 # holds no per-layer fp32 result and copies nothing into its gradient buffer (issue #22). On the
 # jax backend and at world size 1 it is the reduce-scatter followed by that update.
-def _start_into(leaves: list, bufs: list, index, lay: Layout, backend: str) -> Handle:
+def _start_into(leaves: list, bufs: list, index, lay: Layout, backend: str, urgent: bool = False) -> Handle:
     n = len(leaves)
     index = jnp.asarray(index, jnp.int32)
     if backend == "jax" or _is_local(lay, "reduce_scatter"):
-        h = _start("reduce_scatter", leaves, lay, backend)
+        h = _start("reduce_scatter", leaves, lay, backend, urgent)
         return Handle(list(bufs), [h, index], ("reduce_scatter_into", lay, "wrapped", ()))
     _lib.ensure_registered(lay.platform)
     for p, b in zip(lay.params, bufs):
@@ -421,7 +424,7 @@ def _start_into(leaves: list, bufs: list, index, lay: Layout, backend: str) -> H
              + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
              + [jax.ShapeDtypeStruct((), jnp.int32)])
     tracked = any(_compat.vma_of(x) for x in leaves) or any(buf_vmas)
-    outs = _start_into_call(types, n, _attrs(lay, _new_site()), (lay.axis,) if tracked else (), buf_vmas)(
+    outs = _start_into_call(types, n, _attrs(lay, _new_site(), urgent), (lay.axis,) if tracked else (), buf_vmas)(
         *leaves, *bufs, index)
     return Handle(list(outs[:n]), list(outs[n:]), ("reduce_scatter_into", lay, backend, buf_vmas))
 

@@ -59,6 +59,8 @@ mod bridge {
         run_id: i64,
         /// Multi-process job id (attribute `job`); 0: every rank of the call is in this process.
         job: i64,
+        /// Attribute `urgent`: 1 when the caller waits on this call's done next (`CallInfo::urgent`).
+        urgent: i64,
     }
 
     /// How a call ended; the C++ maps it onto `xla::ffi::ErrorCode`.
@@ -781,5 +783,6 @@ fn decode_io(op: Op, call: &FfiCall, site: i64, inputs: &[FfiBuffer], outputs: &
         stream: call.stream,
         at: None,
         cast: None,
+        urgent: call.urgent != 0,
     })
 }

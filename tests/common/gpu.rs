@@ -269,6 +269,7 @@ pub fn make_case(
             stream,
             at: None,
             cast: None,
+            urgent: false,
         });
     }
     Case {

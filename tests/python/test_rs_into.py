@@ -160,3 +160,20 @@ def test_rs_into_setting_is_checked(monkeypatch):
     f, args = _loop_step(2, 2, None, True, seed=1)
     with pytest.raises(ValueError, match="TIDE_RS_INTO='maybe'"):
         f.lower(*args)
+
+
+@pytest.mark.parametrize("into", ["1", "0"])
+def test_only_the_last_reduce_scatter_is_urgent(monkeypatch, into):
+    """scan_layers marks the backward's last reduce-scatter (layer 0's, which the update waits on)
+    urgent, and no other: only it may take the whole GPU (src/call.rs `CallInfo::urgent`)."""
+    monkeypatch.setenv("TIDE_RS_INTO", into)
+    f, args = _loop_step(3, 5, "dots", True, seed=3)
+    text = f.lower(*args).as_text()
+    target = "tide_reduce_scatter_into_start" if into == "1" else "tide_reduce_scatter_start"
+    calls = [line for line in text.splitlines() if f'"{target}"' in line or f"@{target}" in line]
+    urgent = [c for c in calls if re.search(r"urgent = 1 : i64", c)]
+    assert len(calls) >= 2 and len(urgent) == 1, (len(calls), len(urgent), calls[:2])
+    assert all(re.search(r"urgent = [01] : i64", c) for c in calls)
+    monkeypatch.setenv("TIDE_RS_URGENT", "0")  # the A/B switch: none urgent
+    f, args = _loop_step(3, 5, "dots", True, seed=3)
+    assert not re.search(r"urgent = 1 : i64", f.lower(*args).as_text())
