@@ -382,6 +382,68 @@ fn into_slices_match(gpu: &common::gpu::Gpu, site: i64, world: usize, rank: usiz
     }
 }
 
+/// The casting all-gather's data path (`tide::cast`): rank `rank`'s operand is a view of its own
+/// rows of its result, already in place, so its own copy is one onto itself (skipped by the issuer)
+/// and only the peers' rows move; the result is bitwise the CPU engine's (peers emulated).
+fn in_place_gather_matches(gpu: &common::gpu::Gpu, site: i64, world: usize, rank: usize, seed: u64) {
+    let stream = gpu.stream();
+    let ranks: Vec<(usize, usize)> = (0..world).map(|r| (r, stream)).collect();
+    let case = common::gpu::make_case(gpu, Op::AllGather, site, 0, world, &ranks, &specs(), seed, &mut |b| gpu.upload(b));
+    let bytes = |v: &BufferView| v.dims.iter().product::<usize>() * v.dtype.size_bytes();
+    let peers: Vec<tide::cuda::EmulatedPeer> = (0..world)
+        .filter(|&q| q != rank)
+        .map(|q| tide::cuda::EmulatedPeer {
+            inputs: case.calls[q].inputs.iter().map(|v| (v.ptr as u64, bytes(v))).collect(),
+            outputs: Vec::new(),
+        })
+        .collect();
+    let mut call = case.calls[rank].clone();
+    let layout = call.layout().expect("layout");
+    for (i, p) in layout.params.iter().enumerate() {
+        // the result: 0x5a everywhere but this rank's own rows, which hold its shard (as the cast left them)
+        let (offset, elems) = tide::cast::own_rows(p, rank);
+        let own = elems * p.dtype.size_bytes();
+        let mut fill = vec![0x5au8; case.out_bytes[i]];
+        fill[offset..offset + own].copy_from_slice(&case.want[rank][i][offset..offset + own]);
+        let out = gpu.upload(&fill);
+        call.outputs[i].ptr = out as usize;
+        call.inputs[i].ptr = if own > 0 { out as usize + offset } else { out as usize };
+    }
+    for rep in 0..2 {
+        tide::cuda::execute_emulated(&call, &peers).unwrap_or_else(|e| panic!("in place world {world} rank {rank} rep {rep}: {e}"));
+    }
+    gpu.sync(stream);
+    for (i, o) in call.outputs.iter().enumerate() {
+        assert!(
+            gpu.download(o.ptr as u64, case.out_bytes[i]) == case.want[rank][i],
+            "in-place gather, world {world} rank {rank}: param {i} ({}) differs from the CPU engine",
+            specs()[i].name
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+fn in_place_gathers_match_the_cpu_engine() {
+    std::env::set_var("TIDE_TIMEOUT_S", "60");
+    let gpu = common::gpu::Gpu::open();
+    let mut site = 7800;
+    for (piece, fuse) in [(1usize << 32, 0usize), (4096, 1 << 20), (32 << 20, 1 << 20)] {
+        let mut c = tide::config::Config::from_env();
+        c.ce_piece_bytes = piece;
+        c.fuse_bytes = fuse;
+        tide::config::set_override(Some(c));
+        for world in [1usize, 2, 3, 8] {
+            for rank in [0, world - 1].into_iter().collect::<std::collections::BTreeSet<_>>() {
+                site += 1;
+                in_place_gather_matches(&gpu, site, world, rank, site as u64);
+            }
+        }
+        say(&format!("cuda_engine: in-place gathers (TIDE_CE_PIECE_BYTES={piece}, TIDE_FUSE_BYTES={fuse}): bitwise equal to the CPU engine"));
+    }
+    tide::config::set_override(None);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
 fn into_slices_match_the_cpu_engine() {

@@ -531,61 +531,38 @@ impl Issuer<'_> {
             let vectorized = kernels::sum_vectorized(da, &ptrs.p[..l.count]) && at.is_none_or(|(_, _, stride)| stride % 16 == 0);
             let mode = kernels::sum_mode(vectorized);
             let grid = kernels::grid(kernels::sum_units(elems as u64, vectorized), self.cfg.rs_max_ctas);
-            if let Some((at_ptr, count, stride)) = at {
-                let mask = dst_at.is_some() as u32 | ((s0_at.is_some() as u32) << 1);
-                let f = m.sum_at(l.dtype)?;
-                let (mut d, mut nsrc, mut n, mut acc, mut vec) = (da, l.count as i32, elems as u64, l.accumulate as i32, mode);
-                let (mut ap, mut ac, mut st, mut mk) = (at_ptr, count, stride, mask);
-                let mut params: [*mut std::ffi::c_void; 10] = [
-                    &mut d as *mut u64 as *mut _,
-                    &mut ptrs as *mut kernels::SrcPtrs as *mut _,
-                    &mut nsrc as *mut i32 as *mut _,
-                    &mut n as *mut u64 as *mut _,
-                    &mut acc as *mut i32 as *mut _,
-                    &mut vec as *mut i32 as *mut _,
-                    &mut ap as *mut u64 as *mut _,
-                    &mut ac as *mut u64 as *mut _,
-                    &mut st as *mut u64 as *mut _,
-                    &mut mk as *mut u32 as *mut _,
-                ];
-                // SAFETY: params match rs_sum_at_*(float*, TideSrcs, int, unsigned long long, int,
-                // int, const int*, unsigned long long, unsigned long long, unsigned int); ranges
-                // bounds-checked against slice 0, and the kernel moves them to the slice
-                // clamp(index, 0, count - 1), inside the buffer of count slices.
-                unsafe {
-                    driver::launch_kernel(f, grid, kernels::THREADS, s, &mut params, "cuLaunchKernel(rs_sum_at)", || {
-                        format!(
-                            "{}, {} {} sources from {}, {elems} elements into a slice of {count}, grid {grid}",
-                            self.step_ctx(p, step, dst),
-                            l.count,
-                            l.dtype.name(),
-                            l.first
-                        )
-                    })?
-                };
-                continue;
-            }
-            let f = m.sum(l.dtype)?;
-            let mut d = da;
-            let mut nsrc = l.count as i32;
-            let mut n = elems as u64;
-            let mut acc = l.accumulate as i32;
-            let mut vec = mode;
-            let mut params: [*mut std::ffi::c_void; 6] = [
+            // The six parameters of rs_sum_*; an indexed sum (rs_sum_at_*) appends four.
+            let (mut d, mut nsrc, mut n, mut acc, mut vec) = (da, l.count as i32, elems as u64, l.accumulate as i32, mode);
+            let (at_ptr, count, stride) = at.unwrap_or((0, 0, 0));
+            let mask = dst_at.is_some() as u32 | ((s0_at.is_some() as u32) << 1);
+            let (mut ap, mut ac, mut st, mut mk) = (at_ptr, count, stride, mask);
+            let mut params: [*mut std::ffi::c_void; 10] = [
                 &mut d as *mut u64 as *mut _,
                 &mut ptrs as *mut kernels::SrcPtrs as *mut _,
                 &mut nsrc as *mut i32 as *mut _,
                 &mut n as *mut u64 as *mut _,
                 &mut acc as *mut i32 as *mut _,
                 &mut vec as *mut i32 as *mut _,
+                &mut ap as *mut u64 as *mut _,
+                &mut ac as *mut u64 as *mut _,
+                &mut st as *mut u64 as *mut _,
+                &mut mk as *mut u32 as *mut _,
             ];
-            // SAFETY: params match rs_sum_*(float*, TideSrcs, int, unsigned long long, int, int)
-            // (TideSrcs = SrcPtrs, repr(C)); all ranges bounds-checked; sources are local or peer
-            // memory with access enabled.
+            let (f, used, kernel) = match at {
+                Some(_) => (m.sum_at(l.dtype)?, 10, "cuLaunchKernel(rs_sum_at)"),
+                None => (m.sum(l.dtype)?, 6, "cuLaunchKernel(rs_sum)"),
+            };
+            // SAFETY: the first `used` params match rs_sum_*(float*, TideSrcs, int, unsigned long
+            // long, int, int) (TideSrcs = SrcPtrs, repr(C)), all ten rs_sum_at_*(..., const int*,
+            // unsigned long long, unsigned long long, unsigned int); they live across the call. All
+            // ranges bounds-checked (an indexed one against slice 0: the kernel moves it to the slice
+            // clamp(index, 0, count - 1), inside the buffer of count slices); sources are local or
+            // peer memory with access enabled.
             unsafe {
-                driver::launch_kernel(f, grid, kernels::THREADS, s, &mut params, "cuLaunchKernel(rs_sum)", || {
+                driver::launch_kernel(f, grid, kernels::THREADS, s, &mut params[..used], kernel, || {
+                    let into = if at.is_some() { format!(" into a slice of {count}") } else { String::new() };
                     format!(
-                        "{}, {} {} sources from {}, {elems} elements, grid {grid}",
+                        "{}, {} {} sources from {}, {elems} elements{into}, grid {grid}",
                         self.step_ctx(p, step, dst),
                         l.count,
                         l.dtype.name(),
