@@ -10,7 +10,8 @@ Runs: `tide` (tide_jax, world 1: the collectives are local, no native call), `ti
 same with the native calls, TIDE_WORLD1_NATIVE=1), `tide-native-nointo` (the native calls with
 TIDE_RS_INTO=0: each layer's gradient shards reduce-scattered into a result of their own, then
 copied into the gradient buffer), `tide-native-nocast` (the native calls with TIDE_AG_CAST=0: XLA's
-convert to a bf16 shard, then the plain all-gather), `jax-fp32` (plain JAX, fp32 gradient sums).
+convert to a bf16 shard, then the plain all-gather), `tide-native-unroll2` (the native calls,
+TIDE_SCAN_UNROLL=2), `jax-fp32` (plain JAX, fp32 gradient sums).
 On a CPU the plan is XLA:CPU's (its fusions and schedule differ from XLA:GPU's); on a GPU, XLA:GPU's.
 """
 
@@ -46,6 +47,26 @@ def peak_buffers(dump_dir: str, top: int) -> list[str]:
         elif cur is not None and line.strip():
             cur.append(line.strip())
     return [" | ".join(b)[:300] for b in out[:top]]
+
+
+_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8}
+
+
+def copies(hlo: str) -> tuple[int, float, int, float]:
+    """(count, GiB) of the copy instructions in the compiled HLO text, then of those whose operand is a
+    tide custom call's result (static occurrences: one in a loop body runs every iteration)."""
+    tide = set(re.findall(r"%([\w.\-]+) = [^\n]*custom_call_target=\"tide_", hlo))
+    n = n_tide = 0
+    size = size_tide = 0
+    for m in re.finditer(r"= (\w+)\[([\d,]*)\]\S* copy\(%([\w.\-]+)", hlo):
+        dt, dims, src = m.groups()
+        b = _DTYPE_BYTES.get(dt, 4)
+        for d in filter(None, dims.split(",")):
+            b *= int(d)
+        n, size = n + 1, size + b
+        if src in tide:
+            n_tide, size_tide = n_tide + 1, size_tide + b
+    return n, size / 2**30, n_tide, size_tide / 2**30
 
 
 def main() -> int:
@@ -95,6 +116,7 @@ def main() -> int:
         _ops._world1_native = run.startswith("tide-native")
         os.environ["TIDE_RS_INTO"] = "0" if run == "tide-native-nointo" else "1"
         os.environ["TIDE_AG_CAST"] = "0" if run == "tide-native-nocast" else "1"
+        os.environ["TIDE_SCAN_UNROLL"] = "2" if run == "tide-native-unroll2" else "1"
         backend = llama.Backend("tide" if run.startswith("tide") else "jax", "fp32")
         step = llama.make_train_step(cfg, backend, lays, mesh, tx, shardings)
         compiled = step.lower(state, tokens).compile()
@@ -103,6 +125,8 @@ def main() -> int:
         print(f"{run:18s} step {total / gib:7.3f} GiB = arguments {m.argument_size_in_bytes / gib:.3f} + outputs "
               f"{m.output_size_in_bytes / gib:.3f} - aliased {m.alias_size_in_bytes / gib:.3f} + temporaries "
               f"{m.temp_size_in_bytes / gib:.3f}")
+        n, gb, nt, gbt = copies(compiled.as_text())
+        print(f"{'':18s} copies in the compiled program: {n} ({gb:.2f} GiB, static), of tide results: {nt} ({gbt:.2f} GiB)")
         for line in peak_buffers(dump_root, args.top):
             print("    " + line)
         sys.stdout.flush()

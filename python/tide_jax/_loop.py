@@ -389,6 +389,18 @@ class _Group:
         return [_compat.mark_varying(o, sorted(v)) if v else o for o, v in zip(outs, self.shard_vma)]
 
 
+def _scan_unroll() -> int:
+    """TIDE_SCAN_UNROLL (default 1): layers per iteration of the layer loop's `lax.scan` (its
+    `unroll`). Under test: two layers per iteration let XLA place each prefetched gather's result in
+    the loop's own buffer instead of copying it there at the iteration's end."""
+    value = os.environ.get("TIDE_SCAN_UNROLL", "").strip()
+    if not value:
+        return 1
+    if not value.isdigit() or not 1 <= int(value) <= 64:
+        raise ValueError(f"tide: TIDE_SCAN_UNROLL={value!r}: expected an integer in [1, 64]")
+    return int(value)
+
+
 def _rs_urgent_enabled() -> bool:
     """TIDE_RS_URGENT (default on): the backward's last reduce-scatters (layer 0's and the
     prologue's, which the update waits on) are urgent, their sums taking the whole GPU; 0 sums them
@@ -601,7 +613,7 @@ class _Loop:
                 carry, y = body(carry, i)
                 ys.append(y)
             return carry, jax.tree.map(lambda *t: jnp.stack(t), *ys)
-        return jax.lax.scan(body, carry, jnp.asarray(idx, jnp.int32))
+        return jax.lax.scan(body, carry, jnp.asarray(idx, jnp.int32), unroll=_scan_unroll())
 
     # ----- tracing the user's functions -----
     def convert(self, carry, xs):
