@@ -390,12 +390,14 @@ class _Group:
 
 
 def _scan_unroll() -> int:
-    """TIDE_SCAN_UNROLL (default 1): layers per iteration of the layer loop's `lax.scan` (its
-    `unroll`). Under test: two layers per iteration let XLA place each prefetched gather's result in
-    the loop's own buffer instead of copying it there at the iteration's end."""
+    """TIDE_SCAN_UNROLL (default 2): layers per iteration of the layer loop's `lax.scan` (its
+    `unroll`). With one, the gather prefetched for the next layer is a new buffer while this layer
+    still reads the loop's, so XLA copies it into the loop's buffer at every iteration's end (a whole
+    gathered layer, forward and backward); with two, the second layer's prefetch lands in the buffer
+    the first one freed, and the copy is gone (docs/design.md "The layer loop")."""
     value = os.environ.get("TIDE_SCAN_UNROLL", "").strip()
     if not value:
-        return 1
+        return 2
     if not value.isdigit() or not 1 <= int(value) <= 64:
         raise ValueError(f"tide: TIDE_SCAN_UNROLL={value!r}: expected an integer in [1, 64]")
     return int(value)

@@ -177,3 +177,21 @@ def test_only_the_last_reduce_scatter_is_urgent(monkeypatch, into):
     monkeypatch.setenv("TIDE_RS_URGENT", "0")  # the A/B switch: none urgent
     f, args = _loop_step(3, 5, "dots", True, seed=3)
     assert not re.search(r"urgent = 1 : i64", f.lower(*args).as_text())
+
+
+@pytest.mark.parametrize("world,num_layers,remat,reshard", [(3, 7, "dots", True), (2, 6, None, False), (8, 4, True, True)])
+def test_scan_unroll_same_bits(monkeypatch, world, num_layers, remat, reshard):
+    """Two layers per scan iteration (TIDE_SCAN_UNROLL=2, the default: no copy of each prefetched
+    gather into the loop's buffer) gives the bits of one per iteration, for odd and even loop lengths."""
+    out = {}
+    for unroll in ("1", "2", "3"):
+        monkeypatch.setenv("TIDE_SCAN_UNROLL", unroll)
+        f, args = _loop_step(world, num_layers, remat, reshard, seed=world * num_layers)
+        out[unroll] = f(*args)
+    for u in ("2", "3"):
+        for a, b in zip(jax.tree.leaves(out[u]), jax.tree.leaves(out["1"])):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), u
+    monkeypatch.setenv("TIDE_SCAN_UNROLL", "0")
+    f, args = _loop_step(2, 3, None, True, seed=1)
+    with pytest.raises(ValueError, match="TIDE_SCAN_UNROLL='0'"):
+        f.lower(*args)
