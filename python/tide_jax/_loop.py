@@ -563,6 +563,24 @@ class _Loop:
         self.use_barriers = backend == "tide" and not self.local
 
     # ----- helpers -----
+    def after(self, index, value, stacked):
+        """The layer index `index`, tied to `value` (the carry a layer step receives) through an
+        optimization barrier, so the prefetch start that takes it cannot be scheduled before the
+        previous layer's work: with several layers per scan iteration (TIDE_SCAN_UNROLL) nothing
+        else keeps XLA from hoisting a later layer's start above an earlier layer's compute, and
+        more calls would be in flight than TIDE_MAX_IN_FLIGHT allows (seen on the H200, 1b model).
+        Tied only to a carry array varying over no axis the stacked shards do not, so the index
+        changes no gathered parameter's type; untied where there is none (or barriers are off)."""
+        if not self.use_barriers:
+            return index
+        s_vmas = [_compat.vma_of(s) for s in jax.tree_util.tree_leaves(stacked)]
+        common = set.intersection(*map(set, s_vmas)) if s_vmas else set()
+        for x in jax.tree_util.tree_leaves(value):
+            if hasattr(x, "dtype") and set(_compat.vma_of(x)) <= common:
+                idx, _ = jax.lax.optimization_barrier((jnp.asarray(index, jnp.int32), x))
+                return idx
+        return index
+
     def order(self, handles, *others):
         """`ordered(handles, *others)` keeping every value's type (the tide backend only).
 
@@ -752,7 +770,7 @@ class _Loop:
                 p, rest = ps[0], tuple(ps[1:])
             starts = []
             if ahead is not None:
-                starts.append(g.start_gather_at(stacked, ahead))
+                starts.append(g.start_gather_at(stacked, self.after(ahead, c, stacked)))
             want_epi = self.epi_group is not None and k > 0 and isinstance(i, int) and i == L - 1
             if want_epi:
                 starts.append(self.epi_group.start_gather(epi_leaves))
@@ -901,7 +919,7 @@ class _Loop:
             if reshard and k:
                 ahead = i - k if dynamic or i - k >= 0 else None
                 if ahead is not None:
-                    starts.append(g.start_gather_at(stacked, ahead))
+                    starts.append(g.start_gather_at(stacked, self.after(ahead, dc, stacked)))
             extra_h = [h for _, h in extra]
             if reshard:
                 if k:
