@@ -10,8 +10,8 @@ Runs: `tide` (tide_jax, world 1: the collectives are local, no native call), `ti
 same with the native calls, TIDE_WORLD1_NATIVE=1), `tide-native-nointo` (the native calls with
 TIDE_RS_INTO=0: each layer's gradient shards reduce-scattered into a result of their own, then
 copied into the gradient buffer), `tide-native-nocast` (the native calls with TIDE_AG_CAST=0: XLA's
-convert to a bf16 shard, then the plain all-gather), `tide-native-unroll1` (the native calls,
-TIDE_SCAN_UNROLL=1: one layer per scan iteration), `jax-fp32` (plain JAX, fp32 gradient sums).
+convert to a bf16 shard, then the plain all-gather), `tide-native-unroll2` (the native calls,
+TIDE_SCAN_UNROLL=2: two layers per scan iteration), `jax-fp32` (plain JAX, fp32 gradient sums).
 On a CPU the plan is XLA:CPU's (its fusions and schedule differ from XLA:GPU's); on a GPU, XLA:GPU's.
 """
 
@@ -116,7 +116,7 @@ def main() -> int:
         _ops._world1_native = run.startswith("tide-native")
         os.environ["TIDE_RS_INTO"] = "0" if run == "tide-native-nointo" else "1"
         os.environ["TIDE_AG_CAST"] = "0" if run == "tide-native-nocast" else "1"
-        os.environ["TIDE_SCAN_UNROLL"] = "1" if run == "tide-native-unroll1" else "2"
+        os.environ["TIDE_SCAN_UNROLL"] = "2" if run == "tide-native-unroll2" else "1"
         backend = llama.Backend("tide" if run.startswith("tide") else "jax", "fp32")
         step = llama.make_train_step(cfg, backend, lays, mesh, tx, shardings)
         compiled = step.lower(state, tokens).compile()

@@ -390,14 +390,17 @@ class _Group:
 
 
 def _scan_unroll() -> int:
-    """TIDE_SCAN_UNROLL (default 2): layers per iteration of the layer loop's `lax.scan` (its
+    """TIDE_SCAN_UNROLL (default 1): layers per iteration of the layer loop's `lax.scan` (its
     `unroll`). With one, the gather prefetched for the next layer is a new buffer while this layer
     still reads the loop's, so XLA copies it into the loop's buffer at every iteration's end (a whole
     gathered layer, forward and backward); with two, the second layer's prefetch lands in the buffer
-    the first one freed, and the copy is gone (docs/design.md "The layer loop")."""
+    the first one freed and the copy is gone, but a scan length the unroll does not divide makes
+    lax.scan concatenate the stacked residuals (a copy of every saved activation). Opt-in: on one
+    H200, 8b-layers (L = 4) gained 2-7 %, 1b (L = 16) lost 10-26 % and held 9-21 GiB more
+    (bench/RESULTS.md runs 14-16; docs/design.md "Stealing nothing")."""
     value = os.environ.get("TIDE_SCAN_UNROLL", "").strip()
     if not value:
-        return 2
+        return 1
     if not value.isdigit() or not 1 <= int(value) <= 64:
         raise ValueError(f"tide: TIDE_SCAN_UNROLL={value!r}: expected an integer in [1, 64]")
     return int(value)
@@ -571,7 +574,7 @@ class _Loop:
         more calls would be in flight than TIDE_MAX_IN_FLIGHT allows (seen on the H200, 1b model).
         Tied only to a carry array varying over no axis the stacked shards do not, so the index
         changes no gathered parameter's type; untied where there is none (or barriers are off)."""
-        if not self.use_barriers:
+        if not self.use_barriers or _scan_unroll() == 1:
             return index
         s_vmas = [_compat.vma_of(s) for s in jax.tree_util.tree_leaves(stacked)]
         common = set.intersection(*map(set, s_vmas)) if s_vmas else set()
