@@ -419,3 +419,60 @@ fn output_at_slice_is_jax_dynamic_update_slice_rule() {
     assert_eq!(got, vec![0, 0, 0, 3, 0, 2, 3, 3, 3, 0, 3]);
     assert_eq!(tide::call::OutputAt { index_ptr: 1, count: 1 }.slice(-1), 0);
 }
+
+// ----- the casting all-gather (tide_all_gather_cast_start / _done) -----
+
+/// A casting start of world 2, rank 1 (device 11): fp32 stacks (4, 3, 3) and (4, 2) at 0x1000..,
+/// the index at 0x3000; results bf16 (5, 3) and (4,) at 0x2000.. (rows 5 and 4 over 2 ranks).
+fn cast_start() -> FfiCall {
+    let ins = vec![buf(0x1000, F32, &[4, 3, 3]), buf(0x1100, F32, &[4, 2]), buf(0x3000, S32, &[])];
+    let outs = vec![buf(0x2000, BF16, &[5, 3]), buf(0x2100, BF16, &[4])];
+    call(1, 2, 11, ins, outs)
+}
+
+#[test]
+fn cast_start_decodes_views_of_the_own_rows() {
+    let info = tide::ffi::decode_start_cast(&cast_start(), 1).unwrap();
+    let cast = info.cast.as_ref().expect("cast set");
+    assert_eq!((cast.index_ptr, cast.count, cast.srcs.len()), (0x3000, 4, 2));
+    assert_eq!(cast.srcs[0].ptr, 0x1000);
+    // rank 1 owns rows 3..5 of p0 (row of 3 bf16: 6 bytes) and 2..4 of p1
+    assert_eq!((info.inputs[0].ptr, info.inputs[1].ptr), (0x2000 + 3 * 6, 0x2100 + 2 * 2));
+    assert_eq!(info.inputs[0].dims, vec![3, 3]);
+    assert!(info.layout().is_ok());
+    assert!(tide::ffi::held_operands(&info).is_empty(), "a casting start holds no operand");
+    // done: start's results in and out, aliased; it holds nothing either
+    let s = cast_start();
+    let done = call(1, 2, 11, s.outputs.clone(), s.outputs.clone());
+    let d = tide::ffi::decode_done_cast(&done, 1).unwrap();
+    assert!(d.cast.is_some() && d.inputs.len() == 2);
+}
+
+#[test]
+fn cast_start_refuses_what_breaks_the_contract() {
+    let msg = |c: &FfiCall| tide::ffi::decode_start_cast(c, 1).and_then(|i| i.layout().map(|_| ())).unwrap_err().to_string();
+    // no index operand
+    let mut c = cast_start();
+    c.inputs.pop();
+    assert!(msg(&c).contains("N + 1 operands"), "{}", msg(&c));
+    // the index not an int32 scalar
+    let mut c = cast_start();
+    c.inputs[2] = buf(0x3000, S32, &[1]);
+    assert!(msg(&c).contains("int32 scalar"), "{}", msg(&c));
+    // a bf16 operand, a stack of the wrong shard shape, a result other than bf16
+    let mut c = cast_start();
+    c.inputs[0] = buf(0x1000, BF16, &[4, 3, 3]);
+    let m = msg(&c);
+    assert!(m.contains("p0") && m.contains("rank 1") && m.contains("float32[4, 3, 3]"), "{m}");
+    let mut c = cast_start();
+    c.inputs[1] = buf(0x1100, F32, &[4, 3]);
+    assert!(msg(&c).contains("p1"), "{}", msg(&c));
+    let mut c = cast_start();
+    c.outputs[1] = buf(0x2100, F32, &[4]);
+    assert!(msg(&c).contains("lands bfloat16"), "{}", msg(&c));
+    // done not aliased
+    let s = cast_start();
+    let mut done = call(1, 2, 11, s.outputs.clone(), s.outputs.clone());
+    done.outputs[1].data = 0x9000;
+    assert!(tide::ffi::decode_done_cast(&done, 1).unwrap_err().to_string().contains("input_output_aliases"));
+}

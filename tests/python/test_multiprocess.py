@@ -99,14 +99,29 @@ def worker(out_dir: str, die: int | None, hsdp: int = 0) -> None:
         into_rs = {k: v[1] for k, v in into.items()}
         others = {k: (jnp.abs(v[0]).max() + jnp.abs(v[2]).max())[None] for k, v in into.items()}
         stacked = lambda t: {k: v[None] for k, v in t.items()}  # noqa: E731  one copy per rank
-        return stacked(full), stacked(ref), rs, into_rs, others
+        # the casting all-gather of slice 1 of fp32 stacks (scan_layers' gathers; issue #22):
+        # bitwise XLA's convert, then the gather
+        f32 = {k: v.astype(jnp.float32) for k, v in sh.items()}
+        stacks = [jnp.stack([x * 3, x, x * 5]) for x in jax.tree_util.tree_leaves(f32)]
+        cast = _ops.all_gather_done(_ops._start_cast(stacks, 1, lay, "tide"))
+        cast_ref = {}
+        for p in lay.params:
+            k = p.path.strip("[]'")
+            g = jax.lax.all_gather(f32[k].astype(jnp.bfloat16), "fsdp", tiled=True)
+            cast_ref[k] = g[: p.rows].reshape(params[k].shape)
+        return stacked(full), stacked(ref), rs, into_rs, others, stacked(cast), stacked(cast_ref)
 
     fn = jax.jit(
         tide_jax.shard_map(step, mesh=mesh, in_specs=(P("fsdp"), P("fsdp")),
-                           out_specs=(P("fsdp"), P("fsdp"), P("fsdp"), P("fsdp"), P("fsdp")))
+                           out_specs=(P("fsdp"),) * 7)
     )
-    full, ref, rs, into_rs, others = fn(shards, gstack)
-    jax.block_until_ready((full, ref, rs, into_rs, others))
+    full, ref, rs, into_rs, others, cast, cast_ref = fn(shards, gstack)
+    jax.block_until_ready((full, ref, rs, into_rs, others, cast, cast_ref))
+    for k in params:
+        for a, b in zip(cast[k].addressable_shards, cast_ref[k].addressable_shards):
+            got, want = np.asarray(a.data), np.asarray(b.data)
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), f"casting all_gather {k}"
+
     for k in params:
         for a, b in zip(rs[k].addressable_shards, into_rs[k].addressable_shards):
             assert np.asarray(a.data).tobytes() == np.asarray(b.data).tobytes(), f"reduce_scatter into slices {k}"
