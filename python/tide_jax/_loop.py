@@ -394,10 +394,11 @@ def _scan_unroll() -> int:
     `unroll`). With one, the gather prefetched for the next layer is a new buffer while this layer
     still reads the loop's, so XLA copies it into the loop's buffer at every iteration's end (a whole
     gathered layer, forward and backward); with two, the second layer's prefetch lands in the buffer
-    the first one freed and the copy is gone, but a scan length the unroll does not divide makes
-    lax.scan concatenate the stacked residuals (a copy of every saved activation). Opt-in: on one
-    H200, 8b-layers (L = 4) gained 2-7 %, 1b (L = 16) lost 10-26 % and held 9-21 GiB more
-    (bench/RESULTS.md runs 14-16; docs/design.md "Stealing nothing")."""
+    the first one freed and the copy is gone. The forward scans a multiple of the unroll (the layers
+    left over run unrolled after it): a remainder would make lax.scan concatenate its stacked
+    residuals. Opt-in: on one H200, 8b-layers (L = 4) gained 2-7 %; 1b (L = 16), before the forward
+    scanned a multiple, lost 10-26 % and held 9-21 GiB more; not measured since (bench/RESULTS.md
+    runs 14-16; docs/design.md "Stealing nothing")."""
     value = os.environ.get("TIDE_SCAN_UNROLL", "").strip()
     if not value:
         return 1
@@ -797,6 +798,11 @@ class _Loop:
             return None if xs is None else jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, i, 0, keepdims=False), xs)
 
         steady = list(range(L - k)) if k else list(range(L))
+        # a whole number of unrolled scan iterations (TIDE_SCAN_UNROLL): a remainder would make
+        # lax.scan concatenate its stacked residuals (a copy of every saved activation: 1b, L = 16,
+        # +9 GiB on the H200); those layers run unrolled after the scan instead, prefetching as it
+        u = 1 if self.unroll else _scan_unroll()
+        steady = steady[:len(steady) - len(steady) % u]
 
         scan_plan = []
 
@@ -810,8 +816,10 @@ class _Loop:
         (carry, ps), scanned = self.scan(body, (carry, ps), steady)
         tail = []
         for i in range(len(steady), L):
-            carry, ps, (saved, p, plan) = layer_step(carry, ps, i, x_at(i), None)
-            tail.append((saved, p, plan))
+            carry, ps, (saved, p, plan) = layer_step(carry, ps, i, x_at(i), i + k if k and i + k < L else None)
+            # with reshard_after_forward only the last k layers' gathered parameters are kept (the
+            # backward starts from them); a layer moved out of the scan is re-gathered like the rest
+            tail.append((saved, p if not self.reshard or i >= L - k else None, plan))
         # the epilogue
         if self.epi_fn is not None:
             epi_p = []
@@ -927,7 +935,7 @@ class _Loop:
             if reshard:
                 if k:
                     p, ps = ps[0], tuple(ps[1:])
-                elif not dynamic and i >= n_scan:
+                elif not dynamic and i >= n_scan and p_saved is not None:
                     p = p_saved
                 else:
                     p = g.done_gather(g.start_gather_at(stacked, i))
@@ -963,7 +971,7 @@ class _Loop:
             if extra:  # the epilogue's gradient shards, at once
                 extras_done = {name: self.epi_group.done_scatter(h) for name, h in extra}
                 extra = []
-            hi, lo = L, 0
+            hi, lo = n_scan, 0  # the forward's unrolled layers after its scan, if any, then one scan
         else:
             hi = min(n_scan, L - 1)
             lo = k if (reshard and k) else 0
