@@ -411,24 +411,14 @@ def _rs_urgent_enabled() -> bool:
     """TIDE_RS_URGENT (default on): the backward's last reduce-scatters (layer 0's and the
     prologue's, which the update waits on) are urgent, their sums taking the whole GPU; 0 sums them
     as every other (the A/B switch)."""
-    value = os.environ.get("TIDE_RS_URGENT", "1").strip().lower()
-    if value in ("0", "false", "off", "no"):
-        return False
-    if value in ("", "1", "true", "on", "yes"):
-        return True
-    raise ValueError(f"tide: TIDE_RS_URGENT={value!r}: expected 0/1 (false/true, off/on, no/yes)")
+    return _ops._env_flag("TIDE_RS_URGENT")
 
 
 def _rs_into_enabled() -> bool:
     """TIDE_RS_INTO (default on): scan_layers reduce-scatters layer gradients into their slice of the
     gradient buffers in place; 0 restores a separate fp32 result and an update (the A/B switch of
     bench/train_bench.py)."""
-    value = os.environ.get("TIDE_RS_INTO", "1").strip().lower()
-    if value in ("0", "false", "off", "no"):
-        return False
-    if value in ("", "1", "true", "on", "yes"):
-        return True
-    raise ValueError(f"tide: TIDE_RS_INTO={value!r}: expected 0/1 (false/true, off/on, no/yes)")
+    return _ops._env_flag("TIDE_RS_INTO")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -510,15 +510,23 @@ def _cast_ok(lay: Layout, shard_dtypes, dtype, backend: str) -> bool:
             and all(np.dtype(d) == np.dtype(np.float32) for d in shard_dtypes))
 
 
+def _env_flag(name: str, default: bool = True) -> bool:
+    """A tide_jax switch from the environment: 0/1, false/true, off/on, no/yes; unset or empty is
+    `default`; anything else raises, naming the variable and its value."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("0", "false", "off", "no"):
+        return False
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value == "":
+        return default
+    raise ValueError(f"tide: {name}={value!r}: expected 0/1 (false/true, off/on, no/yes)")
+
+
 def _ag_cast_enabled() -> bool:
     """TIDE_AG_CAST (default on): the layer loop gathers float32 shards as bfloat16 with the casting
     all-gather; 0 restores XLA's convert then the plain all-gather (the A/B switch)."""
-    value = os.environ.get("TIDE_AG_CAST", "1").strip().lower()
-    if value in ("0", "false", "off", "no"):
-        return False
-    if value in ("", "1", "true", "on", "yes"):
-        return True
-    raise ValueError(f"tide: TIDE_AG_CAST={value!r}: expected 0/1 (false/true, off/on, no/yes)")
+    return _env_flag("TIDE_AG_CAST")
 
 
 def _start_cast(stacked: list, index, lay: Layout, backend: str) -> Handle:
