@@ -309,6 +309,18 @@ fn cuda_engine_matches_cpu_engine() {
     tide::config::set_override(None);
 }
 
+/// The peers of `rank` in a world-`world` case, emulated by buffers holding their inputs.
+fn emulated_peers(case: &common::gpu::Case, world: usize, rank: usize) -> Vec<tide::cuda::EmulatedPeer> {
+    let bytes = |v: &BufferView| v.dims.iter().product::<usize>() * v.dtype.size_bytes();
+    (0..world)
+        .filter(|&q| q != rank)
+        .map(|q| tide::cuda::EmulatedPeer {
+            inputs: case.calls[q].inputs.iter().map(|v| (v.ptr as u64, bytes(v))).collect(),
+            outputs: Vec::new(),
+        })
+        .collect()
+}
+
 /// One rank of a world-`world` call alone on GPU 0, its peers emulated by buffers holding their
 /// inputs (`tide::cuda::execute_emulated`, what examples/interference.rs measures at P = 2..8),
 /// against the CPU engine's output of that rank, bitwise; twice back to back.
@@ -317,14 +329,7 @@ fn emulated_rank_matches(gpu: &common::gpu::Gpu, op: Op, site: i64, world: usize
     // Every rank's buffers (inputs uploaded, outputs 0xa5) and the CPU engine's outputs.
     let ranks: Vec<(usize, usize)> = (0..world).map(|r| (r, stream)).collect();
     let case = common::gpu::make_case(gpu, op, site, 0, world, &ranks, &specs(), seed, &mut |b| gpu.upload(b));
-    let bytes = |v: &BufferView| v.dims.iter().product::<usize>() * v.dtype.size_bytes();
-    let peers: Vec<tide::cuda::EmulatedPeer> = (0..world)
-        .filter(|&q| q != rank)
-        .map(|q| tide::cuda::EmulatedPeer {
-            inputs: case.calls[q].inputs.iter().map(|v| (v.ptr as u64, bytes(v))).collect(),
-            outputs: Vec::new(),
-        })
-        .collect();
+    let peers = emulated_peers(&case, world, rank);
     for rep in 0..2 {
         tide::cuda::execute_emulated(&case.calls[rank], &peers)
             .unwrap_or_else(|e| panic!("{op:?} world {world} rank {rank} rep {rep}: {e}"));
@@ -347,14 +352,7 @@ fn into_slices_match(gpu: &common::gpu::Gpu, site: i64, world: usize, rank: usiz
     let stream = gpu.stream();
     let ranks: Vec<(usize, usize)> = (0..world).map(|r| (r, stream)).collect();
     let case = common::gpu::make_case(gpu, Op::ReduceScatter, site, 0, world, &ranks, &specs(), seed, &mut |b| gpu.upload(b));
-    let bytes = |v: &BufferView| v.dims.iter().product::<usize>() * v.dtype.size_bytes();
-    let peers: Vec<tide::cuda::EmulatedPeer> = (0..world)
-        .filter(|&q| q != rank)
-        .map(|q| tide::cuda::EmulatedPeer {
-            inputs: case.calls[q].inputs.iter().map(|v| (v.ptr as u64, bytes(v))).collect(),
-            outputs: Vec::new(),
-        })
-        .collect();
+    let peers = emulated_peers(&case, world, rank);
     let mut call = case.calls[rank].clone();
     let at = tide::call::OutputAt { index_ptr: gpu.upload(&index.to_le_bytes()) as usize, count: COUNT };
     let mut bufs = Vec::new();
@@ -389,14 +387,7 @@ fn in_place_gather_matches(gpu: &common::gpu::Gpu, site: i64, world: usize, rank
     let stream = gpu.stream();
     let ranks: Vec<(usize, usize)> = (0..world).map(|r| (r, stream)).collect();
     let case = common::gpu::make_case(gpu, Op::AllGather, site, 0, world, &ranks, &specs(), seed, &mut |b| gpu.upload(b));
-    let bytes = |v: &BufferView| v.dims.iter().product::<usize>() * v.dtype.size_bytes();
-    let peers: Vec<tide::cuda::EmulatedPeer> = (0..world)
-        .filter(|&q| q != rank)
-        .map(|q| tide::cuda::EmulatedPeer {
-            inputs: case.calls[q].inputs.iter().map(|v| (v.ptr as u64, bytes(v))).collect(),
-            outputs: Vec::new(),
-        })
-        .collect();
+    let peers = emulated_peers(&case, world, rank);
     let mut call = case.calls[rank].clone();
     let layout = call.layout().expect("layout");
     for (i, p) in layout.params.iter().enumerate() {

@@ -44,7 +44,7 @@ pub(crate) fn launch(call: &CallInfo) -> Result<()> {
         let stride = crate::cast::slice_stride(p) as u64;
         let (mut d, mut s, mut count, mut at) = (view.ptr as u64, src.ptr as u64, cast.count as u64, cast.index_ptr as u64);
         let (mut nn, mut st_b) = (n, stride);
-        let mut vectorized = i32::from(s % 16 == 0 && stride % 16 == 0 && d % 8 == 0);
+        let mut vectorized = i32::from(s.is_multiple_of(16) && stride.is_multiple_of(16) && d.is_multiple_of(8));
         let units = if vectorized != 0 { n.div_ceil(4) } else { n };
         let grid = kernels::grid(units, MAX_CTAS);
         let mut params: [*mut std::ffi::c_void; 7] = [

@@ -150,20 +150,10 @@ def _loop_step(world, num_layers, remat, reshard, seed, mesh=None):
 
 
 def check_loop_same_bits(monkeypatch, world, num_layers, remat, reshard, mesh=None):
-    out = {}
-    for cast in ("1", "0"):
-        monkeypatch.setenv("TIDE_AG_CAST", cast)
-        f, args = _loop_step(world, num_layers, remat, reshard, seed=world + num_layers, mesh=mesh)
-        hlo = f.lower(*args).compile().as_text()
-        n_cast = len(re.findall(r'custom_call_target="tide_all_gather_cast_start"', hlo))
-        n_plain = len(re.findall(r'custom_call_target="tide_all_gather_start"', hlo))
-        if cast == "1":
-            assert n_cast >= 1 and n_plain == 0, (n_cast, n_plain)
-        else:
-            assert n_cast == 0 and n_plain >= 1, (n_cast, n_plain)
-        out[cast] = f(*args)
-    for a, b in zip(jax.tree.leaves(out["1"]), jax.tree.leaves(out["0"])):
-        assert np.array_equal(np.asarray(a), np.asarray(b))
+    from test_rs_into import check_switch_same_bits
+
+    check_switch_same_bits(monkeypatch, "TIDE_AG_CAST", "tide_all_gather_cast_start", "tide_all_gather_start",
+                           world, num_layers, remat, reshard, mesh)
 
 
 @pytest.mark.parametrize("world,num_layers,remat,reshard", [(3, 5, "dots", True), (8, 2, None, False), (2, 1, True, True)])

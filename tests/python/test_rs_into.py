@@ -130,21 +130,28 @@ def _loop_step(world, num_layers, remat, reshard, seed, mesh=None):
     return f, (shards, x)
 
 
-def check_loop_same_bits(monkeypatch, world, num_layers, remat, reshard, mesh=None):
+def check_switch_same_bits(monkeypatch, var, on_target, off_target, world, num_layers, remat, reshard, mesh=None):
+    """scan_layers' step with the switch `var` on (the HLO has `on_target` calls and no
+    `off_target` ones) and off (the reverse) gives the same bits."""
     out = {}
-    for into in ("1", "0"):
-        monkeypatch.setenv("TIDE_RS_INTO", into)
+    for value in ("1", "0"):
+        monkeypatch.setenv(var, value)
         f, args = _loop_step(world, num_layers, remat, reshard, seed=world + num_layers, mesh=mesh)
         hlo = f.lower(*args).compile().as_text()
-        n_into = len(re.findall(r'custom_call_target="tide_reduce_scatter_into_start"', hlo))
-        n_plain = len(re.findall(r'custom_call_target="tide_reduce_scatter_start"', hlo))
-        if into == "1":
-            assert n_into >= 1 and n_plain == 0, (n_into, n_plain)
+        n_on = len(re.findall(f'custom_call_target="{on_target}"', hlo))
+        n_off = len(re.findall(f'custom_call_target="{off_target}"', hlo))
+        if value == "1":
+            assert n_on >= 1 and n_off == 0, (var, n_on, n_off)
         else:
-            assert n_into == 0 and n_plain >= 1, (n_into, n_plain)
-        out[into] = f(*args)
+            assert n_on == 0 and n_off >= 1, (var, n_on, n_off)
+        out[value] = f(*args)
     for a, b in zip(jax.tree.leaves(out["1"]), jax.tree.leaves(out["0"])):
-        assert np.array_equal(np.asarray(a), np.asarray(b))
+        assert np.array_equal(np.asarray(a), np.asarray(b)), var
+
+
+def check_loop_same_bits(monkeypatch, world, num_layers, remat, reshard, mesh=None):
+    check_switch_same_bits(monkeypatch, "TIDE_RS_INTO", "tide_reduce_scatter_into_start", "tide_reduce_scatter_start",
+                           world, num_layers, remat, reshard, mesh)
 
 
 @pytest.mark.parametrize("world,num_layers,remat,reshard", [(3, 5, "dots", True), (8, 2, None, False), (2, 1, True, True)])
