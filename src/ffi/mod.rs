@@ -493,17 +493,21 @@ fn decode_done_as(op: Op, call: &FfiCall, site: i64) -> Result<CallInfo> {
             n
         );
     }
-    for i in 0..n {
-        if call.inputs[i].data != call.outputs[i].data {
-            return crate::invalid!(
-                "{} on device {}: result {i} is not aliased to operand {i} (input_output_aliases \
-                 must map operand i to result i for the first N operands)",
-                phase_name(op, Phase::Done, call.site),
-                call.device_ordinal
-            );
-        }
-    }
+    done_aliased(call, &phase_name(op, Phase::Done, call.site))?;
     decode_as(op, call, site, &call.outputs)
+}
+
+/// A done's contract: its N results are its first N operands (result i aliased to operand i), the
+/// buffers its start returned; an error naming the call otherwise.
+fn done_aliased(call: &FfiCall, what: &str) -> Result<()> {
+    match (0..call.outputs.len()).find(|&i| call.inputs[i].data != call.outputs[i].data) {
+        None => Ok(()),
+        Some(i) => crate::invalid!(
+            "{what} on device {}: result {i} is not aliased to operand {i} (input_output_aliases \
+             must map operand i to result i for the first N operands)",
+            call.device_ordinal
+        ),
+    }
 }
 
 const INTO_START: &str = "tide reduce_scatter_into_start";
@@ -584,12 +588,7 @@ pub fn decode_done_into(call: &FfiCall, site: i64) -> Result<CallInfo> {
             call.inputs.len()
         );
     }
-    if (0..n).any(|i| call.inputs[i].data != call.outputs[i].data) {
-        return crate::invalid!(
-            "{INTO_DONE} site {} on device {device}: input_output_aliases must map operand i to result i",
-            call.site
-        );
-    }
+    done_aliased(call, &format!("{INTO_DONE} site {}", call.site))?;
     let index_ptr = index_operand(&call.inputs[2 * n], INTO_DONE, device, 2 * n)?;
     let count = slice_count(&call.outputs, INTO_DONE, device)?;
     let mut info = decode_io(Op::ReduceScatter, call, site, &call.inputs[..2 * n], &call.outputs)?;
@@ -635,12 +634,7 @@ pub fn decode_done_cast(call: &FfiCall, site: i64) -> Result<CallInfo> {
             call.inputs.len()
         );
     }
-    if (0..n).any(|i| call.inputs[i].data != call.outputs[i].data) {
-        return crate::invalid!(
-            "{CAST_DONE} site {} on device {device}: input_output_aliases must map operand i to result i",
-            call.site
-        );
-    }
+    done_aliased(call, &format!("{CAST_DONE} site {}", call.site))?;
     let mut info = decode_io(Op::AllGather, call, site, &call.inputs, &call.outputs)?;
     info.cast = Some(crate::call::CastFrom { srcs: Vec::new(), index_ptr: 0, count: 0 });
     Ok(info)
