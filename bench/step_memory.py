@@ -10,8 +10,8 @@ Runs: `tide` (tide_jax, world 1: the collectives are local, no native call), `ti
 same with the native calls, TIDE_WORLD1_NATIVE=1), `tide-native-nointo` (the native calls with
 TIDE_RS_INTO=0: each layer's gradient shards reduce-scattered into a result of their own, then
 copied into the gradient buffer), `tide-native-nocast` (the native calls with TIDE_AG_CAST=0: XLA's
-convert to a bf16 shard, then the plain all-gather), `tide-native-unroll2` (the native calls,
-TIDE_SCAN_UNROLL=2: two layers per scan iteration), `jax-fp32` (plain JAX, fp32 gradient sums).
+convert to a bf16 shard, then the plain all-gather), `tide-native-unroll1` (the native calls,
+TIDE_SCAN_UNROLL=1: one layer per scan iteration; the default is 2), `jax-fp32` (plain JAX, fp32 gradient sums).
 On a CPU the plan is XLA:CPU's (its fusions and schedule differ from XLA:GPU's); on a GPU, XLA:GPU's.
 """
 
@@ -37,7 +37,11 @@ def peak_buffers(dump_dir: str, top: int) -> list[str]:
         return ["(no buffer assignment dumped)"]
     text = open(files[-1]).read()
     m = re.search(r"Peak buffers:\n(.*?)(\n\n|\Z)", text, re.S)
-    if not m:
+    if not m:  # newer XLA: the memory-usage report lists the allocations, largest first
+        report = files[-1].replace("-buffer-assignment.txt", "-memory-usage-report.txt")
+        if os.path.exists(report):
+            lines = [ln.strip() for ln in open(report) if re.match(r"\s+[\d.]+[KMG]iB\(", ln)]
+            return [ln[:300] for ln in lines[:top]]
         return [f"(no 'Peak buffers' section in {os.path.basename(files[-1])})"]
     out, cur = [], None
     for line in m.group(1).splitlines():
@@ -77,6 +81,9 @@ def main() -> int:
     ap.add_argument("--runs", default="tide-native,tide-native-nocast,tide,jax-fp32")
     ap.add_argument("--devices", type=int, default=1)
     ap.add_argument("--top", type=int, default=12, help="peak buffers to list per run")
+    ap.add_argument("--vocab", type=int, default=32768,
+                    help="the vocabulary (default 32768: the synthetic data bench/train_bench.py trains on, so the "
+                         "plan is that of the step it times)")
     args = ap.parse_args()
     dump_root = os.environ.get("TIDE_STEP_MEMORY_DUMP") or tempfile.mkdtemp(prefix="tide-step-memory-")
     os.makedirs(dump_root, exist_ok=True)
@@ -100,7 +107,7 @@ def main() -> int:
     devices = jax.devices()[: args.devices]
     mesh = Mesh(np.array(devices), (llama.AXIS,))
     cfg = llama.MODELS[args.model]
-    cfg = dataclasses.replace(cfg, remat=args.remat, reshard=args.reshard == "on",
+    cfg = dataclasses.replace(cfg, remat=args.remat, reshard=args.reshard == "on", vocab=args.vocab,
                               attention=llama.choose_attention(cfg, devices[0].platform, lambda *a: None))
     lays = llama.Layouts.build(cfg, mesh)
     tx = llama.optimizer(llama.OptConfig(steps=10, lr=cfg.lr, warmup=1), cfg)
@@ -110,13 +117,13 @@ def main() -> int:
     tokens = jax.ShapeDtypeStruct((batch, cfg.seq + 1), jnp.int32,
                                   sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(llama.AXIS)))
     gib = 1 << 30
-    print(f"model {args.model}: {cfg.n_params() / 1e6:.0f}M params, {cfg.layers} layers, d {cfg.d_model}; "
+    print(f"model {args.model}: {cfg.n_params() / 1e6:.0f}M params, {cfg.layers} layers, d {cfg.d_model}, vocab {cfg.vocab}; "
           f"remat {args.remat}, reshard {args.reshard}; {len(devices)} x {devices[0].device_kind}")
     for run in args.runs.split(","):
         _ops._world1_native = run.startswith("tide-native")
         os.environ["TIDE_RS_INTO"] = "0" if run == "tide-native-nointo" else "1"
         os.environ["TIDE_AG_CAST"] = "0" if run == "tide-native-nocast" else "1"
-        os.environ["TIDE_SCAN_UNROLL"] = "2" if run == "tide-native-unroll2" else "1"
+        os.environ["TIDE_SCAN_UNROLL"] = "1" if run == "tide-native-unroll1" else "2"
         backend = llama.Backend("tide" if run.startswith("tide") else "jax", "fp32")
         step = llama.make_train_step(cfg, backend, lays, mesh, tx, shardings)
         compiled = step.lower(state, tokens).compile()

@@ -786,6 +786,7 @@ fn layer_specs() -> Vec<ParamSpec> {
 }
 
 /// Rank 0's call of a world-`world` collective over the layer and its emulated peers' buffers.
+#[derive(Clone)]
 struct EngineCall {
     call: CallInfo,
     peers: Vec<EmulatedPeer>,
@@ -849,6 +850,22 @@ fn engine_call(op: Op, world: usize, site: i64) -> EngineCall {
     EngineCall { call, peers, bytes }
 }
 
+/// The all-gather `ec` as the casting all-gather issues it (`cast::views`): rank 0's operands are
+/// its own rows of its results (where the rounding left them), so its own copy is skipped and only
+/// the peers' rows move. Bytes: the peers' rows, read and written.
+fn in_place(ec: &EngineCall) -> EngineCall {
+    let mut ec = ec.clone();
+    let layout = ec.call.layout().expect("layout");
+    let mut bytes = 0f64;
+    for (p, (input, output)) in layout.params.iter().zip(ec.call.inputs.iter_mut().zip(&ec.call.outputs)) {
+        let (offset, elems) = tide::cast::own_rows(p, 0);
+        input.ptr = output.ptr + if elems > 0 { offset } else { 0 };
+        bytes += 2.0 * (p.full_bytes() - elems * p.dtype.size_bytes()) as f64;
+    }
+    ec.bytes = bytes;
+    ec
+}
+
 fn engine_aggressor<'a>(name: String, ec: &'a EngineCall, config: tide::config::Config) -> Aggressor<'a> {
     let ctas = config.rs_max_ctas;
     Aggressor {
@@ -888,6 +905,7 @@ fn engine(g: &Gpu, samples: usize, json: &mut String) {
         .map(|(k, (op, world))| (op, world, engine_call(op, world, 9000 + k as i64)))
         .collect();
     let find = |op: Op, world: usize| &calls.iter().find(|c| c.0 == op && c.1 == world).unwrap().2;
+    let in_place_calls: Vec<(usize, EngineCall)> = [2usize, 8].iter().map(|&w| (w, in_place(find(Op::AllGather, w)))).collect();
     println!(
         "engine: Llama-3-8B layer, 9 bf16 parameters, 436 MB; rank 0 of world P, peers emulated by buffers of GPU 0 \
          (TIDE_RS_MAX_CTAS {}, TIDE_RS_CTA_BYTES {}, TIDE_CE_PIECE_BYTES {})",
@@ -930,6 +948,15 @@ fn engine(g: &Gpu, samples: usize, json: &mut String) {
     ));
     for world in [2, 8] {
         aggs.push(engine_aggressor(ag_name(world, "default"), find(Op::AllGather, world), base.clone()));
+    }
+    // The casting all-gather's copies (scan_layers' gathers): the own rows are already in place.
+    for (world, ec) in &in_place_calls {
+        aggs.push(engine_aggressor(ag_name(*world, "in place (the casting all-gather's copies)"), ec, base.clone()));
+        aggs.push(engine_aggressor(
+            ag_name(*world, "in place, 8 MiB pieces, TIDE_CE_PIECE_BYTES=8388608"),
+            ec,
+            with(&|c| c.ce_piece_bytes = 8 << 20),
+        ));
     }
     aggs.extend(baseline_aggressors(
         g,

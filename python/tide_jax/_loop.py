@@ -390,18 +390,21 @@ class _Group:
 
 
 def _scan_unroll() -> int:
-    """TIDE_SCAN_UNROLL (default 1): layers per iteration of the layer loop's `lax.scan` (its
+    """TIDE_SCAN_UNROLL (default 2): layers per iteration of the layer loop's `lax.scan` (its
     `unroll`). With one, the gather prefetched for the next layer is a new buffer while this layer
     still reads the loop's, so XLA copies it into the loop's buffer at every iteration's end (a whole
     gathered layer, forward and backward); with two, the second layer's prefetch lands in the buffer
     the first one freed and the copy is gone. The forward scans a multiple of the unroll (the layers
     left over run unrolled after it): a remainder would make lax.scan concatenate its stacked
-    residuals. Opt-in: on one H200, 8b-layers (L = 4) gained 2-7 %; 1b (L = 16), before the forward
-    scanned a multiple, lost 10-26 % and held 9-21 GiB more; not measured since (bench/RESULTS.md
-    runs 14-16; docs/design.md "Stealing nothing")."""
+    residuals. The layers of one iteration are tied in order (`_Loop.after`, `_Loop.read_after`).
+    On one H200 with tide's calls real at world 1 (bench/RESULTS.md runs 18-20), against 1:
+    8b-layers (L = 4) 1.022x -> 0.984x plain JAX's step (remat dots), 1.000x -> 0.939x (none); 1b
+    (L = 16) 1.017x -> 1.004x, 1.010x -> 0.987x; memory 8b +0.58 -> +0.54 GiB, 1b dots +0.09 ->
+    +0.50 GiB (XLA plans two layers' backward temporaries per iteration); 1 is the lower-memory choice
+    there."""
     value = os.environ.get("TIDE_SCAN_UNROLL", "").strip()
     if not value:
-        return 1
+        return 2
     if not value.isdigit() or not 1 <= int(value) <= 64:
         raise ValueError(f"tide: TIDE_SCAN_UNROLL={value!r}: expected an integer in [1, 64]")
     return int(value)
@@ -558,19 +561,43 @@ class _Loop:
 
     # ----- helpers -----
     def after(self, index, value, stacked):
-        """The layer index `index`, tied to `value` (the carry a layer step receives) through an
-        optimization barrier, so the prefetch start that takes it cannot be scheduled before the
-        previous layer's work: with several layers per scan iteration (TIDE_SCAN_UNROLL) nothing
-        else keeps XLA from hoisting a later layer's start above an earlier layer's compute, and
-        more calls would be in flight than TIDE_MAX_IN_FLIGHT allows (seen on the H200, 1b model).
-        Tied only to a carry array varying over no axis the stacked shards do not, so the index
-        changes no gathered parameter's type; untied where there is none (or barriers are off)."""
-        if not self.use_barriers or _scan_unroll() == 1:
+        """The layer index `index`, tied to `value` (the carry, or its cotangent, a layer step
+        receives) through an optimization barrier, so what reads `stacked` at it cannot be scheduled
+        before the previous layer's work. With several layers per scan iteration (TIDE_SCAN_UNROLL)
+        nothing else keeps XLA from hoisting a later layer's work above an earlier layer's: a
+        prefetch start (more calls in flight than TIDE_MAX_IN_FLIGHT allows, seen on the H200, 1b
+        model), or the backward's recompute from saved residuals (both layers' activations held at
+        once). Tied only to a carry array varying over no axis the arrays of `stacked` do not, so
+        the index changes no read value's type; untied where there is none (or barriers are off)."""
+        if not self.ties_layers():
             return index
         s_vmas = [_compat.vma_of(s) for s in jax.tree_util.tree_leaves(stacked)]
-        common = set.intersection(*map(set, s_vmas)) if s_vmas else set()
+        return self._tied(index, value, set.intersection(*map(set, s_vmas)) if s_vmas else set())
+
+    def read_after(self, stacked, index, value):
+        """`stacked`'s slices at `index`, each read only once `value` exists (`after`), the index
+        tied once per mesh-axis set of the arrays (so each slice keeps its type; an array varying
+        over fewer axes than every carry array is read untied: a constant such as a rope table)."""
+        if not self.ties_layers():
+            return self.index(stacked, index)
+        tied = {}
+        out = []
+        for s in stacked:
+            v = frozenset(_compat.vma_of(s))
+            if v not in tied:
+                tied[v] = self._tied(index, value, set(v))
+            out.append(jax.lax.dynamic_index_in_dim(s, tied[v], 0, keepdims=False))
+        return out
+
+    def ties_layers(self) -> bool:
+        """Whether the layers of one scan iteration need tying (`after`): several per iteration
+        (TIDE_SCAN_UNROLL > 1) in a `lax.scan` (a Python loop, `unroll=True`, orders them already)."""
+        return self.use_barriers and not self.unroll and _scan_unroll() > 1
+
+    @staticmethod
+    def _tied(index, value, vma):
         for x in jax.tree_util.tree_leaves(value):
-            if hasattr(x, "dtype") and set(_compat.vma_of(x)) <= common:
+            if hasattr(x, "dtype") and set(_compat.vma_of(x)) <= vma:
                 idx, _ = jax.lax.optimization_barrier((jnp.asarray(index, jnp.int32), x))
                 return idx
         return index
@@ -867,13 +894,19 @@ class _Loop:
         scanned, tail = res["scanned"], res["tail"]
         n_scan = L - len(tail)
 
-        def source(i, dynamic: bool):
-            """(saved residuals, kept parameters or None, plan) of layer i."""
+        def source(i, dynamic: bool, after=None):
+            """(saved residuals, kept parameters or None, plan) of layer i; `after`: in the scan, the
+            saved residuals are read only once this carry cotangent exists (`_Loop.read_after`: with several
+            layers per iteration XLA would otherwise recompute a later layer's activations from its
+            residuals before the earlier layer's backward, holding both layers' at once)."""
             if not dynamic and i >= n_scan:
                 saved, p = tail[i - n_scan]
                 return saved, p, self.tail_plans[i - n_scan]
             saved_s, p_s = scanned
-            saved = self.index(saved_s, i) if dynamic else [s[i] for s in saved_s]
+            if dynamic:
+                saved = self.read_after(saved_s, i, after) if after is not None else self.index(saved_s, i)
+            else:
+                saved = [s[i] for s in saved_s]
             p = (self.index(p_s, i) if dynamic else [s[i] for s in p_s]) if not self.reshard else None
             return saved, p, self.scan_plan
 
@@ -912,7 +945,7 @@ class _Loop:
 
         def step(state, i, dynamic: bool, extra=()):
             dc, ps, dp_prev, dk, gbuf, dxbuf = state
-            saved, p_saved, plan = source(i, dynamic)
+            saved, p_saved, plan = source(i, dynamic, after=dc)
             starts = []
             if dp_prev is not None:
                 starts.append(start_rs(dp_prev, gbuf, i + 1))
