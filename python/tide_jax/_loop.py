@@ -391,7 +391,7 @@ class _Group:
 
 def _scan_unroll() -> int:
     """TIDE_SCAN_UNROLL (default 2): layers per iteration of the layer loop's `lax.scan` (its
-    `unroll`). With one, the gather prefetched for the next layer is a new buffer while this layer
+    `unroll`) where tide's calls are pipelined (`_Loop.scan_unroll`). With one, the gather prefetched for the next layer is a new buffer while this layer
     still reads the loop's, so XLA copies it into the loop's buffer at every iteration's end (a whole
     gathered layer, forward and backward); with two, the second layer's prefetch lands in the buffer
     the first one freed and the copy is gone. The forward scans a multiple of the unroll (the layers
@@ -589,10 +589,16 @@ class _Loop:
             out.append(jax.lax.dynamic_index_in_dim(s, tied[v], 0, keepdims=False))
         return out
 
+    def scan_unroll(self) -> int:
+        """Layers per `lax.scan` iteration: TIDE_SCAN_UNROLL for tide's pipelined loop (native calls,
+        whose prefetched gathers XLA would copy into the loop's buffer); 1 where nothing is carried
+        from one layer's calls to the next (the local loop: world 1 without native calls), for the
+        jax backend (no ties keep its layers apart) and for a Python loop (`unroll=True`)."""
+        return _scan_unroll() if self.use_barriers and not self.unroll else 1
+
     def ties_layers(self) -> bool:
-        """Whether the layers of one scan iteration need tying (`after`): several per iteration
-        (TIDE_SCAN_UNROLL > 1) in a `lax.scan` (a Python loop, `unroll=True`, orders them already)."""
-        return self.use_barriers and not self.unroll and _scan_unroll() > 1
+        """Whether the layers of one scan iteration need tying (`after`): several per iteration."""
+        return self.scan_unroll() > 1
 
     @staticmethod
     def _tied(index, value, vma):
@@ -654,7 +660,7 @@ class _Loop:
                 carry, y = body(carry, i)
                 ys.append(y)
             return carry, jax.tree.map(lambda *t: jnp.stack(t), *ys)
-        return jax.lax.scan(body, carry, jnp.asarray(idx, jnp.int32), unroll=_scan_unroll())
+        return jax.lax.scan(body, carry, jnp.asarray(idx, jnp.int32), unroll=self.scan_unroll())
 
     # ----- tracing the user's functions -----
     def convert(self, carry, xs):
@@ -818,7 +824,7 @@ class _Loop:
         # a whole number of unrolled scan iterations (TIDE_SCAN_UNROLL): a remainder would make
         # lax.scan concatenate its stacked residuals (a copy of every saved activation: 1b, L = 16,
         # +9 GiB on the H200); those layers run unrolled after the scan instead, prefetching as it
-        u = 1 if self.unroll else _scan_unroll()
+        u = self.scan_unroll()
         steady = steady[:len(steady) - len(steady) % u]
 
         scan_plan = []

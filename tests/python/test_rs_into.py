@@ -199,6 +199,14 @@ def test_scan_unroll_ties_the_layers_of_an_iteration(monkeypatch):
         f, args = _loop_step(3, 7, "dots", True, seed=1)
         counts[unroll] = len(tie.findall(f.lower(*args).as_text()))
     assert counts["1"] == 0 and counts["2"] >= 3, counts
+    # The local loop (world 1 without native calls: nothing carried from one layer's calls to the
+    # next) scans one layer per iteration whatever the setting: the program is the same.
+    text = {}
+    for unroll in ("1", "2"):
+        monkeypatch.setenv("TIDE_SCAN_UNROLL", unroll)
+        f, args = _loop_step(1, 7, "dots", True, seed=1)
+        text[unroll] = f.lower(*args).as_text()
+    assert text["1"] == text["2"]
 
 
 @pytest.mark.parametrize("world,num_layers,remat,reshard", [(3, 7, "dots", True), (2, 6, None, False), (8, 4, True, True)])
