@@ -391,9 +391,10 @@ class _Group:
 
 def _scan_unroll() -> int:
     """TIDE_SCAN_UNROLL (default 2): layers per iteration of the layer loop's `lax.scan` (its
-    `unroll`) where tide's calls are pipelined (`_Loop.scan_unroll`). With one, the gather prefetched for the next layer is a new buffer while this layer
-    still reads the loop's, so XLA copies it into the loop's buffer at every iteration's end (a whole
-    gathered layer, forward and backward); with two, the second layer's prefetch lands in the buffer
+    `unroll`) where tide's calls are pipelined (`_Loop.scan_unroll`). With one, the gather
+    prefetched for the next layer is a new buffer while this layer still reads the loop's, so XLA
+    copies it into the loop's buffer at every iteration's end (a whole gathered layer, forward and
+    backward); with two, the second layer's prefetch lands in the buffer
     the first one freed and the copy is gone. The forward scans a multiple of the unroll (the layers
     left over run unrolled after it): a remainder would make lax.scan concatenate its stacked
     residuals. The layers of one iteration are tied in order (`_Loop.after`, `_Loop.read_after`).
@@ -900,19 +901,16 @@ class _Loop:
         scanned, tail = res["scanned"], res["tail"]
         n_scan = L - len(tail)
 
-        def source(i, dynamic: bool, after=None):
+        def source(i, dynamic: bool, after):
             """(saved residuals, kept parameters or None, plan) of layer i; `after`: in the scan, the
-            saved residuals are read only once this carry cotangent exists (`_Loop.read_after`: with several
-            layers per iteration XLA would otherwise recompute a later layer's activations from its
-            residuals before the earlier layer's backward, holding both layers' at once)."""
+            saved residuals are read only once this carry cotangent exists (`_Loop.read_after`: with
+            several layers per iteration XLA would otherwise recompute a later layer's activations
+            from its residuals before the earlier layer's backward, holding both layers' at once)."""
             if not dynamic and i >= n_scan:
                 saved, p = tail[i - n_scan]
                 return saved, p, self.tail_plans[i - n_scan]
             saved_s, p_s = scanned
-            if dynamic:
-                saved = self.read_after(saved_s, i, after) if after is not None else self.index(saved_s, i)
-            else:
-                saved = [s[i] for s in saved_s]
+            saved = self.read_after(saved_s, i, after) if dynamic else [s[i] for s in saved_s]
             p = (self.index(p_s, i) if dynamic else [s[i] for s in p_s]) if not self.reshard else None
             return saved, p, self.scan_plan
 
