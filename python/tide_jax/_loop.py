@@ -590,6 +590,29 @@ class _Loop:
             out.append(jax.lax.dynamic_index_in_dim(s, tied[v], 0, keepdims=False))
         return out
 
+    def values_after(self, values, value):
+        """`values` (a layer's saved residuals kept whole, outside the scan's stacks), each usable
+        only once `value` exists: `read_after` for arrays that are not slices, tied through one
+        optimization barrier per mesh-axis set to a `value` array varying over no more axes (so no
+        value changes type); untied where there is none or the layers need no tying."""
+        if not self.ties_layers():
+            return values
+        leaves, tree = jax.tree_util.tree_flatten(values)
+        anchors = [a for a in jax.tree_util.tree_leaves(value) if hasattr(a, "dtype")]
+        groups: dict = {}
+        for j, x in enumerate(leaves):
+            if hasattr(x, "dtype"):
+                groups.setdefault(frozenset(_compat.vma_of(x)), []).append(j)
+        out = list(leaves)
+        for v, js in groups.items():
+            anchor = next((a for a in anchors if set(_compat.vma_of(a)) <= v), None)
+            if anchor is None:
+                continue
+            tied = jax.lax.optimization_barrier(tuple(leaves[j] for j in js) + (anchor,))
+            for j, t in zip(js, tied):
+                out[j] = t
+        return jax.tree_util.tree_unflatten(tree, out)
+
     def scan_unroll(self) -> int:
         """Layers per `lax.scan` iteration: TIDE_SCAN_UNROLL for tide's pipelined loop (native calls,
         whose prefetched gathers XLA would copy into the loop's buffer); 1 where nothing is carried
@@ -908,9 +931,12 @@ class _Loop:
             from its residuals before the earlier layer's backward, holding both layers' at once)."""
             if not dynamic and i >= n_scan:
                 saved, p = tail[i - n_scan]
-                return saved, p, self.tail_plans[i - n_scan]
+                return self.values_after(saved, after), p, self.tail_plans[i - n_scan]
             saved_s, p_s = scanned
-            saved = self.read_after(saved_s, i, after) if dynamic else [s[i] for s in saved_s]
+            # (the layers unrolled around the scan are tied too: XLA fused the recompute of the
+            # step's last layer into the one before it, and hoisted work of layer 0 above the loss)
+            tie = dynamic or self.ties_layers()
+            saved = self.read_after(saved_s, i, after) if tie else [s[i] for s in saved_s]
             p = (self.index(p_s, i) if dynamic else [s[i] for s in p_s]) if not self.reshard else None
             return saved, p, self.scan_plan
 
