@@ -592,11 +592,17 @@ class _Loop:
 
     def values_after(self, values, value):
         """`values` (a layer's saved residuals kept whole, outside the scan's stacks), each usable
-        only once `value` exists: `read_after` for arrays that are not slices, tied through one
-        optimization barrier per mesh-axis set to a `value` array varying over no more axes (so no
-        value changes type); untied where there is none or the layers need no tying."""
-        if not self.ties_layers():
+        only once `value` exists (`read_after` for arrays that are not slices); untied where the
+        layers need no tying."""
+        if not self.ties_layers() or os.environ.get("TIDE_TIE_TAIL", "1") == "0":
             return values
+        return self._after(values, value)
+
+    @staticmethod
+    def _after(values, value):
+        """`values`, each through an optimization barrier with an array of `value` that varies over
+        no more mesh axes (one barrier per axis set, so no value changes type): whatever reads them
+        waits for `value`. Values with no such array are returned as they are."""
         leaves, tree = jax.tree_util.tree_flatten(values)
         anchors = [a for a in jax.tree_util.tree_leaves(value) if hasattr(a, "dtype")]
         groups: dict = {}
@@ -915,6 +921,12 @@ class _Loop:
         dk_epi = _zeros_cts(k_epi)
         if self.epi_fn is not None:
             d_epi_p, dc, daux, dk_epi = res["epi_pb"](dout)
+            if self.use_barriers and daux is not None:
+                # The layers' backward starts once the cotangent of the prologue's aux exists (a tied
+                # embedding's table: the head's weight gradient). Only the prologue's backward, the
+                # step's last, reads it, so XLA was free to compute it there and held the logits'
+                # cotangent (1b: 1 GiB) through the whole backward (issue #22, run 24's dump).
+                dc = self._after(dc, daux)
             if self.epi_group is not None:
                 extra.append(("epi", self.epi_group.start_scatter(d_epi_p)))
         else:
