@@ -398,11 +398,10 @@ def _scan_unroll() -> int:
     the first one freed and the copy is gone. The forward scans a multiple of the unroll (the layers
     left over run unrolled after it): a remainder would make lax.scan concatenate its stacked
     residuals. The layers of one iteration are tied in order (`_Loop.after`, `_Loop.read_after`).
-    On one H200 with tide's calls real at world 1 (bench/RESULTS.md runs 18-20), against 1:
-    8b-layers (L = 4) 1.022x -> 0.984x plain JAX's step (remat dots), 1.000x -> 0.939x (none); 1b
-    (L = 16) 1.017x -> 1.004x, 1.010x -> 0.987x; memory 8b +0.58 -> +0.54 GiB, 1b dots +0.09 ->
-    +0.50 GiB (XLA plans two layers' backward temporaries per iteration); 1 is the lower-memory choice
-    there."""
+    On one H200 with tide's calls real at world 1 (bench/RESULTS.md runs 18-25), against 1:
+    8b-layers (L = 4) 1.022x -> 1.003x plain JAX's step (remat dots), 1.000x -> 0.947x (none); 1b
+    (L = 16) 1.017x -> 0.999x, 1.010x -> 0.995x; memory over plain JAX 8b +0.03 GiB, 1b +0.22 GiB
+    (dots; one per iteration: +0.58 / +0.09)."""
     value = os.environ.get("TIDE_SCAN_UNROLL", "").strip()
     if not value:
         return 2
@@ -589,14 +588,6 @@ class _Loop:
                 tied[v] = self._tied(index, value, set(v))
             out.append(jax.lax.dynamic_index_in_dim(s, tied[v], 0, keepdims=False))
         return out
-
-    def values_after(self, values, value):
-        """`values` (a layer's saved residuals kept whole, outside the scan's stacks), each usable
-        only once `value` exists (`read_after` for arrays that are not slices); untied where the
-        layers need no tying."""
-        if not self.ties_layers() or os.environ.get("TIDE_TIE_TAIL", "1") == "0":
-            return values
-        return self._after(values, value)
 
     @staticmethod
     def _after(values, value):
@@ -943,10 +934,12 @@ class _Loop:
             from its residuals before the earlier layer's backward, holding both layers' at once)."""
             if not dynamic and i >= n_scan:
                 saved, p = tail[i - n_scan]
-                return self.values_after(saved, after), p, self.tail_plans[i - n_scan]
+                # (not tied: a barrier would make XLA materialize every saved value, which it
+                # otherwise recomputes inside its consumers' fusions: remat none held +1.3-2.3 GiB)
+                return saved, p, self.tail_plans[i - n_scan]
             saved_s, p_s = scanned
-            # (the layers unrolled around the scan are tied too: XLA fused the recompute of the
-            # step's last layer into the one before it, and hoisted work of layer 0 above the loss)
+            # (layer 0, unrolled after the scan, reads at a tied index too: XLA had fused its
+            # recompute into layer 1's and hoisted its rope work above the loss)
             tie = dynamic or self.ties_layers()
             saved = self.read_after(saved_s, i, after) if tie else [s[i] for s in saved_s]
             p = (self.index(p_s, i) if dynamic else [s[i] for s in p_s]) if not self.reshard else None
