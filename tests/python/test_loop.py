@@ -260,13 +260,15 @@ def test_prologue_and_epilogue_equal_the_plain_model(world, tied):
         assert _max_rel(got[1], want[1]) < 2e-6, (mode, _max_rel(got[1], want[1]))
 
 
+@pytest.mark.parametrize("world", [1, 3])
 @pytest.mark.parametrize("tied", [False, True])
-def test_layers_backward_waits_for_the_aux_cotangent(tied):
+def test_layers_backward_waits_for_the_aux_cotangent(world, tied):
     """With a tied head (the prologue's aux: the table) the layers' backward starts only once the
     table's cotangent from the head exists: one barrier of (the carry's cotangent, the table's). Only
     the prologue's backward, the step's last, reads that cotangent; untied, XLA computed it there
-    and held the logits' cotangent through the whole backward (1b on the H200: 1 GiB)."""
-    world, num_layers, vocab = 3, 3, 11
+    and held the logits' cotangent through the whole backward (1b on the H200: 1 GiB). Not at world
+    1 (the local loop: no barriers) nor on the jax backend."""
+    num_layers, vocab = 3, 11
     mesh = make_mesh((world,), (AXIS,))
     rng = np.random.default_rng(5)
     stacked, emb, head = _embed_head_model(rng, num_layers, vocab)
@@ -292,12 +294,12 @@ def test_layers_backward_waits_for_the_aux_cotangent(tied):
 
     specs = dict(mesh=mesh, in_specs=(lay.stacked_spec, lay_e.spec, lay_h.spec, P(AXIS)),
                  out_specs=(lay.stacked_spec, lay_e.spec, lay_h.spec))
-    x_t, table_t = f"tensor<{2}x5x{D}xf32>", f"tensor<{vocab}x{D}xf32>"
+    x_t, table_t = f"tensor<2x5x{D}xf32>", f"tensor<{vocab}x{D}xf32>"
     tie = re.compile(rf"stablehlo.optimization_barrier %\S+, %\S+ : {x_t}, {table_t}$", re.M)
     for backend in ("tide", "jax"):
         f = jax.jit(tide_jax.shard_map(lambda *a, b=backend: per_device(*a, b), **specs))
         n = len(tie.findall(f.lower(*args, tokens).as_text()))
-        assert n == (1 if tied and backend == "tide" else 0), (backend, tied, n)
+        assert n == (1 if tied and backend == "tide" and world > 1 else 0), (backend, world, tied, n)
 
 
 # ----- what the compiled step does -----
