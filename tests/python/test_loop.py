@@ -213,14 +213,12 @@ def _embed_head_model(rng, num_layers, vocab=11):
     return model(rng, num_layers), emb, head
 
 
-@pytest.mark.parametrize("world", [1, 3, 8])
-@pytest.mark.parametrize("tied", [False, True])
-def test_prologue_and_epilogue_equal_the_plain_model(world, tied):
-    """Embedding lookup as the prologue (its own gathered group), head as the epilogue (tied: it uses
-    the prologue's table through aux): loss and every gradient equal the plain model."""
-    num_layers, vocab = 3, 11
+def _edge_case(world, tied, seed, num_layers=3, vocab=11):
+    """A 3-layer model with an embedding lookup as the prologue and a head as the epilogue (tied:
+    it uses the prologue's table through aux): (mesh, layouts (layer, embed, head), shards, tokens,
+    embed, logits)."""
     mesh = make_mesh((world,), (AXIS,))
-    rng = np.random.default_rng(world + 20 * tied)
+    rng = np.random.default_rng(seed)
     stacked, emb, head = _embed_head_model(rng, num_layers, vocab)
     lay = tide_jax.layout(_one(stacked), mesh, AXIS)
     lay_e, lay_h = tide_jax.layout(emb, mesh, AXIS), tide_jax.layout(head, mesh, AXIS)
@@ -234,6 +232,16 @@ def test_prologue_and_epilogue_equal_the_plain_model(world, tied):
     def logits(ph, x, table):
         w = table.T if tied else ph["out"]
         return (x * ph["norm"]) @ w
+
+    return mesh, (lay, lay_e, lay_h), args, tokens, embed, logits
+
+
+@pytest.mark.parametrize("world", [1, 3, 8])
+@pytest.mark.parametrize("tied", [False, True])
+def test_prologue_and_epilogue_equal_the_plain_model(world, tied):
+    """Embedding lookup as the prologue (its own gathered group), head as the epilogue (tied: it uses
+    the prologue's table through aux): loss and every gradient equal the plain model."""
+    mesh, (lay, lay_e, lay_h), args, tokens, embed, logits = _edge_case(world, tied, world + 20 * tied)
 
     def per_device(s, se, sh, tok, mode):
         def loss(s, se, sh):
@@ -268,21 +276,8 @@ def test_layers_backward_waits_for_the_aux_cotangent(world, tied):
     the prologue's backward, the step's last, reads that cotangent; untied, XLA computed it there
     and held the logits' cotangent through the whole backward (1b on the H200: 1 GiB). Not at world
     1 (the local loop: no barriers) nor on the jax backend."""
-    num_layers, vocab = 3, 11
-    mesh = make_mesh((world,), (AXIS,))
-    rng = np.random.default_rng(5)
-    stacked, emb, head = _embed_head_model(rng, num_layers, vocab)
-    lay = tide_jax.layout(_one(stacked), mesh, AXIS)
-    lay_e, lay_h = tide_jax.layout(emb, mesh, AXIS), tide_jax.layout(head, mesh, AXIS)
-    args = (lay.shard_stacked(stacked), lay_e.shard(emb), lay_h.shard(head))
-    tokens = jax.device_put(rng.integers(0, vocab, (2 * world, 5)).astype(np.int32), NamedSharding(mesh, P(AXIS)))
-
-    def embed(pe, tok):
-        table = pe["tokens"]
-        return table[tok], (table if tied else None)
-
-    def logits(ph, x, table):
-        return (x * ph["norm"]) @ (table.T if tied else ph["out"])
+    vocab = 11
+    mesh, (lay, lay_e, lay_h), args, tokens, embed, logits = _edge_case(world, tied, 5, vocab=vocab)
 
     def per_device(s, se, sh, tok, backend):
         def loss(s, se, sh):
