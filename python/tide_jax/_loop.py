@@ -704,6 +704,14 @@ class _Loop:
         self.apply = apply
         self.apply_ck = _checkpointed(apply, self.remat, self.unroll)
         self.residuals = _Residuals(self.apply_ck, derive=True)
+        # The layers run outside the scan (the forward's last ones, kept for the backward's first)
+        # are straight-line code beside their own backward: without prevent_cse XLA merges the
+        # backward's recompute with the forward's values and keeps those alive from the forward on
+        # (1b, two layers outside the scan: their `silu(gate) * up` and attention outputs held
+        # across the loss, +0.6 GiB). Barriers only where something is recomputed (none at remat
+        # none), on whole arrays (no stack slice to materialize).
+        self.residuals_unrolled = (self.residuals if self.unroll else
+                                   _Residuals(_checkpointed(apply, self.remat, True), derive=True))
         return list(consts)
 
     def carry_vma(self, carry, xs):
@@ -826,7 +834,8 @@ class _Loop:
                 starts, c, p = self.order(starts, c, p)
             plan = None
             if save:
-                y, saved, plan = self.residuals.forward(p, c, x_i, k_layer)
+                residuals = self.residuals_unrolled if isinstance(i, int) else self.residuals
+                y, saved, plan = residuals.forward(p, c, x_i, k_layer)
             else:
                 y, saved = self.apply_ck(p, c, x_i, k_layer), None
             self._check_carry(c, y)

@@ -217,6 +217,35 @@ def test_scan_unroll_ties_the_layers_of_an_iteration(monkeypatch):
     assert text["1"] == text["2"]
 
 
+def _prevent_cse_flags(jaxpr, out):
+    """The prevent_cse parameter of every checkpoint (remat) equation in `jaxpr`, nested included."""
+    for e in jaxpr.eqns:
+        if "prevent_cse" in e.params:
+            out.append(bool(e.params["prevent_cse"]))
+        for v in e.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _prevent_cse_flags(inner, out)
+    return out
+
+
+@pytest.mark.parametrize("unroll", ["1", "2"])
+def test_layers_outside_the_scan_recompute_apart_from_their_forward(monkeypatch, unroll):
+    """The layers run outside the scan (here layer 4, and with two per iteration none else: L = 5,
+    prefetch 1) are straight-line code beside their backward: their recompute is guarded by
+    prevent_cse (else XLA merges it with the forward and keeps the forward's activations alive: 1b on
+    the H200 held two layers' `silu(gate) * up` and attention outputs across the loss). The scanned
+    layers' recompute is not (different loops; a barrier would materialize each stack slice), and
+    with no policy nothing is recomputed, so nothing is guarded."""
+    monkeypatch.setenv("TIDE_SCAN_UNROLL", unroll)
+    f, args = _loop_step(3, 5, "dots", True, seed=1)
+    flags = _prevent_cse_flags(jax.make_jaxpr(f)(*args).jaxpr, [])
+    assert True in flags and False in flags, flags
+    f, args = _loop_step(3, 5, None, True, seed=1)
+    assert _prevent_cse_flags(jax.make_jaxpr(f)(*args).jaxpr, []) == []
+
+
 @pytest.mark.parametrize("world,num_layers,remat,reshard", [(3, 7, "dots", True), (2, 6, None, False), (8, 4, True, True)])
 def test_scan_unroll_same_bits(monkeypatch, world, num_layers, remat, reshard):
     """Two layers per scan iteration (TIDE_SCAN_UNROLL=2, the default: no copy of each prefetched
