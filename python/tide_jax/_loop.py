@@ -398,10 +398,10 @@ def _scan_unroll() -> int:
     the first one freed and the copy is gone. The forward scans a multiple of the unroll (the layers
     left over run unrolled after it): a remainder would make lax.scan concatenate its stacked
     residuals. The layers of one iteration are tied in order (`_Loop.after`, `_Loop.read_after`).
-    On one H200 with tide's calls real at world 1 (bench/RESULTS.md runs 18-25), against 1:
-    8b-layers (L = 4) 1.022x -> 1.003x plain JAX's step (remat dots), 1.000x -> 0.947x (none); 1b
-    (L = 16) 1.017x -> 0.999x, 1.010x -> 0.995x; memory over plain JAX 8b +0.03 GiB, 1b +0.22 GiB
-    (dots; one per iteration: +0.58 / +0.09)."""
+    On one H200 with tide's calls real at world 1 (bench/RESULTS.md runs 18-27), against 1 (run
+    26): 8b-layers (L = 4) 1.027x -> 0.997-1.000x plain JAX's step (remat dots), 1.000x -> 0.945x
+    (none); 1b (L = 16) 1.010x -> 0.997-1.004x, 1.010x -> 0.990-0.997x; memory against plain JAX
+    (dots) 8b +0.33 GiB, 1b -0.32 GiB (one per iteration: +0.58 / +0.07)."""
     value = os.environ.get("TIDE_SCAN_UNROLL", "").strip()
     if not value:
         return 2
