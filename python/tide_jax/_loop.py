@@ -710,8 +710,9 @@ class _Loop:
         # (1b, two layers outside the scan: their `silu(gate) * up` and attention outputs held
         # across the loss, +0.6 GiB). Barriers only where something is recomputed (none at remat
         # none), on whole arrays (no stack slice to materialize).
-        self.residuals_unrolled = (self.residuals if self.unroll else
-                                   _Residuals(_checkpointed(apply, self.remat, True), derive=True))
+        guarded = _checkpointed(apply, self.remat, True)
+        self.residuals_unrolled = (self.residuals if self.unroll or guarded is apply else
+                                   _Residuals(guarded, derive=True))
         return list(consts)
 
     def carry_vma(self, carry, xs):
@@ -943,8 +944,9 @@ class _Loop:
             from its residuals before the earlier layer's backward, holding both layers' at once)."""
             if not dynamic and i >= n_scan:
                 saved, p = tail[i - n_scan]
-                # (not tied: a barrier would make XLA materialize every saved value, which it
-                # otherwise recomputes inside its consumers' fusions: remat none held +1.3-2.3 GiB)
+                # (not tied here: their recompute runs under prevent_cse, `residuals_unrolled`; a
+                # barrier on every saved value made XLA materialize what it otherwise recomputes
+                # inside its consumers' fusions: remat none held +1.3-2.3 GiB)
                 return saved, p, self.tail_plans[i - n_scan]
             saved_s, p_s = scanned
             # (layer 0, unrolled after the scan, reads at a tied index too: XLA had fused its
