@@ -766,6 +766,271 @@ fn explore(g: &Gpu, samples: usize, json: &mut String) {
 }
 
 
+// ----- sumphase mode: hiding the gap between short launches; L2-resident operands -----
+
+/// Streams a call's launches are spread over (lane 0 is the call's own stream; the others fork
+/// from it at the call's start and join back at its end) and the events that fork and join them.
+struct Lanes {
+    extra: Vec<sys::CUstream>,
+    fork: sys::CUevent,
+    joins: Vec<sys::CUevent>,
+}
+
+impl Lanes {
+    fn new(n: usize) -> Lanes {
+        let mk_event = || {
+            let mut e = std::ptr::null_mut();
+            ck!(sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32), "cuEventCreate");
+            e
+        };
+        let extra = (1..n)
+            .map(|_| {
+                let mut s = std::ptr::null_mut();
+                ck!(sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32), "cuStreamCreate");
+                s
+            })
+            .collect();
+        Lanes {
+            extra,
+            fork: mk_event(),
+            joins: (1..n).map(|_| mk_event()).collect(),
+        }
+    }
+    fn fork(&self, stream: sys::CUstream) {
+        if self.extra.is_empty() {
+            return;
+        }
+        ck!(sys::cuEventRecord(self.fork, stream), "cuEventRecord");
+        for &s in &self.extra {
+            ck!(sys::cuStreamWaitEvent(s, self.fork, 0), "cuStreamWaitEvent");
+        }
+    }
+    fn lane(&self, stream: sys::CUstream, i: usize) -> sys::CUstream {
+        let k = i % (self.extra.len() + 1);
+        if k == 0 { stream } else { self.extra[k - 1] }
+    }
+    fn join(&self, stream: sys::CUstream) {
+        for (&s, &e) in self.extra.iter().zip(&self.joins) {
+            ck!(sys::cuEventRecord(e, s), "cuEventRecord");
+            ck!(sys::cuStreamWaitEvent(stream, e, 0), "cuStreamWaitEvent");
+        }
+    }
+}
+
+/// tide's reduction (probe_st) over N elements in launches of `ctas` CTAs moving `cta_bytes`
+/// each, launch i on lane i % lanes (so at most lanes x ctas CTAs are resident), the sources read
+/// at offsets modulo `src_window` elements and the destination written modulo `dst_window` (a
+/// window that fits in L2 keeps those operands there). With `graph` the whole call is captured
+/// once into a CUDA graph and replayed (untraced).
+fn lane_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, ctas: u32, cta_bytes: u64, lanes: usize, src_window: u64, dst_window: u64, graph: bool) -> Aggressor<'a> {
+    let f = func(g, "probe_st");
+    let per_launch = (ctas as u64 * cta_bytes / 8).div_ceil(PROBE_TILE_ELEMS).max(1) * PROBE_TILE_ELEMS;
+    assert!(src_window % per_launch == 0 && dst_window % per_launch == 0, "windows are whole launches");
+    let ls = Lanes::new(lanes);
+    let issue = move |stream: sys::CUstream, trace: u64| {
+        ls.fork(stream);
+        let (mut off, mut i) = (0u64, 0u64);
+        while off < N {
+            let n = per_launch.min(N - off);
+            let (s, d) = (off % src_window, off % dst_window);
+            let (mut dd, mut a, mut b, mut nn) = (bufs.d + d * 4, bufs.a + s * 2, bufs.b + s * 2, n);
+            let (mut tr, mut base, mut p) = (trace, i * ctas as u64, 0i32);
+            let mut params = [
+                &mut dd as *mut u64 as *mut c_void,
+                &mut a as *mut u64 as *mut c_void,
+                &mut b as *mut u64 as *mut c_void,
+                &mut nn as *mut u64 as *mut c_void,
+                &mut tr as *mut u64 as *mut c_void,
+                &mut base as *mut u64 as *mut c_void,
+                &mut p as *mut i32 as *mut c_void,
+            ];
+            launch(f, ctas, 512, 0, ls.lane(stream, i as usize), &mut params, false);
+            off += n;
+            i += 1;
+        }
+        ls.join(stream);
+    };
+    let where_ = match (src_window < N, dst_window < N) {
+        (false, false) => String::new(),
+        (true, false) => format!(", sources in L2 ({} MiB window)", src_window * 2 >> 20),
+        (true, true) => format!(", all in L2 ({} MiB window)", src_window * 2 >> 20),
+        (false, true) => format!(", destination in L2 ({} MiB)", dst_window * 4 >> 20),
+    };
+    let name = format!(
+        "{}{} x {ctas} CTAs, {} KiB/CTA/launch ({} launches){where_}",
+        if graph { "graph, " } else { "" },
+        if lanes > 1 { format!("{lanes} streams") } else { "1 stream".into() },
+        cta_bytes >> 10,
+        N.div_ceil(per_launch)
+    );
+    if !graph {
+        return Aggressor { name, bytes: SUM_BYTES, traced: true, config: None, ctas_bound: None, call: Box::new(issue) };
+    }
+    let exec = capture(g.agg, || issue(g.agg, 0));
+    Aggressor {
+        name,
+        bytes: SUM_BYTES,
+        traced: false,
+        config: None,
+        ctas_bound: Some(lanes as u32 * ctas),
+        call: Box::new(move |stream, _| {
+            ck!(sys::cuGraphLaunch(exec, stream), "cuGraphLaunch");
+        }),
+    }
+}
+
+/// What `work` enqueues on `stream`, captured into an instantiated CUDA graph.
+fn capture(stream: sys::CUstream, work: impl FnOnce()) -> sys::CUgraphExec {
+    sync_all();
+    ck!(sys::cuStreamBeginCapture_v2(stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED), "cuStreamBeginCapture");
+    work();
+    let mut graph = std::ptr::null_mut();
+    ck!(sys::cuStreamEndCapture(stream, &mut graph), "cuStreamEndCapture");
+    let mut exec = std::ptr::null_mut();
+    ck!(sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0), "cuGraphInstantiate");
+    exec
+}
+
+/// A long-lived kernel (probe_st_rep / probe_read_rep) of `ctas` CTAs over the first `window`
+/// elements, repeated so one call moves N elements' bytes: the per-SM rate with L2-resident
+/// operands (window small) or from HBM (window N).
+fn rep_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, kernel: &str, ctas: u32, window: u64) -> Aggressor<'a> {
+    let f = func(g, kernel);
+    let reps = N / window;
+    let name = format!("{kernel} {ctas} CTA{} grid-stride, {} MiB window x {reps}", if ctas > 1 { "s" } else { "" }, window * 2 >> 20);
+    let bytes = if kernel == "probe_read_rep" { N as f64 * 4.0 } else { SUM_BYTES };
+    Aggressor {
+        name,
+        bytes,
+        traced: true,
+        config: None,
+        ctas_bound: None,
+        call: Box::new(move |stream, trace| {
+            let (mut d, mut a, mut b, mut nn, mut tr, mut base, mut p, mut r) = (bufs.d, bufs.a, bufs.b, window, trace, 0u64, 0i32, reps);
+            let mut params = [
+                &mut d as *mut u64 as *mut c_void,
+                &mut a as *mut u64 as *mut c_void,
+                &mut b as *mut u64 as *mut c_void,
+                &mut nn as *mut u64 as *mut c_void,
+                &mut tr as *mut u64 as *mut c_void,
+                &mut base as *mut u64 as *mut c_void,
+                &mut p as *mut i32 as *mut c_void,
+                &mut r as *mut u64 as *mut c_void,
+            ];
+            launch(f, ctas, 512, 0, stream, &mut params, false);
+        }),
+    }
+}
+
+/// The sum phase's launch shape under a bound of 16 resident CTAs (issue #22: >= 1.5 TB/s with
+/// short-lived CTAs): the back-to-back launch gap on one stream, in a CUDA graph and over two
+/// streams; short launches spread over 2 or 4 streams (8 or 4 CTAs each, so still <= 16 resident)
+/// or replayed from a graph; L2-resident sources (what the copy engines just staged) and
+/// destinations; the per-SM rate from L2 and from HBM.
+fn sumphase(g: &Gpu, samples: usize, json: &mut String) {
+    let bufs = Bufs::new();
+    // The lanes and graph rows give tide's bits (bitwise against one grid-stride launch).
+    {
+        let reference = sum_aggressor(g, &bufs, "probe_st", 16, 512, 0, false, 0, None);
+        (reference.call)(g.agg, 0);
+        sync_all();
+        let mut want = vec![0u32; N as usize];
+        ck!(sys::cuMemcpyDtoH_v2(want.as_mut_ptr() as *mut c_void, bufs.d, N as usize * 4), "cuMemcpyDtoH");
+        for (lanes, ctas, graph) in [(2usize, 8u32, false), (4, 4, false), (2, 8, true)] {
+            ck!(sys::cuMemsetD8_v2(bufs.d, 0xff, N as usize * 4), "cuMemsetD8");
+            let a = lane_aggressor(g, &bufs, ctas, 512 << 10, lanes, N, N, graph);
+            (a.call)(g.agg, 0);
+            sync_all();
+            let mut got = vec![0u32; N as usize];
+            ck!(sys::cuMemcpyDtoH_v2(got.as_mut_ptr() as *mut c_void, bufs.d, N as usize * 4), "cuMemcpyDtoH");
+            let bad = got.iter().zip(&want).filter(|(x, y)| x != y).count();
+            println!("bitwise {}: {}", a.name, if bad == 0 { "OK".to_string() } else { format!("{bad} elements differ") });
+            let _ = write!(json, "{{\"bitwise\":{:?},\"differ\":{bad}}},", a.name);
+        }
+    }
+    // Launch gaps: 2000 empty launches (probe_write with n = 0) on one stream, replayed from a
+    // graph, and alternating over two streams of 8 CTAs.
+    {
+        let f = func(g, "probe_write");
+        let empty = |stream: sys::CUstream, ctas: u32| {
+            let (mut d, mut a, mut b, mut n, mut tr, mut base, mut p) = (bufs.d, 0u64, 0u64, 0u64, 0u64, 0u64, 0i32);
+            let mut params = [
+                &mut d as *mut u64 as *mut c_void,
+                &mut a as *mut u64 as *mut c_void,
+                &mut b as *mut u64 as *mut c_void,
+                &mut n as *mut u64 as *mut c_void,
+                &mut tr as *mut u64 as *mut c_void,
+                &mut base as *mut u64 as *mut c_void,
+                &mut p as *mut i32 as *mut c_void,
+            ];
+            launch(f, ctas, 512, 0, stream, &mut params, false);
+        };
+        let two = Lanes::new(2);
+        let graph = capture(g.agg, || {
+            for _ in 0..2000 {
+                empty(g.agg, 16);
+            }
+        });
+        for how in ["1 stream, 16 CTAs", "graph, 16 CTAs", "2 streams, 8 CTAs each"] {
+            sync_all();
+            spin(g, g.agg, 3_000_000, 1);
+            ck!(sys::cuEventRecord(g.ev[0], g.agg), "cuEventRecord");
+            match how {
+                "graph, 16 CTAs" => ck!(sys::cuGraphLaunch(graph, g.agg), "cuGraphLaunch"),
+                "2 streams, 8 CTAs each" => {
+                    two.fork(g.agg);
+                    for i in 0..2000 {
+                        empty(two.lane(g.agg, i), 8);
+                    }
+                    two.join(g.agg);
+                }
+                _ => {
+                    for _ in 0..2000 {
+                        empty(g.agg, 16);
+                    }
+                }
+            }
+            ck!(sys::cuEventRecord(g.ev[1], g.agg), "cuEventRecord");
+            sync_all();
+            let us = elapsed_ms(g.ev[0], g.ev[1]) * 1000.0 / 2000.0;
+            println!("launch gap (empty launches back to back, {how}): {us:.2} us per launch");
+            let _ = write!(json, "{{\"launch_gap_us\":{us:.3},\"how\":{how:?}}},");
+        }
+    }
+
+    let hot = 2u64 << 20; // elements: 4 + 4 MiB of sources, 8 MiB of destination
+    let mut aggs: Vec<Aggressor> = Vec::new();
+    // Rows with victims first.
+    aggs.push(lane_aggressor(g, &bufs, 16, 512 << 10, 1, N, N, false));
+    aggs.push(lane_aggressor(g, &bufs, 8, 512 << 10, 2, N, N, false));
+    aggs.push(lane_aggressor(g, &bufs, 8, 1 << 20, 2, N, N, false));
+    aggs.push(lane_aggressor(g, &bufs, 16, 512 << 10, 1, N, N, true));
+    aggs.push(lane_aggressor(g, &bufs, 8, 512 << 10, 2, N, N, true));
+    aggs.push(lane_aggressor(g, &bufs, 8, 512 << 10, 2, hot, N, false));
+    aggs.push(lane_aggressor(g, &bufs, 8, 1 << 20, 2, hot, N, false));
+    let alone_from = aggs.len();
+    aggs.push(lane_aggressor(g, &bufs, 4, 512 << 10, 4, N, N, false));
+    aggs.push(lane_aggressor(g, &bufs, 4, 1 << 20, 4, N, N, false));
+    aggs.push(lane_aggressor(g, &bufs, 8, 256 << 10, 2, N, N, false));
+    aggs.push(lane_aggressor(g, &bufs, 8, 2 << 20, 2, N, N, false));
+    aggs.push(lane_aggressor(g, &bufs, 16, 512 << 10, 1, hot, N, false));
+    aggs.push(lane_aggressor(g, &bufs, 16, 512 << 10, 1, hot, hot, false));
+    aggs.push(lane_aggressor(g, &bufs, 8, 512 << 10, 2, hot, hot, false));
+    aggs.push(lane_aggressor(g, &bufs, 8, 512 << 10, 2, hot, N, true));
+    aggs.push(sum_aggressor(g, &bufs, "probe_st", 16, 512, 0, false, 0, None));
+    for (k, ctas, window) in [
+        ("probe_st_rep", 16, hot),
+        ("probe_st_rep", 1, hot),
+        ("probe_st_rep", 1, N),
+        ("probe_read_rep", 1, hot),
+        ("probe_read_rep", 1, N),
+        ("probe_read_rep", 16, hot),
+    ] {
+        aggs.push(rep_aggressor(g, &bufs, k, ctas, window));
+    }
+    measure_rows(g, &aggs, samples, &|i| i >= alone_from, json);
+}
+
 // ----- engine mode: tide's calls as the engine issues them -----
 
 /// A Llama-3-8B layer (d 4096, ffn 14336, 8 KV heads of 128): 218 M bf16 parameters, 436 MB.
@@ -1104,7 +1369,8 @@ fn main() {
     match mode.as_str() {
         "explore" => explore(&g, samples, &mut json),
         "engine" => engine(&g, samples, &mut json),
-        other => panic!("unknown mode {other:?} (explore, engine, compile)"),
+        "sumphase" => sumphase(&g, samples, &mut json),
+        other => panic!("unknown mode {other:?} (explore, engine, sumphase, compile)"),
     }
     if json.ends_with(',') {
         json.pop();

@@ -283,3 +283,44 @@ extern "C" __global__ void probe_resident(u64* rec, u64 ns) {
     while (probe_now() - t0 < ns) {
     }
 }
+
+// ----- sumphase mode: the sum over a window repeated (L2-resident operands) -----
+
+// tide's reduction over the first n elements, reps times (each pass writes the same values): the
+// sources and destination stay in L2 when their bytes fit (H200: 50 MB).
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+probe_st_rep(float* dst, const void* a, const void* b, u64 n, u64* trace, u64 base, int pdl, u64 reps) {
+    const u64 t0 = probe_now();
+    for (u64 r = 0; r < reps; ++r) tide_sum<TideBf16>(dst, probe_two(a, b), 2, n, 0, 1);
+    probe_end(trace, base, t0, pdl);
+}
+
+// Read-only over the first n elements of both sources, reps times (probe_read's body).
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+probe_read_rep(float* dst, const void* a, const void* b, u64 n, u64* trace, u64 base, int pdl, u64 reps) {
+    const u64 t0 = probe_now();
+    const u64 nvec = n * 2 / 16;
+    const uint4* pa = (const uint4*)a;
+    const uint4* pb = (const uint4*)b;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    unsigned acc = 0;
+    for (u64 r = 0; r < reps; ++r)
+        for (u64 v0 = (u64)blockIdx.x * blockDim.x + threadIdx.x; v0 < nvec; v0 += 8 * stride) {
+            uint4 ra[8], rb[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const u64 v = v0 + u * stride;
+                if (v < nvec) {
+                    ra[u] = pa[v];
+                    rb[u] = pb[v];
+                } else {
+                    ra[u] = make_uint4(0, 0, 0, 0);
+                    rb[u] = ra[u];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) acc ^= ra[u].x ^ ra[u].y ^ ra[u].z ^ ra[u].w ^ rb[u].x ^ rb[u].w;
+        }
+    if (acc == 0x9e3779b9u) dst[threadIdx.x] = (float)acc;
+    probe_end(trace, base, t0, pdl);
+}
