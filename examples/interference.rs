@@ -50,6 +50,8 @@ const COPY_BYTES: usize = 256 << 20;
 const PROBE_TILE_ELEMS: u64 = 4096;
 const PROBE_BULK_SMEM: u32 = 4 * 2 * 8192;
 const PROBE_BULK_OUT_SMEM: u32 = 2 * 2 * 8192;
+/// probe_st_tma_out's two buffer sets of 4 fp32 tiles of 4096 elements.
+const TMA_OUT_SMEM: u32 = 2 * 4 * 4096 * 4;
 
 // ----- cuBLAS, loaded at run time -----
 
@@ -279,7 +281,7 @@ fn setup() -> Option<Gpu> {
         cublas,
         ev,
     };
-    for (k, smem) in [("probe_bulk", PROBE_BULK_SMEM + PROBE_BULK_OUT_SMEM), ("probe_resident", 200 << 10)] {
+    for (k, smem) in [("probe_bulk", PROBE_BULK_SMEM + PROBE_BULK_OUT_SMEM), ("probe_resident", 200 << 10), ("probe_st_tma_out", TMA_OUT_SMEM)] {
         let f = func(&g, k);
         ck!(
             sys::cuFuncSetAttribute(
@@ -822,8 +824,8 @@ impl Lanes {
 /// at offsets modulo `src_window` elements and the destination written modulo `dst_window` (a
 /// window that fits in L2 keeps those operands there). With `graph` the whole call is captured
 /// once into a CUDA graph and replayed (untraced).
-fn lane_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, ctas: u32, cta_bytes: u64, lanes: usize, src_window: u64, dst_window: u64, graph: bool) -> Aggressor<'a> {
-    let f = func(g, "probe_st");
+fn lane_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, kernel: &str, smem: u32, ctas: u32, cta_bytes: u64, lanes: usize, src_window: u64, dst_window: u64, graph: bool) -> Aggressor<'a> {
+    let f = func(g, kernel);
     let per_launch = (ctas as u64 * cta_bytes / 8).div_ceil(PROBE_TILE_ELEMS).max(1) * PROBE_TILE_ELEMS;
     assert!(src_window % per_launch == 0 && dst_window % per_launch == 0, "windows are whole launches");
     let ls = Lanes::new(lanes);
@@ -844,7 +846,7 @@ fn lane_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, ctas: u32, cta_bytes: u64, lan
                 &mut base as *mut u64 as *mut c_void,
                 &mut p as *mut i32 as *mut c_void,
             ];
-            launch(f, ctas, 512, 0, ls.lane(stream, i as usize), &mut params, false);
+            launch(f, ctas, 512, smem, ls.lane(stream, i as usize), &mut params, false);
             off += n;
             i += 1;
         }
@@ -857,7 +859,7 @@ fn lane_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, ctas: u32, cta_bytes: u64, lan
         (false, true) => format!(", destination in L2 ({} MiB)", dst_window * 4 >> 20),
     };
     let name = format!(
-        "{}{} x {ctas} CTAs, {} KiB/CTA/launch ({} launches){where_}",
+        "{kernel}, {}{} x {ctas} CTAs, {} KiB/CTA/launch ({} launches){where_}",
         if graph { "graph, " } else { "" },
         if lanes > 1 { format!("{lanes} streams") } else { "1 stream".into() },
         cta_bytes >> 10,
@@ -936,9 +938,21 @@ fn sumphase(g: &Gpu, samples: usize, json: &mut String) {
         sync_all();
         let mut want = vec![0u32; N as usize];
         ck!(sys::cuMemcpyDtoH_v2(want.as_mut_ptr() as *mut c_void, bufs.d, N as usize * 4), "cuMemcpyDtoH");
-        for (lanes, ctas, graph) in [(2usize, 8u32, false), (4, 4, false), (2, 8, true)] {
+        for (k, smem, lanes, ctas, cta_bytes, graph) in [
+            ("probe_st", 0, 2usize, 8u32, 512u64 << 10, false),
+            ("probe_st", 0, 4, 4, 512 << 10, false),
+            ("probe_st", 0, 2, 8, 512 << 10, true),
+            ("probe_st_cs", 0, 1, 16, 512 << 10, true),
+            ("probe_st_tma_out", TMA_OUT_SMEM, 1, 16, 512 << 10, true),
+            ("probe_st_tma_out", TMA_OUT_SMEM, 1, 16, 0, false),
+            ("probe_st_tma_out", TMA_OUT_SMEM, 1, 1, 0, false),
+        ] {
             ck!(sys::cuMemsetD8_v2(bufs.d, 0xff, N as usize * 4), "cuMemsetD8");
-            let a = lane_aggressor(g, &bufs, ctas, 512 << 10, lanes, N, N, graph);
+            let a = if cta_bytes == 0 {
+                sum_aggressor(g, &bufs, k, ctas, 512, 0, false, smem, None)
+            } else {
+                lane_aggressor(g, &bufs, k, smem, ctas, cta_bytes, lanes, N, N, graph)
+            };
             (a.call)(g.agg, 0);
             sync_all();
             let mut got = vec![0u32; N as usize];
@@ -999,32 +1013,40 @@ fn sumphase(g: &Gpu, samples: usize, json: &mut String) {
     }
 
     let hot = 2u64 << 20; // elements: 4 + 4 MiB of sources, 8 MiB of destination
+    let st = |ctas, kib: u64, lanes, src, dst, graph| lane_aggressor(g, &bufs, "probe_st", 0, ctas, kib << 10, lanes, src, dst, graph);
+    let tma = |ctas, kib: u64, lanes, src, dst, graph| lane_aggressor(g, &bufs, "probe_st_tma_out", TMA_OUT_SMEM, ctas, kib << 10, lanes, src, dst, graph);
     let mut aggs: Vec<Aggressor> = Vec::new();
     // Rows with victims first.
-    aggs.push(lane_aggressor(g, &bufs, 16, 512 << 10, 1, N, N, false));
-    aggs.push(lane_aggressor(g, &bufs, 8, 512 << 10, 2, N, N, false));
-    aggs.push(lane_aggressor(g, &bufs, 8, 1 << 20, 2, N, N, false));
-    aggs.push(lane_aggressor(g, &bufs, 16, 512 << 10, 1, N, N, true));
-    aggs.push(lane_aggressor(g, &bufs, 8, 512 << 10, 2, N, N, true));
-    aggs.push(lane_aggressor(g, &bufs, 8, 512 << 10, 2, hot, N, false));
-    aggs.push(lane_aggressor(g, &bufs, 8, 1 << 20, 2, hot, N, false));
+    aggs.push(st(16, 512, 1, N, N, false));
+    aggs.push(st(16, 512, 1, N, N, true));
+    aggs.push(st(16, 1024, 1, N, N, true));
+    aggs.push(tma(16, 512, 1, N, N, false));
+    aggs.push(tma(16, 512, 1, N, N, true));
+    aggs.push(st(16, 512, 1, hot, N, true));
     let alone_from = aggs.len();
-    aggs.push(lane_aggressor(g, &bufs, 4, 512 << 10, 4, N, N, false));
-    aggs.push(lane_aggressor(g, &bufs, 4, 1 << 20, 4, N, N, false));
-    aggs.push(lane_aggressor(g, &bufs, 8, 256 << 10, 2, N, N, false));
-    aggs.push(lane_aggressor(g, &bufs, 8, 2 << 20, 2, N, N, false));
-    aggs.push(lane_aggressor(g, &bufs, 16, 512 << 10, 1, hot, N, false));
-    aggs.push(lane_aggressor(g, &bufs, 16, 512 << 10, 1, hot, hot, false));
-    aggs.push(lane_aggressor(g, &bufs, 8, 512 << 10, 2, hot, hot, false));
-    aggs.push(lane_aggressor(g, &bufs, 8, 512 << 10, 2, hot, N, true));
-    aggs.push(sum_aggressor(g, &bufs, "probe_st", 16, 512, 0, false, 0, None));
+    aggs.push(st(8, 512, 2, N, N, false));
+    aggs.push(st(8, 1024, 2, N, N, false));
+    aggs.push(st(8, 512, 2, N, N, true));
+    aggs.push(st(16, 256, 1, N, N, true));
+    aggs.push(st(16, 2048, 1, N, N, true));
+    aggs.push(tma(16, 1024, 1, N, N, true));
+    aggs.push(tma(16, 512, 1, hot, N, true));
+    aggs.push(st(16, 512, 1, hot, hot, true));
+    aggs.push(lane_aggressor(g, &bufs, "probe_st_cs", 0, 16, 512 << 10, 1, N, N, true));
+    for (k, smem) in [("probe_st", 0), ("probe_st_cs", 0), ("probe_st_tma_out", TMA_OUT_SMEM), ("probe_write", 0), ("probe_write_cs", 0), ("probe_write_bulk", 16 << 10)] {
+        for ctas in [1u32, 16] {
+            let mut a = sum_aggressor(g, &bufs, k, ctas, 512, 0, false, smem, None);
+            if k.starts_with("probe_write") {
+                a.bytes = N as f64 * 4.0;
+            }
+            aggs.push(a);
+        }
+    }
     for (k, ctas, window) in [
         ("probe_st_rep", 16, hot),
         ("probe_st_rep", 1, hot),
-        ("probe_st_rep", 1, N),
         ("probe_read_rep", 1, hot),
         ("probe_read_rep", 1, N),
-        ("probe_read_rep", 16, hot),
     ] {
         aggs.push(rep_aggressor(g, &bufs, k, ctas, window));
     }

@@ -324,3 +324,145 @@ probe_read_rep(float* dst, const void* a, const void* b, u64 n, u64* trace, u64 
     if (acc == 0x9e3779b9u) dst[threadIdx.x] = (float)acc;
     probe_end(trace, base, t0, pdl);
 }
+
+// ----- sumphase mode: the store path (what caps an SM's sum rate) -----
+
+// Write-only with streaming stores (st.global.cs: evict-first).
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+probe_write_cs(float* dst, const void* a, const void* b, u64 n, u64* trace, u64 base, int pdl) {
+    const u64 t0 = probe_now();
+    const u64 nvec = n / 4;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    const float4 val = make_float4(1.f, 2.f, 3.f, 4.f);
+    for (u64 v = (u64)blockIdx.x * blockDim.x + threadIdx.x; v < nvec; v += stride) __stcs((float4*)dst + v, val);
+    probe_end(trace, base, t0, pdl);
+}
+
+#define PROBE_OUT_TILE 4096  // elements of one fp32 out tile: 16 KiB, one bulk store
+#define PROBE_OUT_U 4        // tiles per iteration (per buffer set)
+
+// Write-only through the TMA unit: thread 0 issues one 16 KiB bulk store (shared -> global) per
+// tile from a constant shared buffer, at most 8 in flight. Whole tiles only.
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+probe_write_bulk(float* dst, const void* a, const void* b, u64 n, u64* trace, u64 base, int pdl) {
+    const u64 t0 = probe_now();
+#ifdef PROBE_BULK
+    float* buf = (float*)probe_smem;
+    for (unsigned i = threadIdx.x; i < PROBE_OUT_TILE; i += blockDim.x) buf[i] = (float)i;
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned s0 = probe_smem_addr(probe_smem);
+        const u64 ntiles = n / PROBE_OUT_TILE;
+        for (u64 t = blockIdx.x; t < ntiles; t += gridDim.x) {
+            probe_s2g(dst + t * PROBE_OUT_TILE, s0, PROBE_OUT_TILE * 4);
+            probe_bulk_commit();
+            probe_bulk_wait_read<7>();
+        }
+        probe_bulk_wait<0>();
+    }
+#endif
+    probe_end(trace, base, t0, pdl);
+}
+
+// tide's sum of two bf16 sources with the quad body's loads (8 quads of each source in flight per
+// thread) and its stores either streaming (cs != 0: st.global.cs) or plain; the bits of tide_sum.
+template <int U>
+__device__ __forceinline__ void probe_sum_quads_cs(float* dst, const void* a, const void* b, u64 nquad, int cs) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 q0 = (u64)blockIdx.x * blockDim.x + threadIdx.x; q0 < nquad; q0 += stride * U) {
+        uint2 ra[U], rb[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const u64 q = q0 + u * stride;
+            if (q < nquad) {
+                ra[u] = ((const uint2*)a)[q];
+                rb[u] = ((const uint2*)b)[q];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const u64 q = q0 + u * stride;
+            if (q < nquad) {
+                float x[4], y[4];
+                TideBf16::word(ra[u].x, x);
+                TideBf16::word(ra[u].y, x + 2);
+                TideBf16::word(rb[u].x, y);
+                TideBf16::word(rb[u].y, y + 2);
+                const float4 d = make_float4(x[0] + y[0], x[1] + y[1], x[2] + y[2], x[3] + y[3]);
+                if (cs)
+                    __stcs((float4*)dst + q, d);
+                else
+                    ((float4*)dst)[q] = d;
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+probe_st_cs(float* dst, const void* a, const void* b, u64 n, u64* trace, u64 base, int pdl) {
+    const u64 t0 = probe_now();
+    probe_sum_quads_cs<8>(dst, a, b, n / 4, 1);
+    probe_end(trace, base, t0, pdl);
+}
+
+// The same loads, results staged in shared memory and written by the TMA unit: per iteration U
+// tiles of 4096 elements (thread t sums quads t and t + 512 of each tile: 256-byte loads per warp
+// instruction, conflict-free 16-byte shared stores), then thread 0 issues one 16 KiB bulk store
+// per tile; two buffer sets, so the next iteration's loads and sums overlap the bulk stores of
+// this one. Whole tiles only. Dynamic shared memory: 2 * U * 16 KiB.
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+probe_st_tma_out(float* dst, const void* a, const void* b, u64 n, u64* trace, u64 base, int pdl) {
+    const u64 t0 = probe_now();
+#ifdef PROBE_BULK
+    const u64 ntiles = n / PROBE_OUT_TILE;
+    const unsigned s0 = probe_smem_addr(probe_smem);
+    const uint2* pa = (const uint2*)a;
+    const uint2* pb = (const uint2*)b;
+    unsigned set = 0;
+    for (u64 t0i = blockIdx.x; t0i < ntiles; t0i += (u64)gridDim.x * PROBE_OUT_U, set ^= 1) {
+        uint2 ra[PROBE_OUT_U][2], rb[PROBE_OUT_U][2];
+#pragma unroll
+        for (int u = 0; u < PROBE_OUT_U; ++u) {
+            const u64 t = t0i + (u64)u * gridDim.x;
+            if (t < ntiles) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const u64 q = t * (PROBE_OUT_TILE / 4) + h * 512 + threadIdx.x;
+                    ra[u][h] = pa[q];
+                    rb[u][h] = pb[q];
+                }
+            }
+        }
+        // Buffer set `set` was last read by the bulk stores of two iterations ago.
+        if (threadIdx.x == 0) probe_bulk_wait_read<PROBE_OUT_U>();
+        __syncthreads();
+        float4* out = (float4*)(probe_smem + set * PROBE_OUT_U * PROBE_OUT_TILE * 4);
+#pragma unroll
+        for (int u = 0; u < PROBE_OUT_U; ++u) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float x[4], y[4];
+                TideBf16::word(ra[u][h].x, x);
+                TideBf16::word(ra[u][h].y, x + 2);
+                TideBf16::word(rb[u][h].x, y);
+                TideBf16::word(rb[u][h].y, y + 2);
+                out[u * (PROBE_OUT_TILE / 4) + h * 512 + threadIdx.x] =
+                    make_float4(x[0] + y[0], x[1] + y[1], x[2] + y[2], x[3] + y[3]);
+            }
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();
+        if (threadIdx.x == 0) {
+#pragma unroll
+            for (int u = 0; u < PROBE_OUT_U; ++u) {
+                const u64 t = t0i + (u64)u * gridDim.x;
+                if (t < ntiles) probe_s2g(dst + t * PROBE_OUT_TILE, s0 + (set * PROBE_OUT_U + u) * PROBE_OUT_TILE * 4, PROBE_OUT_TILE * 4);
+                probe_bulk_commit();
+            }
+        }
+    }
+    if (threadIdx.x == 0) probe_bulk_wait<0>();
+#endif
+    probe_end(trace, base, t0, pdl);
+}
