@@ -825,6 +825,11 @@ impl Lanes {
 /// window that fits in L2 keeps those operands there). With `graph` the whole call is captured
 /// once into a CUDA graph and replayed (untraced).
 fn lane_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, kernel: &str, smem: u32, ctas: u32, cta_bytes: u64, lanes: usize, src_window: u64, dst_window: u64, graph: bool) -> Aggressor<'a> {
+    lane_aggressor_traced(g, bufs, kernel, smem, ctas, cta_bytes, lanes, src_window, dst_window, graph, 0)
+}
+
+/// lane_aggressor; a graph captured with `graph_trace` != 0 writes CTA lifetimes there on every replay.
+fn lane_aggressor_traced<'a>(g: &'a Gpu, bufs: &'a Bufs, kernel: &str, smem: u32, ctas: u32, cta_bytes: u64, lanes: usize, src_window: u64, dst_window: u64, graph: bool, graph_trace: u64) -> Aggressor<'a> {
     let f = func(g, kernel);
     let per_launch = (ctas as u64 * cta_bytes / 8).div_ceil(PROBE_TILE_ELEMS).max(1) * PROBE_TILE_ELEMS;
     assert!(src_window % per_launch == 0 && dst_window % per_launch == 0, "windows are whole launches");
@@ -868,7 +873,7 @@ fn lane_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, kernel: &str, smem: u32, ctas:
     if !graph {
         return Aggressor { name, bytes: SUM_BYTES, traced: true, config: None, ctas_bound: None, call: Box::new(issue) };
     }
-    let exec = capture(g.agg, || issue(g.agg, 0));
+    let exec = capture(g.agg, || issue(g.agg, graph_trace));
     Aggressor {
         name,
         bytes: SUM_BYTES,
@@ -922,6 +927,46 @@ fn rep_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, kernel: &str, ctas: u32, window
             launch(f, ctas, 512, 0, stream, &mut params, false);
         }),
     }
+}
+
+/// The timeline of one call of short launches (`launches` x `ctas` CTAs, CTA b of launch k at
+/// trace record k * ctas + b): medians over launches of the CTA lifetime, the spread of the CTAs'
+/// starts and ends within a launch (the tail: the launch ends with its slowest CTA), and the gap
+/// from a launch's last end to the next launch's first start; the period is the call's span per
+/// launch. `call` enqueues the call on the stream, tracing into `trace` (a graph ignores it and
+/// writes where it was captured to: pass the same buffer).
+fn timeline(g: &Gpu, name: &str, call: &dyn Fn(sys::CUstream, u64), trace: u64, ctas: usize, launches: usize, json: &mut String) {
+    let cap = ctas * launches;
+    ck!(sys::cuMemsetD8_v2(trace, 0, cap * 24), "cuMemsetD8");
+    spin(g, g.agg, 1_000_000, 1);
+    call(g.agg, trace);
+    sync_all();
+    let mut host = vec![0u64; cap * 3];
+    ck!(sys::cuMemcpyDtoH_v2(host.as_mut_ptr() as *mut c_void, trace, cap * 24), "cuMemcpyDtoH");
+    let rec = |k: usize, b: usize| (host[3 * (k * ctas + b) + 1] as f64, host[3 * (k * ctas + b) + 2] as f64);
+    let (mut life, mut start_spread, mut tail, mut gap) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut bounds = Vec::new();
+    for k in 0..launches {
+        let (mut s0, mut s1, mut e0, mut e1) = (f64::MAX, 0f64, f64::MAX, 0f64);
+        for b in 0..ctas {
+            let (s, e) = rec(k, b);
+            life.push((e - s) / 1e3);
+            s0 = s0.min(s);
+            s1 = s1.max(s);
+            e0 = e0.min(e);
+            e1 = e1.max(e);
+        }
+        start_spread.push((s1 - s0) / 1e3);
+        tail.push((e1 - e0) / 1e3);
+        bounds.push((s0, e1));
+    }
+    for k in 1..launches {
+        gap.push((bounds[k].0 - bounds[k - 1].1) / 1e3);
+    }
+    let period = (bounds[launches - 1].1 - bounds[0].0) / 1e3 / launches as f64;
+    let (l, ss, t, gp) = (median(&mut life), median(&mut start_spread), median(&mut tail), median(&mut gap));
+    println!("timeline {name}: per launch {period:.2} us; CTA life {l:.2} us, starts spread {ss:.2} us, ends spread (tail) {t:.2} us, gap to the next launch {gp:.2} us (medians)");
+    let _ = write!(json, "{{\"timeline\":{name:?},\"period_us\":{period:.3},\"life_us\":{l:.3},\"start_spread_us\":{ss:.3},\"tail_us\":{t:.3},\"gap_us\":{gp:.3}}},");
 }
 
 /// The sum phase's launch shape under a bound of 16 resident CTAs (issue #22: >= 1.5 TB/s with
@@ -1012,6 +1057,17 @@ fn sumphase(g: &Gpu, samples: usize, json: &mut String) {
         }
     }
 
+    // Where a short launch's time goes (stream and graph, 512 KiB and 1 MiB per CTA).
+    {
+        let trace = malloc(4096 * 24);
+        for (kib, graph) in [(512u64, false), (512, true), (1024, false), (1024, true), (2048, true)] {
+            let a = lane_aggressor_traced(g, &bufs, "probe_st", 0, 16, kib << 10, 1, N, N, graph, if graph { trace } else { 0 });
+            let launches = (N / (16 * (kib << 10) / 8)) as usize;
+            (a.call)(g.agg, if graph { 0 } else { trace });
+            sync_all();
+            timeline(g, &a.name, &*a.call, trace, 16, launches, json);
+        }
+    }
     let hot = 2u64 << 20; // elements: 4 + 4 MiB of sources, 8 MiB of destination
     let st = |ctas, kib: u64, lanes, src, dst, graph| lane_aggressor(g, &bufs, "probe_st", 0, ctas, kib << 10, lanes, src, dst, graph);
     let tma = |ctas, kib: u64, lanes, src, dst, graph| lane_aggressor(g, &bufs, "probe_st_tma_out", TMA_OUT_SMEM, ctas, kib << 10, lanes, src, dst, graph);
