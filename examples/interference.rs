@@ -17,6 +17,13 @@
 //!   copy kernels (the per-SM ceilings); a full-grid upcast + add (XLA's fusion); 16 spinning
 //!   CTAs; same-device cuMemcpyAsync, cuMemcpyBatchAsync of 1 and 8 pieces with and without
 //!   PREFER_OVERLAP_WITH_COMPUTE, cuMemsetD8Async; the per-launch gap of back-to-back launches.
+//! - `engine`: tide's calls as the engine issues them (world 1, and rank 0 of an emulated world P
+//!   whose peers' inputs are buffers of the same GPU) over one Llama-3-8B layer.
+//! - `sumphase`: what caps the sum phase under a bound of 16 resident CTAs: short launches spread
+//!   over 2 or 4 streams (8 or 4 CTAs each) or replayed from a CUDA graph, with the sources (or
+//!   every operand) in L2; streaming and TMA bulk stores; per-SM rates (sum, read-only, write-only)
+//!   from HBM and from L2; the launch gap on one stream, from a graph, over two streams; and each
+//!   short launch's timeline (CTA life, the spread of ends, the gap to the next launch).
 //!
 //! Output: one line per row on stdout; JSON at $TIDE_BENCH_OUT. Env: TIDE_BENCH_SAMPLES (9).
 //! Build here: cargo build --release --example interference; run there (scripts/gpu interference).
