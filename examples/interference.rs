@@ -25,7 +25,8 @@
 //!   from HBM and from L2; the launch gap on one stream, from a graph, over two streams; and each
 //!   short launch's timeline (CTA life, the spread of ends, the gap to the next launch).
 //!
-//! Output: one line per row on stdout; JSON at $TIDE_BENCH_OUT. Env: TIDE_BENCH_SAMPLES (9).
+//! Output: one line per row on stdout; JSON at $TIDE_BENCH_OUT. Env: TIDE_BENCH_SAMPLES (9),
+//! TIDE_BENCH_ROWS (comma-separated substrings of the row names to run; default all).
 //! Build here: cargo build --release --example interference; run there (scripts/gpu interference).
 
 #![allow(clippy::too_many_arguments)]
@@ -646,7 +647,14 @@ fn measure_rows(g: &Gpu, aggs: &[Aggressor], samples: usize, alone_only: &dyn Fn
     let trace_cap = 1 << 16;
     let trace = malloc(trace_cap * 24);
     let victims = victims(g);
+    // TIDE_BENCH_ROWS: comma-separated substrings; only rows whose name contains one of them run.
+    let only: Vec<String> = std::env::var("TIDE_BENCH_ROWS")
+        .map(|v| v.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect())
+        .unwrap_or_default();
     for (i, a) in aggs.iter().enumerate() {
+        if !only.is_empty() && !only.iter().any(|o| a.name.contains(o.as_str())) {
+            continue;
+        }
         tide::config::set_override(a.config.clone());
         let ms = aggressor_alone(g, a, 20);
         let mut row = Row {
@@ -1298,6 +1306,11 @@ fn engine(g: &Gpu, samples: usize, json: &mut String) {
     ));
     for world in [2, 8] {
         aggs.push(engine_aggressor(ag_name(world, "default"), find(Op::AllGather, world), base.clone()));
+        aggs.push(engine_aggressor(
+            ag_name(world, "own shard among the peer copies, TIDE_LOCAL_COPY=ce-peers"),
+            find(Op::AllGather, world),
+            with(&|c| c.local_copy = tide::config::LocalCopy::CopyEnginePeers),
+        ));
     }
     // The casting all-gather's copies (scan_layers' gathers): the own rows are already in place.
     for (world, ec) in &in_place_calls {

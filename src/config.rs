@@ -56,8 +56,11 @@ pub struct Config {
     /// staging copies over (pieces of at least 1 MiB).
     pub rs_copy_streams: usize,
     /// TIDE_LOCAL_COPY (default `ce`): how the CUDA engine copies between two buffers of the same GPU
-    /// (the all-gather's own shard): `ce` = copy engine (cuMemcpyAsync on a copy stream, zero SMs),
-    /// `sm` = the `tide_copy` kernel on XLA's stream (at most TIDE_RS_MAX_CTAS CTAs).
+    /// (the all-gather's own shard): `ce` = copy engine, on a copy stream of their own beside the
+    /// peer copies' (zero SMs); `ce-peers` = copy engine, balanced with the peer copies over their
+    /// streams and batches (fewer copies at once: less HBM bandwidth taken beside compute, the own
+    /// shard no longer overlapping the peers'); `sm` = the `tide_copy` kernel on XLA's stream (at
+    /// most TIDE_RS_MAX_CTAS CTAs).
     pub local_copy: LocalCopy,
     /// TIDE_NVRTC_LIB_DIR (default unset; any path, checked when NVRTC is loaded): a folder holding libnvrtc.so.* (and libnvrtc-builtins),
     /// e.g. site-packages/nvidia/cu13/lib of the nvidia-cuda-nvrtc wheel; loaded before the system's.
@@ -108,6 +111,8 @@ pub struct Config {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LocalCopy {
     CopyEngine,
+    /// Copy engine, on the peer copies' streams (balanced with them).
+    CopyEnginePeers,
     Sm,
 }
 
@@ -116,8 +121,9 @@ impl std::str::FromStr for LocalCopy {
     fn from_str(s: &str) -> Result<LocalCopy, String> {
         match s.to_ascii_lowercase().as_str() {
             "ce" | "copy_engine" => Ok(LocalCopy::CopyEngine),
+            "ce-peers" => Ok(LocalCopy::CopyEnginePeers),
             "sm" | "kernel" => Ok(LocalCopy::Sm),
-            other => Err(format!("{other:?}: expected ce or sm")),
+            other => Err(format!("{other:?}: expected ce, ce-peers or sm")),
         }
     }
 }
@@ -290,7 +296,7 @@ impl Config {
             ag_streams: r.int("TIDE_AG_STREAMS", 1, 1, 16) as usize,
             multicast: r.flag("TIDE_MULTICAST", false),
             rs_copy_streams: r.int("TIDE_RS_COPY_STREAMS", 1, 1, 16) as usize,
-            local_copy: r.choice("TIDE_LOCAL_COPY", LocalCopy::CopyEngine, "ce or sm"),
+            local_copy: r.choice("TIDE_LOCAL_COPY", LocalCopy::CopyEngine, "ce, ce-peers or sm"),
             copy_batch: r.flag("TIDE_COPY_BATCH", true),
             high_priority: r.flag("TIDE_HIGH_PRIORITY", false),
             ce_piece_bytes: r.int("TIDE_CE_PIECE_BYTES", 32 << 20, 4096, 1 << 32) as usize,
@@ -487,7 +493,7 @@ mod tests {
             ("TIDE_RS_COPY_STREAMS", "1.5", "[1, 16]"),
             ("TIDE_MULTICAST", "2", "0 or 1"),
             ("TIDE_COPY_BATCH", "maybe", "0 or 1"),
-            ("TIDE_LOCAL_COPY", "dma", "ce or sm"),
+            ("TIDE_LOCAL_COPY", "dma", "ce, ce-peers or sm"),
             ("TIDE_RS_KERNEL", "fast", "TIDE_RS_KERNEL was removed"),
             ("TIDE_RS_KERNEL", "bulk", "TIDE_RS_KERNEL was removed"),
             ("TIDE_RS_KERNEL", "ld", "TIDE_RS_KERNEL was removed"),
@@ -499,6 +505,9 @@ mod tests {
         }
         let c = parse_one("TIDE_MULTICAST", "On").unwrap();
         assert!(c.multicast);
+        for (v, want) in [("ce", LocalCopy::CopyEngine), ("CE-Peers", LocalCopy::CopyEnginePeers), ("sm", LocalCopy::Sm)] {
+            assert_eq!(parse_one("TIDE_LOCAL_COPY", v).unwrap().local_copy, want);
+        }
         // The removed TIDE_RS_KERNEL accepts what always runs now.
         for v in ["st", "ST", " coalesced ", ""] {
             assert_eq!(parse_one("TIDE_RS_KERNEL", v).unwrap(), Config::defaults());

@@ -14,7 +14,9 @@
 //!   bytes over those streams (least-loaded first; pieces of at least `min_piece_bytes`, split at
 //!   multiples of `split_align` from the copy's start).
 //! - Local copies under `LocalCopy::CopyEngine` (both ends on this rank) go, whole, on one more side
-//!   stream, `copy_streams + 1`, so they overlap the peer copies rather than queue behind them.
+//!   stream, `copy_streams + 1`, so they overlap the peer copies rather than queue behind them;
+//!   under `LocalCopy::CopyEnginePeers` they are balanced with the peer copies over streams
+//!   `1..=copy_streams` (fewer copies at once).
 //! - Reduce, Zero and SM local copies go on MAIN (XLA's stream). A Reduce is split into *sum
 //!   pieces* of at most `sum_piece_bytes` bytes read + written (one kernel launch each, whose CTAs
 //!   then live a few microseconds: issue #22), at multiples of `SUM_PIECE_ALIGN` elements so every
@@ -475,7 +477,7 @@ fn assign_streams(mine: &[(usize, &Action)], rank: usize, opts: &SchedOptions, s
     while i < mine.len() {
         let is_ce_copy = |a: &Action| match a {
             Action::Copy { src, dst, .. } => {
-                src.rank != rank || dst.rank != rank || opts.local_copy == LocalCopy::CopyEngine
+                src.rank != rank || dst.rank != rank || opts.local_copy != LocalCopy::Sm
             }
             _ => false,
         };
@@ -571,13 +573,18 @@ fn assign_streams(mine: &[(usize, &Action)], rank: usize, opts: &SchedOptions, s
 }
 
 /// The pieces of a run of copy-engine copies (`segment`): peer copies and local copies balanced
-/// separately (`balance`), local ones on `local_stream`; `item` is the index in the segment.
+/// separately (`balance`), local ones on `local_stream`; under `LocalCopy::CopyEnginePeers` all of
+/// them together over the peer streams. `item` is the index in the segment.
 fn copy_pieces(segment: &[(usize, &Action)], rank: usize, opts: &SchedOptions, streams: &mut Streams) -> Vec<Piece> {
     let mut pieces = Vec::new();
+    let apart = opts.local_copy == LocalCopy::CopyEngine;
     for local in [false, true] {
+        if local && !apart {
+            break;
+        }
         let members: Vec<usize> = (0..segment.len())
             .filter(|&m| match segment[m].1 {
-                Action::Copy { src, dst, .. } => (src.rank == rank && dst.rank == rank) == local,
+                Action::Copy { src, dst, .. } => !apart || (src.rank == rank && dst.rank == rank) == local,
                 _ => false,
             })
             .collect();
@@ -1397,6 +1404,40 @@ mod tests {
             "one local copy per parameter"
         );
         check_plan(&plan, &opts(4, LocalCopy::CopyEngine, 1 << 20), 3);
+    }
+
+    #[test]
+    fn all_gather_ce_peers_balances_the_own_shard_with_the_peer_copies() {
+        // TIDE_LOCAL_COPY=ce-peers: the own shard's copies join the peer copies' streams (balanced by
+        // bytes with them, nothing on the local stream); same results under every interleaving.
+        for (world, streams) in [(1usize, 1usize), (2, 1), (3, 2), (8, 1), (8, 3)] {
+            let shards = [80_000usize, 10_000, 64, 1000];
+            let plan = ag_plan(world, &shards);
+            for rank in [0, world - 1] {
+                let s = build(&plan, rank, &opts(streams, LocalCopy::CopyEnginePeers, 16 << 10)).unwrap();
+                assert!(!s.needs_kernels);
+                let mut per_stream = vec![0usize; streams + 2];
+                let mut own = 0;
+                for c in &s.phases[0].cmds {
+                    if let Cmd::Copy { stream, bytes, via, src, dst, .. } = c {
+                        assert_eq!(*via, CopyVia::CopyEngine);
+                        assert!((1..=streams).contains(stream), "world {world} rank {rank}: {c:?}");
+                        per_stream[*stream] += bytes;
+                        if src.rank == rank && dst.rank == rank {
+                            own += bytes;
+                        }
+                    }
+                }
+                let total: usize = shards.iter().sum();
+                assert_eq!(own, total, "the own shard, whole");
+                assert_eq!(per_stream.iter().sum::<usize>(), world * total);
+                for st in 1..=streams {
+                    assert!(per_stream[st].abs_diff(world * total / streams) <= 16 << 10, "{per_stream:?}");
+                }
+            }
+            check_plan(&plan, &opts(streams, LocalCopy::CopyEnginePeers, 16 << 10), 10);
+            check_plan(&plan, &opts(streams, LocalCopy::CopyEnginePeers, 64), 5);
+        }
     }
 
     #[test]
