@@ -1307,9 +1307,9 @@ fn engine(g: &Gpu, samples: usize, json: &mut String) {
     for world in [2, 8] {
         aggs.push(engine_aggressor(ag_name(world, "default"), find(Op::AllGather, world), base.clone()));
         aggs.push(engine_aggressor(
-            ag_name(world, "own shard among the peer copies, TIDE_LOCAL_COPY=ce-peers"),
+            ag_name(world, "own shard on a stream of its own (before), TIDE_LOCAL_COPY=ce"),
             find(Op::AllGather, world),
-            with(&|c| c.local_copy = tide::config::LocalCopy::CopyEnginePeers),
+            with(&|c| c.local_copy = tide::config::LocalCopy::CopyEngine),
         ));
     }
     // The casting all-gather's copies (scan_layers' gathers): the own rows are already in place.

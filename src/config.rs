@@ -55,12 +55,13 @@ pub struct Config {
     /// TIDE_RS_COPY_STREAMS (default 1, fastest on 2 H200s; an integer in [1, 16]): copy streams the CUDA reduce-scatter spreads each chunk's
     /// staging copies over (pieces of at least 1 MiB).
     pub rs_copy_streams: usize,
-    /// TIDE_LOCAL_COPY (default `ce`): how the CUDA engine copies between two buffers of the same GPU
-    /// (the all-gather's own shard): `ce` = copy engine, on a copy stream of their own beside the
-    /// peer copies' (zero SMs); `ce-peers` = copy engine, balanced with the peer copies over their
-    /// streams and batches (fewer copies at once: less HBM bandwidth taken beside compute, the own
-    /// shard no longer overlapping the peers'); `sm` = the `tide_copy` kernel on XLA's stream (at
-    /// most TIDE_RS_MAX_CTAS CTAs).
+    /// TIDE_LOCAL_COPY (default `ce-peers`): how the CUDA engine copies between two buffers of the
+    /// same GPU (the plain all-gather's own shard; everything at world 1): `ce-peers` = copy engine,
+    /// balanced with the peer copies over their streams and batches (zero SMs; fewer copies at once,
+    /// so less HBM bandwidth taken beside compute: issue #22, a one-wave GEMM beside an emulated
+    /// world-8 all-gather +1.1 % against +4.6 % with `ce`, median of five, the gather alone 11 %
+    /// slower); `ce` = copy engine, on a copy stream of its own, overlapping the peer copies
+    /// (fastest alone); `sm` = the `tide_copy` kernel on XLA's stream (at most TIDE_RS_MAX_CTAS CTAs).
     pub local_copy: LocalCopy,
     /// TIDE_NVRTC_LIB_DIR (default unset; any path, checked when NVRTC is loaded): a folder holding libnvrtc.so.* (and libnvrtc-builtins),
     /// e.g. site-packages/nvidia/cu13/lib of the nvidia-cuda-nvrtc wheel; loaded before the system's.
@@ -296,7 +297,7 @@ impl Config {
             ag_streams: r.int("TIDE_AG_STREAMS", 1, 1, 16) as usize,
             multicast: r.flag("TIDE_MULTICAST", false),
             rs_copy_streams: r.int("TIDE_RS_COPY_STREAMS", 1, 1, 16) as usize,
-            local_copy: r.choice("TIDE_LOCAL_COPY", LocalCopy::CopyEngine, "ce, ce-peers or sm"),
+            local_copy: r.choice("TIDE_LOCAL_COPY", LocalCopy::CopyEnginePeers, "ce, ce-peers or sm"),
             copy_batch: r.flag("TIDE_COPY_BATCH", true),
             high_priority: r.flag("TIDE_HIGH_PRIORITY", false),
             ce_piece_bytes: r.int("TIDE_CE_PIECE_BYTES", 32 << 20, 4096, 1 << 32) as usize,

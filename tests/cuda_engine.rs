@@ -10,7 +10,8 @@
 //! a CUDA driver or GPU). Built here by `scripts/gpu bundle`, run on the GPU machine (it has no Rust
 //! toolchain) by `scripts/gpu run OUT engine`, or by hand from the repo root:
 //!   .carry/cuda_engine --ignored --nocapture
-//! Rerun with TIDE_LOCAL_COPY=sm to cover the SM local copy.
+//! Rerun with TIDE_LOCAL_COPY=sm (the SM local copy) and =ce (own shard on a copy stream of its own) to
+//! cover the other local-copy paths (the default is ce-peers).
 
 use cudarc::driver::sys;
 use tide::call::{BufferView, CallInfo};
