@@ -222,6 +222,58 @@ fn launch(f: sys::CUfunction, grid: u32, threads: u32, smem: u32, stream: sys::C
     );
 }
 
+/// A trailing kernel argument past the common seven.
+#[derive(Clone, Copy)]
+enum Extra {
+    None,
+    I32(i32),
+    U64(u64),
+}
+
+/// The arguments every aggressor kernel takes, (dst, a, b, n, trace, trace_base, pdl), and an
+/// optional eighth; `launch` passes them by address as the driver wants (`pdl` != 0 also launches
+/// with programmatic dependent launch).
+#[derive(Clone, Copy)]
+struct KArgs {
+    d: u64,
+    a: u64,
+    b: u64,
+    n: u64,
+    trace: u64,
+    base: u64,
+    pdl: i32,
+    extra: Extra,
+}
+
+impl KArgs {
+    fn new(d: u64, a: u64, b: u64, n: u64) -> KArgs {
+        KArgs { d, a, b, n, trace: 0, base: 0, pdl: 0, extra: Extra::None }
+    }
+
+    fn launch(mut self, f: sys::CUfunction, grid: u32, threads: u32, smem: u32, stream: sys::CUstream) {
+        let (mut xi, mut xu) = match self.extra {
+            Extra::I32(v) => (v, 0u64),
+            Extra::U64(v) => (0i32, v),
+            Extra::None => (0, 0),
+        };
+        let mut params: Vec<*mut c_void> = vec![
+            &mut self.d as *mut u64 as *mut c_void,
+            &mut self.a as *mut u64 as *mut c_void,
+            &mut self.b as *mut u64 as *mut c_void,
+            &mut self.n as *mut u64 as *mut c_void,
+            &mut self.trace as *mut u64 as *mut c_void,
+            &mut self.base as *mut u64 as *mut c_void,
+            &mut self.pdl as *mut i32 as *mut c_void,
+        ];
+        match self.extra {
+            Extra::I32(_) => params.push(&mut xi as *mut i32 as *mut c_void),
+            Extra::U64(_) => params.push(&mut xu as *mut u64 as *mut c_void),
+            Extra::None => {}
+        }
+        launch(f, grid, threads, smem, stream, &mut params, self.pdl != 0);
+    }
+}
+
 fn setup() -> Option<Gpu> {
     if let Err(e) = tide::cuda::driver::init() {
         println!("SKIPPED interference: {e}");
@@ -540,22 +592,14 @@ fn sum_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, kernel: &str, ctas: u32, thread
             let mut launch_no = 0u64;
             while off < N {
                 let n = per_launch.min(N - off);
-                let (mut d, mut a, mut b, mut nn) = (bufs.d + off * 4, bufs.a + off * 2, bufs.b + off * 2, n);
-                let (mut tr, mut base, mut p) = (trace, launch_no * ctas as u64, pdl as i32);
-                let mut ts = tma_store.unwrap_or(0);
-                let mut params: Vec<*mut c_void> = vec![
-                    &mut d as *mut u64 as *mut c_void,
-                    &mut a as *mut u64 as *mut c_void,
-                    &mut b as *mut u64 as *mut c_void,
-                    &mut nn as *mut u64 as *mut c_void,
-                    &mut tr as *mut u64 as *mut c_void,
-                    &mut base as *mut u64 as *mut c_void,
-                    &mut p as *mut i32 as *mut c_void,
-                ];
-                if tma_store.is_some() {
-                    params.push(&mut ts as *mut i32 as *mut c_void);
+                KArgs {
+                    trace,
+                    base: launch_no * ctas as u64,
+                    pdl: pdl as i32,
+                    extra: tma_store.map_or(Extra::None, Extra::I32),
+                    ..KArgs::new(bufs.d + off * 4, bufs.a + off * 2, bufs.b + off * 2, n)
                 }
-                launch(f, ctas, threads, smem, stream, &mut params, pdl);
+                .launch(f, ctas, threads, smem, stream);
                 off += n;
                 launch_no += 1;
             }
@@ -681,33 +725,39 @@ fn measure_rows(g: &Gpu, aggs: &[Aggressor], samples: usize, alone_only: &dyn Fn
     }
 }
 
+/// Each of `checks` (sum aggressors over the N elements of `bufs`) against one grid-stride launch
+/// of tide's kernel: the results bitwise, one line per check ("bitwise NAME: OK").
+fn bitwise_against_tide(g: &Gpu, bufs: &Bufs, checks: &[Aggressor], json: &mut String) {
+    let result = |a: &Aggressor| {
+        ck!(sys::cuMemsetD8_v2(bufs.d, 0xff, N as usize * 4), "cuMemsetD8");
+        (a.call)(g.agg, 0);
+        sync_all();
+        let mut got = vec![0u32; N as usize];
+        ck!(sys::cuMemcpyDtoH_v2(got.as_mut_ptr() as *mut c_void, bufs.d, N as usize * 4), "cuMemcpyDtoH");
+        got
+    };
+    let want = result(&sum_aggressor(g, bufs, "probe_st", 16, 512, 0, false, 0, None));
+    for a in checks {
+        let bad = result(a).iter().zip(&want).filter(|(x, y)| x != y).count();
+        println!("bitwise {}: {}", a.name, if bad == 0 { "OK".to_string() } else { format!("{bad} elements differ") });
+        let _ = write!(json, "{{\"bitwise\":{:?},\"differ\":{bad}}},", a.name);
+    }
+}
+
 fn explore(g: &Gpu, samples: usize, json: &mut String) {
     let bufs = Bufs::new();
     // Correctness of the probe bodies against tide's kernel (bitwise): st, u16, 1024, bulk x2.
-    {
-        let reference = sum_aggressor(g, &bufs, "probe_st", 16, 512, 0, false, 0, None);
-        (reference.call)(g.agg, 0);
-        sync_all();
-        let mut want = vec![0u32; N as usize];
-        ck!(sys::cuMemcpyDtoH_v2(want.as_mut_ptr() as *mut c_void, bufs.d, N as usize * 4), "cuMemcpyDtoH");
-        for (k, th, cb, smem, ts) in [
-            ("probe_st_u16", 512, 0, 0, None),
-            ("probe_st_1024", 1024, 0, 0, None),
-            ("probe_st", 512, 512 << 10, 0, None),
-            ("probe_bulk", 512, 0, PROBE_BULK_SMEM, Some(0)),
-            ("probe_bulk", 512, 512 << 10, PROBE_BULK_SMEM + PROBE_BULK_OUT_SMEM, Some(1)),
-        ] {
-            ck!(sys::cuMemsetD8_v2(bufs.d, 0xff, N as usize * 4), "cuMemsetD8");
-            let a = sum_aggressor(g, &bufs, k, 16, th, cb, false, smem, ts);
-            (a.call)(g.agg, 0);
-            sync_all();
-            let mut got = vec![0u32; N as usize];
-            ck!(sys::cuMemcpyDtoH_v2(got.as_mut_ptr() as *mut c_void, bufs.d, N as usize * 4), "cuMemcpyDtoH");
-            let bad = got.iter().zip(&want).filter(|(x, y)| x != y).count();
-            println!("bitwise {}: {}", a.name, if bad == 0 { "OK".to_string() } else { format!("{bad} elements differ") });
-            let _ = write!(json, "{{\"bitwise\":{:?},\"differ\":{bad}}},", a.name);
-        }
-    }
+    let checks: Vec<Aggressor> = [
+        ("probe_st_u16", 512, 0, 0, None),
+        ("probe_st_1024", 1024, 0, 0, None),
+        ("probe_st", 512, 512 << 10, 0, None),
+        ("probe_bulk", 512, 0, PROBE_BULK_SMEM, Some(0)),
+        ("probe_bulk", 512, 512 << 10, PROBE_BULK_SMEM + PROBE_BULK_OUT_SMEM, Some(1)),
+    ]
+    .into_iter()
+    .map(|(k, th, cb, smem, ts)| sum_aggressor(g, &bufs, k, 16, th, cb, false, smem, ts))
+    .collect();
+    bitwise_against_tide(g, &bufs, &checks, json);
 
     let mut aggs: Vec<Aggressor> = Vec::new();
     for ctas in [4, 16, g.sms] {
@@ -745,17 +795,7 @@ fn explore(g: &Gpu, samples: usize, json: &mut String) {
         spin(g, g.agg, 3_000_000, 1);
         ck!(sys::cuEventRecord(g.ev[0], g.agg), "cuEventRecord");
         for _ in 0..2000 {
-            let (mut d, mut a, mut b, mut n, mut tr, mut base, mut p) = (bufs.d, 0u64, 0u64, 0u64, 0u64, 0u64, pdl as i32);
-            let mut params = [
-                &mut d as *mut u64 as *mut c_void,
-                &mut a as *mut u64 as *mut c_void,
-                &mut b as *mut u64 as *mut c_void,
-                &mut n as *mut u64 as *mut c_void,
-                &mut tr as *mut u64 as *mut c_void,
-                &mut base as *mut u64 as *mut c_void,
-                &mut p as *mut i32 as *mut c_void,
-            ];
-            launch(f, 16, 512, 0, g.agg, &mut params, pdl);
+            KArgs { pdl: pdl as i32, ..KArgs::new(bufs.d, 0, 0, 0) }.launch(f, 16, 512, 0, g.agg);
         }
         ck!(sys::cuEventRecord(g.ev[1], g.agg), "cuEventRecord");
         sync_all();
@@ -855,18 +895,8 @@ fn lane_aggressor_traced<'a>(g: &'a Gpu, bufs: &'a Bufs, kernel: &str, smem: u32
         while off < N {
             let n = per_launch.min(N - off);
             let (s, d) = (off % src_window, off % dst_window);
-            let (mut dd, mut a, mut b, mut nn) = (bufs.d + d * 4, bufs.a + s * 2, bufs.b + s * 2, n);
-            let (mut tr, mut base, mut p) = (trace, i * ctas as u64, 0i32);
-            let mut params = [
-                &mut dd as *mut u64 as *mut c_void,
-                &mut a as *mut u64 as *mut c_void,
-                &mut b as *mut u64 as *mut c_void,
-                &mut nn as *mut u64 as *mut c_void,
-                &mut tr as *mut u64 as *mut c_void,
-                &mut base as *mut u64 as *mut c_void,
-                &mut p as *mut i32 as *mut c_void,
-            ];
-            launch(f, ctas, 512, smem, ls.lane(stream, i as usize), &mut params, false);
+            KArgs { trace, base: i * ctas as u64, ..KArgs::new(bufs.d + d * 4, bufs.a + s * 2, bufs.b + s * 2, n) }
+                .launch(f, ctas, 512, smem, ls.lane(stream, i as usize));
             off += n;
             i += 1;
         }
@@ -928,18 +958,7 @@ fn rep_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, kernel: &str, ctas: u32, window
         config: None,
         ctas_bound: None,
         call: Box::new(move |stream, trace| {
-            let (mut d, mut a, mut b, mut nn, mut tr, mut base, mut p, mut r) = (bufs.d, bufs.a, bufs.b, window, trace, 0u64, 0i32, reps);
-            let mut params = [
-                &mut d as *mut u64 as *mut c_void,
-                &mut a as *mut u64 as *mut c_void,
-                &mut b as *mut u64 as *mut c_void,
-                &mut nn as *mut u64 as *mut c_void,
-                &mut tr as *mut u64 as *mut c_void,
-                &mut base as *mut u64 as *mut c_void,
-                &mut p as *mut i32 as *mut c_void,
-                &mut r as *mut u64 as *mut c_void,
-            ];
-            launch(f, ctas, 512, 0, stream, &mut params, false);
+            KArgs { trace, extra: Extra::U64(reps), ..KArgs::new(bufs.d, bufs.a, bufs.b, window) }.launch(f, ctas, 512, 0, stream);
         }),
     }
 }
@@ -992,53 +1011,30 @@ fn timeline(g: &Gpu, name: &str, call: &dyn Fn(sys::CUstream, u64), trace: u64, 
 fn sumphase(g: &Gpu, samples: usize, json: &mut String) {
     let bufs = Bufs::new();
     // The lanes and graph rows give tide's bits (bitwise against one grid-stride launch).
-    {
-        let reference = sum_aggressor(g, &bufs, "probe_st", 16, 512, 0, false, 0, None);
-        (reference.call)(g.agg, 0);
-        sync_all();
-        let mut want = vec![0u32; N as usize];
-        ck!(sys::cuMemcpyDtoH_v2(want.as_mut_ptr() as *mut c_void, bufs.d, N as usize * 4), "cuMemcpyDtoH");
-        for (k, smem, lanes, ctas, cta_bytes, graph) in [
-            ("probe_st", 0, 2usize, 8u32, 512u64 << 10, false),
-            ("probe_st", 0, 4, 4, 512 << 10, false),
-            ("probe_st", 0, 2, 8, 512 << 10, true),
-            ("probe_st_cs", 0, 1, 16, 512 << 10, true),
-            ("probe_st_tma_out", TMA_OUT_SMEM, 1, 16, 512 << 10, true),
-            ("probe_st_tma_out", TMA_OUT_SMEM, 1, 16, 0, false),
-            ("probe_st_tma_out", TMA_OUT_SMEM, 1, 1, 0, false),
-        ] {
-            ck!(sys::cuMemsetD8_v2(bufs.d, 0xff, N as usize * 4), "cuMemsetD8");
-            let a = if cta_bytes == 0 {
-                sum_aggressor(g, &bufs, k, ctas, 512, 0, false, smem, None)
-            } else {
-                lane_aggressor(g, &bufs, k, smem, ctas, cta_bytes, lanes, N, N, graph)
-            };
-            (a.call)(g.agg, 0);
-            sync_all();
-            let mut got = vec![0u32; N as usize];
-            ck!(sys::cuMemcpyDtoH_v2(got.as_mut_ptr() as *mut c_void, bufs.d, N as usize * 4), "cuMemcpyDtoH");
-            let bad = got.iter().zip(&want).filter(|(x, y)| x != y).count();
-            println!("bitwise {}: {}", a.name, if bad == 0 { "OK".to_string() } else { format!("{bad} elements differ") });
-            let _ = write!(json, "{{\"bitwise\":{:?},\"differ\":{bad}}},", a.name);
+    let checks: Vec<Aggressor> = [
+        ("probe_st", 0, 2usize, 8u32, 512u64 << 10, false),
+        ("probe_st", 0, 4, 4, 512 << 10, false),
+        ("probe_st", 0, 2, 8, 512 << 10, true),
+        ("probe_st_cs", 0, 1, 16, 512 << 10, true),
+        ("probe_st_tma_out", TMA_OUT_SMEM, 1, 16, 512 << 10, true),
+        ("probe_st_tma_out", TMA_OUT_SMEM, 1, 16, 0, false),
+        ("probe_st_tma_out", TMA_OUT_SMEM, 1, 1, 0, false),
+    ]
+    .into_iter()
+    .map(|(k, smem, lanes, ctas, cta_bytes, graph)| {
+        if cta_bytes == 0 {
+            sum_aggressor(g, &bufs, k, ctas, 512, 0, false, smem, None)
+        } else {
+            lane_aggressor(g, &bufs, k, smem, ctas, cta_bytes, lanes, N, N, graph)
         }
-    }
+    })
+    .collect();
+    bitwise_against_tide(g, &bufs, &checks, json);
     // Launch gaps: 2000 empty launches (probe_write with n = 0) on one stream, replayed from a
     // graph, and alternating over two streams of 8 CTAs.
     {
         let f = func(g, "probe_write");
-        let empty = |stream: sys::CUstream, ctas: u32| {
-            let (mut d, mut a, mut b, mut n, mut tr, mut base, mut p) = (bufs.d, 0u64, 0u64, 0u64, 0u64, 0u64, 0i32);
-            let mut params = [
-                &mut d as *mut u64 as *mut c_void,
-                &mut a as *mut u64 as *mut c_void,
-                &mut b as *mut u64 as *mut c_void,
-                &mut n as *mut u64 as *mut c_void,
-                &mut tr as *mut u64 as *mut c_void,
-                &mut base as *mut u64 as *mut c_void,
-                &mut p as *mut i32 as *mut c_void,
-            ];
-            launch(f, ctas, 512, 0, stream, &mut params, false);
-        };
+        let empty = |stream: sys::CUstream, ctas: u32| KArgs::new(bufs.d, 0, 0, 0).launch(f, ctas, 512, 0, stream);
         let two = Lanes::new(2);
         let graph = capture(g.agg, || {
             for _ in 0..2000 {

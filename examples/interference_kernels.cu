@@ -71,44 +71,59 @@ probe_st_1024(float* dst, const void* a, const void* b, u64 n, u64* trace, u64 b
     probe_end(trace, base, t0, pdl);
 }
 
-// Read-only: the two sources' bytes (16-byte loads, 8 per source in flight), folded into one word
-// written only if it equals `never` (never), so the loads are not removed.
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
-probe_read(float* dst, const void* a, const void* b, u64 n, u64* trace, u64 base, int pdl) {
-    const u64 t0 = probe_now();
+// Read-only: the two sources' first n elements (16-byte loads, 8 per source in flight), reps times,
+// folded into one word written only if it equals `never` (never), so the loads are not removed.
+__device__ __forceinline__ void probe_read_body(float* dst, const void* a, const void* b, u64 n, u64 reps) {
     const u64 nvec = n * 2 / 16;
     const uint4* pa = (const uint4*)a;
     const uint4* pb = (const uint4*)b;
     const u64 stride = (u64)gridDim.x * blockDim.x;
     unsigned acc = 0;
-    for (u64 v0 = (u64)blockIdx.x * blockDim.x + threadIdx.x; v0 < nvec; v0 += 8 * stride) {
-        uint4 ra[8], rb[8];
+    for (u64 r = 0; r < reps; ++r)
+        for (u64 v0 = (u64)blockIdx.x * blockDim.x + threadIdx.x; v0 < nvec; v0 += 8 * stride) {
+            uint4 ra[8], rb[8];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
-            const u64 v = v0 + u * stride;
-            if (v < nvec) {
-                ra[u] = pa[v];
-                rb[u] = pb[v];
-            } else {
-                ra[u] = make_uint4(0, 0, 0, 0);
-                rb[u] = ra[u];
+            for (int u = 0; u < 8; ++u) {
+                const u64 v = v0 + u * stride;
+                if (v < nvec) {
+                    ra[u] = pa[v];
+                    rb[u] = pb[v];
+                } else {
+                    ra[u] = make_uint4(0, 0, 0, 0);
+                    rb[u] = ra[u];
+                }
             }
-        }
 #pragma unroll
-        for (int u = 0; u < 8; ++u) acc ^= ra[u].x ^ ra[u].y ^ ra[u].z ^ ra[u].w ^ rb[u].x ^ rb[u].w;
-    }
+            for (int u = 0; u < 8; ++u) acc ^= ra[u].x ^ ra[u].y ^ ra[u].z ^ ra[u].w ^ rb[u].x ^ rb[u].w;
+        }
     if (acc == 0x9e3779b9u) dst[threadIdx.x] = (float)acc;
+}
+
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+probe_read(float* dst, const void* a, const void* b, u64 n, u64* trace, u64 base, int pdl) {
+    const u64 t0 = probe_now();
+    probe_read_body(dst, a, b, n, 1);
     probe_end(trace, base, t0, pdl);
 }
 
-// Write-only: n fp32 values (one 16-byte store per thread and iteration, coalesced).
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
-probe_write(float* dst, const void* a, const void* b, u64 n, u64* trace, u64 base, int pdl) {
-    const u64 t0 = probe_now();
+// Write-only: n fp32 values (one 16-byte store per thread and iteration, coalesced), by plain
+// stores or (cs != 0) streaming ones (st.global.cs: evict-first).
+__device__ __forceinline__ void probe_write_body(float* dst, u64 n, int cs) {
     const u64 nvec = n / 4;
     const u64 stride = (u64)gridDim.x * blockDim.x;
     const float4 val = make_float4(1.f, 2.f, 3.f, 4.f);
-    for (u64 v = (u64)blockIdx.x * blockDim.x + threadIdx.x; v < nvec; v += stride) ((float4*)dst)[v] = val;
+    for (u64 v = (u64)blockIdx.x * blockDim.x + threadIdx.x; v < nvec; v += stride) {
+        if (cs)
+            __stcs((float4*)dst + v, val);
+        else
+            ((float4*)dst)[v] = val;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+probe_write(float* dst, const void* a, const void* b, u64 n, u64* trace, u64 base, int pdl) {
+    const u64 t0 = probe_now();
+    probe_write_body(dst, n, 0);
     probe_end(trace, base, t0, pdl);
 }
 
@@ -299,42 +314,17 @@ probe_st_rep(float* dst, const void* a, const void* b, u64 n, u64* trace, u64 ba
 extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
 probe_read_rep(float* dst, const void* a, const void* b, u64 n, u64* trace, u64 base, int pdl, u64 reps) {
     const u64 t0 = probe_now();
-    const u64 nvec = n * 2 / 16;
-    const uint4* pa = (const uint4*)a;
-    const uint4* pb = (const uint4*)b;
-    const u64 stride = (u64)gridDim.x * blockDim.x;
-    unsigned acc = 0;
-    for (u64 r = 0; r < reps; ++r)
-        for (u64 v0 = (u64)blockIdx.x * blockDim.x + threadIdx.x; v0 < nvec; v0 += 8 * stride) {
-            uint4 ra[8], rb[8];
-#pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                const u64 v = v0 + u * stride;
-                if (v < nvec) {
-                    ra[u] = pa[v];
-                    rb[u] = pb[v];
-                } else {
-                    ra[u] = make_uint4(0, 0, 0, 0);
-                    rb[u] = ra[u];
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < 8; ++u) acc ^= ra[u].x ^ ra[u].y ^ ra[u].z ^ ra[u].w ^ rb[u].x ^ rb[u].w;
-        }
-    if (acc == 0x9e3779b9u) dst[threadIdx.x] = (float)acc;
+    probe_read_body(dst, a, b, n, reps);
     probe_end(trace, base, t0, pdl);
 }
 
 // ----- sumphase mode: the store path (what caps an SM's sum rate) -----
 
-// Write-only with streaming stores (st.global.cs: evict-first).
+// Write-only with streaming stores.
 extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
 probe_write_cs(float* dst, const void* a, const void* b, u64 n, u64* trace, u64 base, int pdl) {
     const u64 t0 = probe_now();
-    const u64 nvec = n / 4;
-    const u64 stride = (u64)gridDim.x * blockDim.x;
-    const float4 val = make_float4(1.f, 2.f, 3.f, 4.f);
-    for (u64 v = (u64)blockIdx.x * blockDim.x + threadIdx.x; v < nvec; v += stride) __stcs((float4*)dst + v, val);
+    probe_write_body(dst, n, 1);
     probe_end(trace, base, t0, pdl);
 }
 
