@@ -23,7 +23,8 @@
 //!   over 2 or 4 streams (8 or 4 CTAs each) or replayed from a CUDA graph, with the sources (or
 //!   every operand) in L2; streaming and TMA bulk stores; per-SM rates (sum, read-only, write-only)
 //!   from HBM and from L2; the launch gap on one stream, from a graph, over two streams; and each
-//!   short launch's timeline (CTA life, the spread of ends, the gap to the next launch).
+//!   short launch's timeline (CTA life, the spread of ends, the gap to the next launch); sums of
+//!   2, 4 and 8 sources (the reduce-scatter at world 2, 4, 8) from HBM and from L2.
 //!
 //! Output: one line per row on stdout; JSON at $TIDE_BENCH_OUT. Env: TIDE_BENCH_SAMPLES (9),
 //! TIDE_BENCH_ROWS (comma-separated substrings of the row names to run; default all).
@@ -963,6 +964,93 @@ fn rep_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, kernel: &str, ctas: u32, window
     }
 }
 
+/// Sums of k = 2, 4, 8 bf16 sources into fp32 (the reduce-scatter's sum at world k: the own
+/// gradient slice and k - 1 staged ones), 8 M elements per call: the per-SM and 16-CTA rates with
+/// the sources in HBM or in L2 (a 1 M-element window per source, as a chunk the copy engines just
+/// staged), one grid-stride launch or the engine's short launches (16 CTAs, 512 KiB each), and
+/// beside the victims at k = 8; every variant bitwise against one grid-stride launch.
+fn sources_rows(g: &Gpu, samples: usize, json: &mut String) {
+    const M: u64 = 8 << 20;
+    const HOT: u64 = 1 << 20;
+    let src = malloc(8 * M as usize * 2);
+    let dst = malloc(M as usize * 4);
+    for i in 0..8u64 {
+        fill_bf16(src + i * M * 2, M as usize, 101 + 2 * i);
+    }
+    let f = func(g, "probe_stk");
+    let stride = M * 2;
+    let mk = |k: u64, ctas: u32, cta_bytes: u64, window: u64, graph: bool| -> Aggressor {
+        let per_el = 2 * k + 4;
+        let where_ = if window < M { "sources in L2 (1 M-element window)" } else { "sources in HBM" };
+        let (name, call): (String, Box<dyn Fn(sys::CUstream, u64)>) = if cta_bytes == 0 {
+            (
+                format!(
+                    "sum of {k} sources, {ctas} CTA{} grid-stride, {}",
+                    if ctas > 1 { "s" } else { "" },
+                    if window < M { "sources and destination in L2 (1 M-element window, x8)" } else { "sources in HBM" }
+                ),
+                Box::new(move |stream, trace| {
+                    KArgs { trace, extra: Extra::U64(k | (M / window) << 8), ..KArgs::new(dst, src, stride, window) }.launch(f, ctas, 512, 0, stream);
+                }),
+            )
+        } else {
+            let per_launch = (ctas as u64 * cta_bytes / per_el).div_ceil(4096) * 4096;
+            let issue = move |stream: sys::CUstream, trace: u64| {
+                let (mut off, mut i) = (0u64, 0u64);
+                while off < M {
+                    let n = per_launch.min(M - off);
+                    let s = off % window;
+                    KArgs { trace, base: i * ctas as u64, extra: Extra::U64(k | 1 << 8), ..KArgs::new(dst + off * 4, src + s * 2, stride, n) }
+                        .launch(f, ctas, 512, 0, stream);
+                    off += n;
+                    i += 1;
+                }
+            };
+            let name = format!(
+                "sum of {k} sources, {}{ctas} CTAs, {} KiB/CTA/launch ({} launches), {where_}",
+                if graph { "graph, " } else { "" },
+                cta_bytes >> 10,
+                M.div_ceil(per_launch)
+            );
+            if graph {
+                let exec = capture(g.agg, || issue(g.agg, 0));
+                (name, Box::new(move |stream, _| ck!(sys::cuGraphLaunch(exec, stream), "cuGraphLaunch")))
+            } else {
+                (name, Box::new(issue))
+            }
+        };
+        Aggressor { name, bytes: (M * per_el) as f64, traced: !graph, config: None, ctas_bound: graph.then_some(ctas), call }
+    };
+    // Bitwise: every shape against one grid-stride launch over the same (HBM) sources.
+    for k in [2u64, 4, 8] {
+        let result = |a: &Aggressor| {
+            ck!(sys::cuMemsetD8_v2(dst, 0xff, M as usize * 4), "cuMemsetD8");
+            (a.call)(g.agg, 0);
+            sync_all();
+            let mut got = vec![0u32; M as usize];
+            ck!(sys::cuMemcpyDtoH_v2(got.as_mut_ptr() as *mut c_void, dst, M as usize * 4), "cuMemcpyDtoH");
+            got
+        };
+        let want = result(&mk(k, 16, 0, M, false));
+        for a in [mk(k, 1, 0, M, false), mk(k, 16, 512 << 10, M, false), mk(k, 16, 512 << 10, M, true)] {
+            let bad = result(&a).iter().zip(&want).filter(|(x, y)| x != y).count();
+            println!("bitwise {}: {}", a.name, if bad == 0 { "OK".to_string() } else { format!("{bad} elements differ") });
+            let _ = write!(json, "{{\"bitwise\":{:?},\"differ\":{bad}}},", a.name);
+        }
+    }
+    let mut aggs = vec![mk(8, 16, 512 << 10, HOT, false), mk(8, 16, 512 << 10, M, false), mk(8, 16, 512 << 10, HOT, true)];
+    let alone_from = aggs.len();
+    for k in [2u64, 4, 8] {
+        for window in [M, HOT] {
+            aggs.push(mk(k, 1, 0, window, false));
+            aggs.push(mk(k, 16, 0, window, false));
+            aggs.push(mk(k, 16, 512 << 10, window, false));
+            aggs.push(mk(k, 16, 512 << 10, window, true));
+        }
+    }
+    measure_rows(g, &aggs, samples, &|i| i >= alone_from, json);
+}
+
 /// The timeline of one call of short launches (`launches` x `ctas` CTAs, CTA b of launch k at
 /// trace record k * ctas + b): medians over launches of the CTA lifetime, the spread of the CTAs'
 /// starts and ends within a launch (the tail: the launch ends with its slowest CTA), and the gap
@@ -1118,6 +1206,7 @@ fn sumphase(g: &Gpu, samples: usize, json: &mut String) {
         aggs.push(rep_aggressor(g, &bufs, k, ctas, window));
     }
     measure_rows(g, &aggs, samples, &|i| i >= alone_from, json);
+    sources_rows(g, samples, json);
 }
 
 // ----- engine mode: tide's calls as the engine issues them -----

@@ -456,3 +456,19 @@ probe_st_tma_out(float* dst, const void* a, const void* b, u64 n, u64* trace, u6
 #endif
     probe_end(trace, base, t0, pdl);
 }
+
+// ----- sumphase mode: sums of k sources (the reduce-scatter at world k) -----
+
+// tide's sum of k bf16 sources at a, a + stride, ..., a + (k - 1) * stride (bytes) into fp32, over the
+// first n elements, reps times: the engine's kernel body for k sources (tide_sum).
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+probe_stk(float* dst, const void* a, u64 stride, u64 n, u64* trace, u64 base, int pdl, u64 k_reps) {
+    const u64 t0 = probe_now();
+    const int k = (int)(k_reps & 0xff);
+    const u64 reps = k_reps >> 8;
+    TideSrcs s;
+#pragma unroll
+    for (int i = 0; i < TIDE_MAX_SRCS; ++i) s.p[i] = i < k ? (const void*)((const unsigned char*)a + i * stride) : 0;
+    for (u64 r = 0; r < reps; ++r) tide_sum<TideBf16>(dst, s, k, n, 0, 1);
+    probe_end(trace, base, t0, pdl);
+}
