@@ -977,9 +977,9 @@ fn sources_rows(g: &Gpu, samples: usize, json: &mut String) {
     for i in 0..8u64 {
         fill_bf16(src + i * M * 2, M as usize, 101 + 2 * i);
     }
-    let f = func(g, "probe_stk");
     let stride = M * 2;
     let mk = |k: u64, ctas: u32, cta_bytes: u64, window: u64, graph: bool| -> Aggressor {
+        let f = func(g, &format!("probe_stk{k}"));
         let per_el = 2 * k + 4;
         let where_ = if window < M { "sources in L2 (1 M-element window)" } else { "sources in HBM" };
         let (name, call): (String, Box<dyn Fn(sys::CUstream, u64)>) = if cta_bytes == 0 {
@@ -990,7 +990,7 @@ fn sources_rows(g: &Gpu, samples: usize, json: &mut String) {
                     if window < M { "sources and destination in L2 (1 M-element window, x8)" } else { "sources in HBM" }
                 ),
                 Box::new(move |stream, trace| {
-                    KArgs { trace, extra: Extra::U64(k | (M / window) << 8), ..KArgs::new(dst, src, stride, window) }.launch(f, ctas, 512, 0, stream);
+                    KArgs { trace, extra: Extra::U64(M / window), ..KArgs::new(dst, src, stride, window) }.launch(f, ctas, 512, 0, stream);
                 }),
             )
         } else {
@@ -1000,7 +1000,7 @@ fn sources_rows(g: &Gpu, samples: usize, json: &mut String) {
                 while off < M {
                     let n = per_launch.min(M - off);
                     let s = off % window;
-                    KArgs { trace, base: i * ctas as u64, extra: Extra::U64(k | 1 << 8), ..KArgs::new(dst + off * 4, src + s * 2, stride, n) }
+                    KArgs { trace, base: i * ctas as u64, extra: Extra::U64(1), ..KArgs::new(dst + off * 4, src + s * 2, stride, n) }
                         .launch(f, ctas, 512, 0, stream);
                     off += n;
                     i += 1;

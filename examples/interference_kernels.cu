@@ -459,16 +459,28 @@ probe_st_tma_out(float* dst, const void* a, const void* b, u64 n, u64* trace, u6
 
 // ----- sumphase mode: sums of k sources (the reduce-scatter at world k) -----
 
-// tide's sum of k bf16 sources at a, a + stride, ..., a + (k - 1) * stride (bytes) into fp32, over the
-// first n elements, reps times: the engine's kernel body for k sources (tide_sum).
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
-probe_stk(float* dst, const void* a, u64 stride, u64 n, u64* trace, u64 base, int pdl, u64 k_reps) {
+// tide's sum of K bf16 sources at a, a + stride, ..., a + (K - 1) * stride (bytes) into fp32, over the
+// first n elements (a multiple of 4), reps times: the quad body the engine runs for K sources, with
+// its loads in flight per thread (tide_sum_quads: U = 8, 4, 2 for K = 2, 4, 8) and its register bound.
+template <int K, int U>
+__device__ __forceinline__ void probe_stk(float* dst, const void* a, u64 stride, u64 n, u64* trace, u64 base, int pdl, u64 reps) {
     const u64 t0 = probe_now();
-    const int k = (int)(k_reps & 0xff);
-    const u64 reps = k_reps >> 8;
     TideSrcs s;
 #pragma unroll
-    for (int i = 0; i < TIDE_MAX_SRCS; ++i) s.p[i] = i < k ? (const void*)((const unsigned char*)a + i * stride) : 0;
-    for (u64 r = 0; r < reps; ++r) tide_sum<TideBf16>(dst, s, k, n, 0, 1);
+    for (int i = 0; i < TIDE_MAX_SRCS; ++i) s.p[i] = i < K ? (const void*)((const unsigned char*)a + i * stride) : 0;
+    for (u64 r = 0; r < reps; ++r) tide_sum_quad<TideBf16, K, U>(dst, s, n / 4, 0, tide_grid());
     probe_end(trace, base, t0, pdl);
+}
+
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
+probe_stk2(float* dst, const void* a, u64 stride, u64 n, u64* trace, u64 base, int pdl, u64 reps) {
+    probe_stk<2, 8>(dst, a, stride, n, trace, base, pdl, reps);
+}
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
+probe_stk4(float* dst, const void* a, u64 stride, u64 n, u64* trace, u64 base, int pdl, u64 reps) {
+    probe_stk<4, 4>(dst, a, stride, n, trace, base, pdl, reps);
+}
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
+probe_stk8(float* dst, const void* a, u64 stride, u64 n, u64* trace, u64 base, int pdl, u64 reps) {
+    probe_stk<8, 2>(dst, a, stride, n, trace, base, pdl, reps);
 }
