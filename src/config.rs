@@ -27,12 +27,13 @@ pub struct Config {
     /// launches of at most TIDE_RS_MAX_CTAS x TIDE_RS_CTA_BYTES bytes, so a CTA lives a few
     /// microseconds and a compute kernel launched meanwhile waits at most that long for the SMs tide
     /// holds (issue #22: on one H200, 16 CTAs of 512 KiB: a one-wave GEMM beside it +2 %, resident
-    /// CTAs +49 to +68 %). Smaller: less interference, more launches (2.5 us each); 0: fastest alone.
+    /// CTAs +49 to +68 %). Smaller: less interference, more launches (each loses ~3 us: the
+    /// slowest CTA's tail and the gap before the next launch, bench/RESULTS.md runs 29-31); 0: fastest alone.
     pub rs_cta_bytes: usize,
     /// TIDE_HIGH_PRIORITY (default 0; a flag): 1 creates each in-flight slot's tide stream (where a
     /// call's reductions and their waits run, in-process) with the device's greatest stream
     /// priority, so when SMs free up a pending reduction CTA is placed before a pending compute CTA.
-    /// Consecutive launches on one stream still leave a ~2.5 us gap in which compute takes the SMs
+    /// Consecutive launches on one stream still leave a ~2 us gap in which compute takes the SMs
     /// back. Measured on one H200 (bench/RESULTS.md, issue #22).
     pub high_priority: bool,
     /// TIDE_RS_STAGE_SLOTS (default 3; an integer in [1, 64]): number of staging slots in the

@@ -1476,6 +1476,7 @@ mod tests {
             let plan = rs_plan(world, &[37, 100, 5], 16, slots, lookahead, 3);
             for streams in [1usize, 2, 3] {
                 check_plan(&plan, &opts(streams, LocalCopy::CopyEngine, 8), 40);
+                check_plan(&plan, &opts(streams, LocalCopy::CopyEnginePeers, 8), 20);
             }
         }
     }
