@@ -1038,7 +1038,12 @@ fn sources_rows(g: &Gpu, samples: usize, json: &mut String) {
             let _ = write!(json, "{{\"bitwise\":{:?},\"differ\":{bad}}},", a.name);
         }
     }
-    let mut aggs = vec![mk(8, 16, 512 << 10, HOT, false), mk(8, 16, 512 << 10, M, false), mk(8, 16, 512 << 10, HOT, true)];
+    let mut aggs = vec![
+        mk(8, 16, 512 << 10, HOT, false),
+        mk(8, 16, 512 << 10, M, false),
+        mk(8, 16, 512 << 10, HOT, true),
+        mk(8, 16, 2 << 20, HOT, false),
+    ];
     let alone_from = aggs.len();
     for k in [2u64, 4, 8] {
         for window in [M, HOT] {
@@ -1046,6 +1051,15 @@ fn sources_rows(g: &Gpu, samples: usize, json: &mut String) {
             aggs.push(mk(k, 16, 0, window, false));
             aggs.push(mk(k, 16, 512 << 10, window, false));
             aggs.push(mk(k, 16, 512 << 10, window, true));
+        }
+    }
+    // Longer-lived CTAs (tens of microseconds): what TIDE_RS_CTA_BYTES buys alone.
+    for k in [2u64, 8] {
+        for window in [M, HOT] {
+            for cta in [1u64 << 20, 2 << 20, 4 << 20] {
+                aggs.push(mk(k, 16, cta, window, false));
+                aggs.push(mk(k, 16, cta, window, true));
+            }
         }
     }
     measure_rows(g, &aggs, samples, &|i| i >= alone_from, json);
