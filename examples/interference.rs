@@ -995,17 +995,21 @@ fn sources_rows(g: &Gpu, samples: usize, json: &mut String) {
             )
         } else {
             let per_launch = (ctas as u64 * cta_bytes / per_el).div_ceil(4096) * 4096;
+            // In L2: the sources' window is at least one launch (launches longer than the window
+            // re-read one launch's sources; past ~50 MB of them they no longer fit).
+            let w = if window < M { window.max(per_launch) } else { M };
             let issue = move |stream: sys::CUstream, trace: u64| {
                 let (mut off, mut i) = (0u64, 0u64);
                 while off < M {
                     let n = per_launch.min(M - off);
-                    let s = off % window;
+                    let s = off % w;
                     KArgs { trace, base: i * ctas as u64, extra: Extra::U64(1), ..KArgs::new(dst + off * 4, src + s * 2, stride, n) }
                         .launch(f, ctas, 512, 0, stream);
                     off += n;
                     i += 1;
                 }
             };
+            let where_ = if w < M { format!("sources in L2 ({} MiB of them)", w * 2 * k >> 20) } else { where_.to_string() };
             let name = format!(
                 "sum of {k} sources, {}{ctas} CTAs, {} KiB/CTA/launch ({} launches), {where_}",
                 if graph { "graph, " } else { "" },
