@@ -60,8 +60,8 @@ pub struct Config {
     /// same GPU (the plain all-gather's own shard; everything at world 1): `ce-peers` = copy engine,
     /// balanced with the peer copies over their streams and batches (zero SMs; fewer copies at once,
     /// so less HBM bandwidth taken beside compute: issue #22, a one-wave GEMM beside an emulated
-    /// world-8 all-gather +1.1 % against +4.6 % with `ce`, median of five, the gather alone 11 %
-    /// slower); `ce` = copy engine, on a copy stream of its own, overlapping the peer copies
+    /// world-8 all-gather +1.2 % against +3.3 % with `ce`, medians of eight runs, the gather alone
+    /// 11 % slower); `ce` = copy engine, on a copy stream of its own, overlapping the peer copies
     /// (fastest alone); `sm` = the `tide_copy` kernel on XLA's stream (at most TIDE_RS_MAX_CTAS CTAs).
     pub local_copy: LocalCopy,
     /// TIDE_NVRTC_LIB_DIR (default unset; any path, checked when NVRTC is loaded): a folder holding libnvrtc.so.* (and libnvrtc-builtins),

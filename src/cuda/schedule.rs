@@ -577,16 +577,14 @@ fn assign_streams(mine: &[(usize, &Action)], rank: usize, opts: &SchedOptions, s
 /// them together over the peer streams. `item` is the index in the segment.
 fn copy_pieces(segment: &[(usize, &Action)], rank: usize, opts: &SchedOptions, streams: &mut Streams) -> Vec<Piece> {
     let mut pieces = Vec::new();
-    let apart = opts.local_copy == LocalCopy::CopyEngine;
+    // Whether copy m goes on the local stream: a local copy, unless local copies join the peers'.
+    let on_local_stream = |m: usize| match segment[m].1 {
+        Action::Copy { src, dst, .. } => opts.local_copy == LocalCopy::CopyEngine && src.rank == rank && dst.rank == rank,
+        _ => false,
+    };
     for local in [false, true] {
-        if local && !apart {
-            break;
-        }
         let members: Vec<usize> = (0..segment.len())
-            .filter(|&m| match segment[m].1 {
-                Action::Copy { src, dst, .. } => !apart || (src.rank == rank && dst.rank == rank) == local,
-                _ => false,
-            })
+            .filter(|&m| matches!(segment[m].1, Action::Copy { .. }) && on_local_stream(m) == local)
             .collect();
         let sizes: Vec<usize> = members
             .iter()
