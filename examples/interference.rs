@@ -25,6 +25,13 @@
 //!   from HBM and from L2; the launch gap on one stream, from a graph, over two streams; and each
 //!   short launch's timeline (CTA life, the spread of ends, the gap to the next launch); sums of
 //!   2, 4 and 8 sources (the reduce-scatter at world 2, 4, 8) from HBM and from L2.
+//! - `green`: the sum's CTAs confined to an SM partition of 8, 16 or 24 SMs (a green context,
+//!   CUDA 12.4+): one launch of many short-lived CTAs (512 KiB or 1 MiB each, one per SM: their
+//!   dynamic shared memory leaves room for no second) instead of back-to-back launches of 16, so
+//!   the partition bounds residency and a finished CTA's successor starts without a launch gap;
+//!   launches of 64 CTAs, and 16-CTA launches in the partition; 8 sources from L2; which SMs the
+//!   CTAs ran on and how many were alive at once, from the trace; bitwise against one grid-stride
+//!   launch of tide's kernel.
 //!
 //! Output: one line per row on stdout; JSON at $TIDE_BENCH_OUT. Env: TIDE_BENCH_SAMPLES (9),
 //! TIDE_BENCH_ROWS (comma-separated substrings of the row names to run; default all).
@@ -164,6 +171,8 @@ struct Gpu {
     vic: sys::CUstream,
     agg: sys::CUstream,
     module: sys::CUmodule,
+    /// The probe kernels' cubin (green mode loads it again where a partition needs its own module).
+    cubin: Vec<u8>,
     cublas: Option<Cublas>,
     /// Timing events.
     ev: Vec<sys::CUevent>,
@@ -339,6 +348,7 @@ fn setup() -> Option<Gpu> {
         vic,
         agg,
         module,
+        cubin,
         cublas,
         ev,
     };
@@ -1227,6 +1237,325 @@ fn sumphase(g: &Gpu, samples: usize, json: &mut String) {
     sources_rows(g, samples, json);
 }
 
+// ----- green mode: the sum's CTAs confined to an SM partition (a green context) -----
+
+/// A CUdevResource with room to spare: the struct grew within CUDA 13.x and the driver writes its
+/// own version's; the SM fields (count, minimum partition, alignment) sit at byte 96 in each.
+#[repr(C, align(8))]
+struct DevResource([u8; 512]);
+
+impl DevResource {
+    fn zeroed() -> DevResource {
+        DevResource([0; 512])
+    }
+    fn ptr(&mut self) -> *mut sys::CUdevResource {
+        self.0.as_mut_ptr() as *mut sys::CUdevResource
+    }
+    fn word(&self, i: usize) -> u32 {
+        u32::from_ne_bytes(self.0[96 + 4 * i..100 + 4 * i].try_into().unwrap())
+    }
+}
+
+/// An SM partition: a green context of `sms` SMs, a stream of it, the events that fork a call
+/// from the caller's stream onto it and join it back, and the module its launches use (the
+/// primary context's where the partition's stream accepts those functions, else the cubin loaded
+/// again in the green context).
+struct Partition {
+    sms: u32,
+    stream: sys::CUstream,
+    fork: sys::CUevent,
+    join: sys::CUevent,
+    module: sys::CUmodule,
+}
+
+fn try_cu(r: sys::CUresult, call: &str) -> Result<(), String> {
+    check(r, call, String::new).map_err(|e| e.to_string())
+}
+
+impl Partition {
+    fn new(g: &Gpu, want: u32) -> Result<Partition, String> {
+        unsafe {
+            let mut dev = 0;
+            try_cu(sys::cuDeviceGet(&mut dev, 0), "cuDeviceGet")?;
+            let mut all = DevResource::zeroed();
+            try_cu(sys::cuDeviceGetDevResource(dev, all.ptr(), sys::CUdevResourceType::CU_DEV_RESOURCE_TYPE_SM), "cuDeviceGetDevResource")?;
+            let (mut part, mut rest) = (DevResource::zeroed(), DevResource::zeroed());
+            let mut groups = 1u32;
+            try_cu(sys::cuDevSmResourceSplitByCount(part.ptr(), &mut groups, all.ptr(), rest.ptr(), 0, want), "cuDevSmResourceSplitByCount")?;
+            let sms = part.word(0);
+            println!(
+                "partition: asked {want} SMs of {} (minimum partition {}, alignment {}): got {groups} group of {sms}, {} left",
+                all.word(0),
+                all.word(1),
+                all.word(2),
+                rest.word(0)
+            );
+            let mut desc = std::ptr::null_mut();
+            try_cu(sys::cuDevResourceGenerateDesc(&mut desc, part.ptr(), 1), "cuDevResourceGenerateDesc")?;
+            let mut green = std::ptr::null_mut();
+            try_cu(
+                sys::cuGreenCtxCreate(&mut green, desc, dev, sys::CUgreenCtxCreate_flags::CU_GREEN_CTX_DEFAULT_STREAM as u32),
+                "cuGreenCtxCreate",
+            )?;
+            let mut stream = std::ptr::null_mut();
+            try_cu(
+                sys::cuGreenCtxStreamCreate(&mut stream, green, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32, 0),
+                "cuGreenCtxStreamCreate",
+            )?;
+            let mut ctx = std::ptr::null_mut();
+            try_cu(sys::cuCtxFromGreenCtx(&mut ctx, green), "cuCtxFromGreenCtx")?;
+            let mut fork = std::ptr::null_mut();
+            try_cu(sys::cuEventCreate(&mut fork, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32), "cuEventCreate")?;
+            // The join event is the green context's (an event is recorded on a stream of its own
+            // context; any stream may wait on it).
+            try_cu(sys::cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")?;
+            let mut join = std::ptr::null_mut();
+            let r = sys::cuEventCreate(&mut join, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32);
+            let mut popped = std::ptr::null_mut();
+            try_cu(sys::cuCtxPopCurrent_v2(&mut popped), "cuCtxPopCurrent")?;
+            try_cu(r, "cuEventCreate (green context)")?;
+            // Does the partition's stream run the primary context's functions?
+            let f = func(g, "probe_write");
+            let mut args = KArgs::new(0, 0, 0, 0);
+            let mut params: Vec<*mut c_void> = vec![
+                &mut args.d as *mut u64 as *mut c_void,
+                &mut args.a as *mut u64 as *mut c_void,
+                &mut args.b as *mut u64 as *mut c_void,
+                &mut args.n as *mut u64 as *mut c_void,
+                &mut args.trace as *mut u64 as *mut c_void,
+                &mut args.base as *mut u64 as *mut c_void,
+                &mut args.pdl as *mut i32 as *mut c_void,
+            ];
+            let r = sys::cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, stream, params.as_mut_ptr(), std::ptr::null_mut());
+            let module = if r == sys::CUresult::CUDA_SUCCESS && sys::cuStreamSynchronize(stream) == sys::CUresult::CUDA_SUCCESS {
+                println!("partition: the primary context's functions launch on its stream");
+                g.module
+            } else {
+                println!("partition: the primary context's functions do not launch on its stream ({r:?}): module loaded in the green context");
+                try_cu(sys::cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")?;
+                let mut m = std::ptr::null_mut();
+                let r = sys::cuModuleLoadData(&mut m, g.cubin.as_ptr() as *const c_void);
+                try_cu(sys::cuCtxPopCurrent_v2(&mut popped), "cuCtxPopCurrent")?;
+                try_cu(r, "cuModuleLoadData (green context)")?;
+                m
+            };
+            let p = Partition { sms, stream, fork, join, module };
+            for k in ["probe_st", "probe_stk8"] {
+                try_cu(
+                    sys::cuFuncSetAttribute(p.func(k), sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ONE_PER_SM_SMEM as i32),
+                    "cuFuncSetAttribute",
+                )?;
+            }
+            Ok(p)
+        }
+    }
+
+    fn func(&self, name: &str) -> sys::CUfunction {
+        let mut f = std::ptr::null_mut();
+        let c = std::ffi::CString::new(name).unwrap();
+        ck!(sys::cuModuleGetFunction(&mut f, self.module, c.as_ptr()), "cuModuleGetFunction");
+        f
+    }
+
+    /// `work` enqueued on the partition's stream, ordered after what `stream` holds and before
+    /// what it is given next.
+    fn run(&self, stream: sys::CUstream, work: impl FnOnce(sys::CUstream)) {
+        ck!(sys::cuEventRecord(self.fork, stream), "cuEventRecord");
+        ck!(sys::cuStreamWaitEvent(self.stream, self.fork, 0), "cuStreamWaitEvent");
+        work(self.stream);
+        ck!(sys::cuEventRecord(self.join, self.stream), "cuEventRecord");
+        ck!(sys::cuStreamWaitEvent(stream, self.join, 0), "cuStreamWaitEvent");
+    }
+}
+
+/// Dynamic shared memory that leaves room for one such CTA per SM (228 KiB per SM on Hopper):
+/// the partition of S SMs then holds at most S of tide's CTAs.
+const ONE_PER_SM_SMEM: u32 = 120 << 10;
+
+/// tide's 2-source sum (probe_st) over the N elements in launches of `ctas` CTAs of `cta_bytes`
+/// each (ctas = 0: one launch of every CTA), in the partition; `one_per_sm`: each CTA asks for
+/// ONE_PER_SM_SMEM of shared memory.
+fn green_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, p: &'a Partition, cta_bytes: u64, ctas: u32, one_per_sm: bool) -> Aggressor<'a> {
+    let _ = g;
+    let f = p.func("probe_st");
+    let all = (N * 8).div_ceil(cta_bytes) as u32;
+    let per = if ctas == 0 { all } else { ctas };
+    let per_launch = per as u64 * cta_bytes / 8;
+    let smem = if one_per_sm { ONE_PER_SM_SMEM } else { 0 };
+    let name = format!(
+        "green {} SMs: probe_st, {} KiB/CTA, {}{}",
+        p.sms,
+        cta_bytes >> 10,
+        if ctas == 0 { format!("one launch of {all} CTAs") } else { format!("launches of {per} CTAs ({})", N.div_ceil(per_launch)) },
+        if one_per_sm { ", one CTA per SM" } else { ", CTAs share SMs" }
+    );
+    Aggressor {
+        name,
+        bytes: SUM_BYTES,
+        traced: true,
+        config: None,
+        ctas_bound: None,
+        call: Box::new(move |stream, trace| {
+            p.run(stream, |s| {
+                let (mut off, mut i) = (0u64, 0u64);
+                while off < N {
+                    let n = per_launch.min(N - off);
+                    let grid = (n * 8).div_ceil(cta_bytes) as u32;
+                    KArgs { trace, base: i * per as u64, ..KArgs::new(bufs.d + off * 4, bufs.a + off * 2, bufs.b + off * 2, n) }.launch(f, grid, 512, smem, s);
+                    off += n;
+                    i += 1;
+                }
+            })
+        }),
+    }
+}
+
+/// The sum of 8 sources (the reduce-scatter at world 8: 8 M elements, 20 bytes each) in the
+/// partition, 512 KiB per CTA: one launch (sources in HBM) or launches of 64 CTAs whose sources
+/// are re-read from one launch-sized window (in L2, as chunks the copy engines just staged).
+fn green_k8<'a>(p: &'a Partition, src: u64, dst: u64, m: u64, ctas: u32) -> Aggressor<'a> {
+    let f = p.func("probe_stk8");
+    let cta_bytes = 512u64 << 10;
+    let all = (m * 20).div_ceil(cta_bytes) as u32;
+    let per = if ctas == 0 { all } else { ctas };
+    let per_launch = (per as u64 * cta_bytes / 20).div_ceil(4096) * 4096;
+    let window = if ctas == 0 { m } else { per_launch };
+    let name = format!(
+        "green {} SMs: sum of 8 sources, 512 KiB/CTA, {}, one CTA per SM",
+        p.sms,
+        if ctas == 0 { format!("one launch of {all} CTAs, sources in HBM") } else { format!("launches of {per} CTAs, sources in L2 ({} MiB of them)", window * 16 >> 20) }
+    );
+    Aggressor {
+        name,
+        bytes: (m * 20) as f64,
+        traced: true,
+        config: None,
+        ctas_bound: None,
+        call: Box::new(move |stream, trace| {
+            p.run(stream, |s| {
+                let (mut off, mut i) = (0u64, 0u64);
+                while off < m {
+                    let n = per_launch.min(m - off);
+                    let grid = (n * 20).div_ceil(cta_bytes) as u32;
+                    KArgs { trace, base: i * per as u64, extra: Extra::U64(1), ..KArgs::new(dst + off * 4, src + (off % window) * 2, m * 2, n) }
+                        .launch(f, grid, 512, ONE_PER_SM_SMEM, s);
+                    off += n;
+                    i += 1;
+                }
+            })
+        }),
+    }
+}
+
+/// Which SMs one traced call of `a` ran on and how many of its CTAs were alive at once.
+fn sm_census(g: &Gpu, a: &Aggressor, json: &mut String) {
+    let cap = 1 << 14;
+    let trace = malloc(cap * 24);
+    ck!(sys::cuMemsetD8_v2(trace, 0, cap * 24), "cuMemsetD8");
+    (a.call)(g.agg, trace);
+    sync_all();
+    let mut host = vec![0u64; cap * 3];
+    ck!(sys::cuMemcpyDtoH_v2(host.as_mut_ptr() as *mut c_void, trace, cap * 24), "cuMemcpyDtoH");
+    let recs: Vec<&[u64]> = host.chunks(3).filter(|r| r[1] != 0 || r[2] != 0).collect();
+    let mut sms: Vec<u64> = recs.iter().map(|r| r[0]).collect();
+    sms.sort_unstable();
+    sms.dedup();
+    let mut life: Vec<f64> = recs.iter().map(|r| r[2].saturating_sub(r[1]) as f64 / 1e3).collect();
+    let mut edges: Vec<(u64, i64)> = recs.iter().flat_map(|r| [(r[1], 1), (r[2], -1)]).collect();
+    edges.sort();
+    let (mut cur, mut most) = (0i64, 0i64);
+    for (_, d) in edges {
+        cur += d;
+        most = most.max(cur);
+    }
+    let l = median(&mut life);
+    println!("census {}: {} CTAs on {} SMs {:?}, at most {most} alive at once, CTA life {l:.2} us (median)", a.name, recs.len(), sms.len(), sms);
+    let _ = write!(json, "{{\"census\":{:?},\"ctas\":{},\"sms\":{},\"max_alive\":{most},\"life_us\":{l:.3}}},", a.name, recs.len(), sms.len());
+    ck!(sys::cuMemFree_v2(trace), "cuMemFree");
+}
+
+/// The sum phase in an SM partition (issue #22): does a green context of 16 SMs give one-launch
+/// throughput (no launch gaps) with short-lived CTAs, and what does it cost the victims?
+fn green(g: &Gpu, samples: usize, json: &mut String) {
+    let bufs = Bufs::new();
+    let parts: Vec<Partition> = [16u32, 8, 24]
+        .into_iter()
+        .filter_map(|n| match Partition::new(g, n) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                println!("NOTE: no partition of {n} SMs: {e}");
+                None
+            }
+        })
+        .collect();
+    let Some(p16) = parts.iter().find(|p| p.sms == 16) else {
+        println!("SKIPPED green: no 16-SM partition");
+        return;
+    };
+    // k = 8 operands: 8 M elements of 8 sources, 8 M fp32.
+    const M: u64 = 8 << 20;
+    let src = malloc(8 * M as usize * 2);
+    let dst = malloc(M as usize * 4);
+    for i in 0..8u64 {
+        fill_bf16(src + i * M * 2, M as usize, 101 + 2 * i);
+    }
+    // Bitwise: the partition's shapes against one grid-stride launch of tide's kernel.
+    let checks = vec![
+        green_aggressor(g, &bufs, p16, 512 << 10, 0, true),
+        green_aggressor(g, &bufs, p16, 512 << 10, 64, true),
+        green_aggressor(g, &bufs, p16, 1 << 20, 0, false),
+    ];
+    bitwise_against_tide(g, &bufs, &checks, json);
+    {
+        let result = |a: &Aggressor| {
+            ck!(sys::cuMemsetD8_v2(dst, 0xff, M as usize * 4), "cuMemsetD8");
+            (a.call)(g.agg, 0);
+            sync_all();
+            let mut got = vec![0u32; M as usize];
+            ck!(sys::cuMemcpyDtoH_v2(got.as_mut_ptr() as *mut c_void, dst, M as usize * 4), "cuMemcpyDtoH");
+            got
+        };
+        let f = func(g, "probe_stk8");
+        let reference = Aggressor {
+            name: "sum of 8 sources, 16 CTAs grid-stride".into(),
+            bytes: 0.0,
+            traced: false,
+            config: None,
+            ctas_bound: None,
+            call: Box::new(move |stream, _| KArgs { extra: Extra::U64(1), ..KArgs::new(dst, src, M * 2, M) }.launch(f, 16, 512, 0, stream)),
+        };
+        let want = result(&reference);
+        let a = green_k8(p16, src, dst, M, 0);
+        let bad = result(&a).iter().zip(&want).filter(|(x, y)| x != y).count();
+        println!("bitwise {}: {}", a.name, if bad == 0 { "OK".to_string() } else { format!("{bad} elements differ") });
+        let _ = write!(json, "{{\"bitwise\":{:?},\"differ\":{bad}}},", a.name);
+    }
+    for a in [green_aggressor(g, &bufs, p16, 512 << 10, 0, true), green_aggressor(g, &bufs, p16, 512 << 10, 0, false), green_k8(p16, src, dst, M, 0)] {
+        sm_census(g, &a, json);
+    }
+    // Rows with victims first: today's engine shape (16-CTA launches on the caller's stream) and
+    // XLA's full-grid fusion beside the partition's shapes, in the same run.
+    let mut aggs: Vec<Aggressor> = vec![
+        sum_aggressor(g, &bufs, "probe_st", 16, 512, 512 << 10, false, 0, None),
+        green_aggressor(g, &bufs, p16, 512 << 10, 0, true),
+        green_aggressor(g, &bufs, p16, 512 << 10, 64, true),
+        green_aggressor(g, &bufs, p16, 512 << 10, 16, true),
+        green_aggressor(g, &bufs, p16, 1 << 20, 0, true),
+        green_k8(p16, src, dst, M, 0),
+    ];
+    aggs.extend(baseline_aggressors(g, &bufs, &[]).into_iter().take(1));
+    let alone_from = aggs.len();
+    aggs.push(sum_aggressor(g, &bufs, "probe_st", 16, 512, 0, false, 0, None));
+    aggs.push(green_aggressor(g, &bufs, p16, 512 << 10, 0, false));
+    aggs.push(green_aggressor(g, &bufs, p16, 256 << 10, 0, true));
+    aggs.push(green_aggressor(g, &bufs, p16, 2 << 20, 0, true));
+    aggs.push(green_k8(p16, src, dst, M, 64));
+    for p in parts.iter().filter(|p| p.sms != 16) {
+        aggs.push(green_aggressor(g, &bufs, p, 512 << 10, 0, true));
+    }
+    measure_rows(g, &aggs, samples, &|i| i >= alone_from, json);
+}
+
 // ----- engine mode: tide's calls as the engine issues them -----
 
 /// A Llama-3-8B layer (d 4096, ffn 14336, 8 KV heads of 128): 218 M bf16 parameters, 436 MB.
@@ -1571,7 +1900,8 @@ fn main() {
         "explore" => explore(&g, samples, &mut json),
         "engine" => engine(&g, samples, &mut json),
         "sumphase" => sumphase(&g, samples, &mut json),
-        other => panic!("unknown mode {other:?} (explore, engine, sumphase, compile)"),
+        "green" => green(&g, samples, &mut json),
+        other => panic!("unknown mode {other:?} (explore, engine, sumphase, green, compile)"),
     }
     if json.ends_with(',') {
         json.pop();
