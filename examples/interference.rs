@@ -168,7 +168,8 @@ impl Cublas {
 struct Gpu {
     name: String,
     sms: u32,
-    vic: sys::CUstream,
+    /// The victims' stream (green mode swaps in one of the highest priority for some rows).
+    vic: std::cell::Cell<sys::CUstream>,
     agg: sys::CUstream,
     module: sys::CUmodule,
     /// The probe kernels' cubin (green mode loads it again where a partition needs its own module).
@@ -345,7 +346,7 @@ fn setup() -> Option<Gpu> {
     let g = Gpu {
         name,
         sms,
-        vic,
+        vic: std::cell::Cell::new(vic),
         agg,
         module,
         cubin,
@@ -489,9 +490,9 @@ fn trace_call(g: &Gpu, a: &Aggressor, trace: u64, cap: usize) -> (f64, usize, us
 }
 
 fn victim_alone(g: &Gpu, v: &Victim) -> f64 {
-    ck!(sys::cuEventRecord(g.ev[2], g.vic), "cuEventRecord");
-    (v.run)(g.vic);
-    ck!(sys::cuEventRecord(g.ev[3], g.vic), "cuEventRecord");
+    ck!(sys::cuEventRecord(g.ev[2], g.vic.get()), "cuEventRecord");
+    (v.run)(g.vic.get());
+    ck!(sys::cuEventRecord(g.ev[3], g.vic.get()), "cuEventRecord");
     sync_all();
     elapsed_ms(g.ev[2], g.ev[3])
 }
@@ -515,10 +516,10 @@ fn interference(g: &Gpu, v: &Victim, a: &Aggressor, agg_ms: f64, samples: usize)
             (a.call)(g.agg, 0);
         }
         ck!(sys::cuEventRecord(g.ev[6], g.agg), "cuEventRecord");
-        ck!(sys::cuStreamWaitEvent(g.vic, g.ev[6], 0), "cuStreamWaitEvent");
-        ck!(sys::cuEventRecord(g.ev[2], g.vic), "cuEventRecord");
-        (v.run)(g.vic);
-        ck!(sys::cuEventRecord(g.ev[3], g.vic), "cuEventRecord");
+        ck!(sys::cuStreamWaitEvent(g.vic.get(), g.ev[6], 0), "cuStreamWaitEvent");
+        ck!(sys::cuEventRecord(g.ev[2], g.vic.get()), "cuEventRecord");
+        (v.run)(g.vic.get());
+        ck!(sys::cuEventRecord(g.ev[3], g.vic.get()), "cuEventRecord");
         for _ in lead..reps {
             (a.call)(g.agg, 0);
         }
@@ -549,7 +550,7 @@ fn displaced(g: &Gpu, a: &Aggressor, agg_ms: f64, samples: usize) -> f64 {
         std::thread::sleep(Duration::from_micros(200));
         let (mut r, mut ns) = (rec, 30_000u64);
         let mut p = [&mut r as *mut u64 as *mut c_void, &mut ns as *mut u64 as *mut c_void];
-        launch(f, g.sms, 32, 200 << 10, g.vic, &mut p, false);
+        launch(f, g.sms, 32, 200 << 10, g.vic.get(), &mut p, false);
         sync_all();
         let mut host = vec![0u64; g.sms as usize * 2];
         ck!(sys::cuMemcpyDtoH_v2(host.as_mut_ptr() as *mut c_void, rec, host.len() * 8), "cuMemcpyDtoH");
@@ -1375,8 +1376,13 @@ const ONE_PER_SM_SMEM: u32 = 120 << 10;
 /// tide's 2-source sum (probe_st) over the N elements in launches of `ctas` CTAs of `cta_bytes`
 /// each (ctas = 0: one launch of every CTA), in the partition; `one_per_sm`: each CTA asks for
 /// ONE_PER_SM_SMEM of shared memory.
-fn green_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, p: &'a Partition, cta_bytes: u64, ctas: u32, one_per_sm: bool) -> Aggressor<'a> {
-    let _ = g;
+fn green_aggressor<'a>(bufs: &'a Bufs, p: &'a Partition, cta_bytes: u64, ctas: u32, one_per_sm: bool) -> Aggressor<'a> {
+    green_aggressor_pdl(bufs, p, cta_bytes, ctas, one_per_sm, false)
+}
+
+/// green_aggressor; `pdl`: each launch with programmatic dependent launch (its CTAs signal at
+/// their end, so the next launch is made ready while this one drains).
+fn green_aggressor_pdl<'a>(bufs: &'a Bufs, p: &'a Partition, cta_bytes: u64, ctas: u32, one_per_sm: bool, pdl: bool) -> Aggressor<'a> {
     let f = p.func("probe_st");
     let all = (N * 8).div_ceil(cta_bytes) as u32;
     let per = if ctas == 0 { all } else { ctas };
@@ -1388,7 +1394,7 @@ fn green_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, p: &'a Partition, cta_bytes: 
         cta_bytes >> 10,
         if ctas == 0 { format!("one launch of {all} CTAs") } else { format!("launches of {per} CTAs ({})", N.div_ceil(per_launch)) },
         if one_per_sm { ", one CTA per SM" } else { ", CTAs share SMs" }
-    );
+    ) + if pdl { ", PDL" } else { "" };
     Aggressor {
         name,
         bytes: SUM_BYTES,
@@ -1401,7 +1407,8 @@ fn green_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, p: &'a Partition, cta_bytes: 
                 while off < N {
                     let n = per_launch.min(N - off);
                     let grid = (n * 8).div_ceil(cta_bytes) as u32;
-                    KArgs { trace, base: i * per as u64, ..KArgs::new(bufs.d + off * 4, bufs.a + off * 2, bufs.b + off * 2, n) }.launch(f, grid, 512, smem, s);
+                    KArgs { trace, base: i * per as u64, pdl: pdl as i32, ..KArgs::new(bufs.d + off * 4, bufs.a + off * 2, bufs.b + off * 2, n) }
+                        .launch(f, grid, 512, smem, s);
                     off += n;
                     i += 1;
                 }
@@ -1410,20 +1417,22 @@ fn green_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, p: &'a Partition, cta_bytes: 
     }
 }
 
-/// The sum of 8 sources (the reduce-scatter at world 8: 8 M elements, 20 bytes each) in the
-/// partition, 512 KiB per CTA: one launch (sources in HBM) or launches of 64 CTAs whose sources
-/// are re-read from one launch-sized window (in L2, as chunks the copy engines just staged).
-fn green_k8<'a>(p: &'a Partition, src: u64, dst: u64, m: u64, ctas: u32) -> Aggressor<'a> {
+/// The sum of 8 sources (the reduce-scatter at world 8: `m` elements, 20 bytes each) in the
+/// partition, `cta_bytes` per CTA, one CTA per SM: one launch (ctas = 0; sources in HBM) or
+/// launches of `ctas` CTAs whose sources are re-read from one launch-sized window (in L2, as
+/// chunks the copy engines just staged); `pdl` as in green_aggressor_pdl.
+fn green_k8<'a>(p: &'a Partition, src: u64, dst: u64, m: u64, cta_bytes: u64, ctas: u32, pdl: bool) -> Aggressor<'a> {
     let f = p.func("probe_stk8");
-    let cta_bytes = 512u64 << 10;
     let all = (m * 20).div_ceil(cta_bytes) as u32;
     let per = if ctas == 0 { all } else { ctas };
     let per_launch = (per as u64 * cta_bytes / 20).div_ceil(4096) * 4096;
     let window = if ctas == 0 { m } else { per_launch };
     let name = format!(
-        "green {} SMs: sum of 8 sources, 512 KiB/CTA, {}, one CTA per SM",
+        "green {} SMs: sum of 8 sources, {} KiB/CTA, {}, one CTA per SM{}",
         p.sms,
-        if ctas == 0 { format!("one launch of {all} CTAs, sources in HBM") } else { format!("launches of {per} CTAs, sources in L2 ({} MiB of them)", window * 16 >> 20) }
+        cta_bytes >> 10,
+        if ctas == 0 { format!("one launch of {all} CTAs, sources in HBM") } else { format!("launches of {per} CTAs, sources in L2 ({} MiB of them)", window * 16 >> 20) },
+        if pdl { ", PDL" } else { "" }
     );
     Aggressor {
         name,
@@ -1437,7 +1446,7 @@ fn green_k8<'a>(p: &'a Partition, src: u64, dst: u64, m: u64, ctas: u32) -> Aggr
                 while off < m {
                     let n = per_launch.min(m - off);
                     let grid = (n * 20).div_ceil(cta_bytes) as u32;
-                    KArgs { trace, base: i * per as u64, extra: Extra::U64(1), ..KArgs::new(dst + off * 4, src + (off % window) * 2, m * 2, n) }
+                    KArgs { trace, base: i * per as u64, pdl: pdl as i32, extra: Extra::U64(1), ..KArgs::new(dst + off * 4, src + (off % window) * 2, m * 2, n) }
                         .launch(f, grid, 512, ONE_PER_SM_SMEM, s);
                     off += n;
                     i += 1;
@@ -1501,9 +1510,10 @@ fn green(g: &Gpu, samples: usize, json: &mut String) {
     }
     // Bitwise: the partition's shapes against one grid-stride launch of tide's kernel.
     let checks = vec![
-        green_aggressor(g, &bufs, p16, 512 << 10, 0, true),
-        green_aggressor(g, &bufs, p16, 512 << 10, 64, true),
-        green_aggressor(g, &bufs, p16, 1 << 20, 0, false),
+        green_aggressor(&bufs, p16, 512 << 10, 0, true),
+        green_aggressor(&bufs, p16, 512 << 10, 64, true),
+        green_aggressor(&bufs, p16, 1 << 20, 0, false),
+        green_aggressor_pdl(&bufs, p16, 512 << 10, 16, true, true),
     ];
     bitwise_against_tide(g, &bufs, &checks, json);
     {
@@ -1525,35 +1535,66 @@ fn green(g: &Gpu, samples: usize, json: &mut String) {
             call: Box::new(move |stream, _| KArgs { extra: Extra::U64(1), ..KArgs::new(dst, src, M * 2, M) }.launch(f, 16, 512, 0, stream)),
         };
         let want = result(&reference);
-        let a = green_k8(p16, src, dst, M, 0);
+        let a = green_k8(p16, src, dst, M, 512 << 10, 0, false);
         let bad = result(&a).iter().zip(&want).filter(|(x, y)| x != y).count();
         println!("bitwise {}: {}", a.name, if bad == 0 { "OK".to_string() } else { format!("{bad} elements differ") });
         let _ = write!(json, "{{\"bitwise\":{:?},\"differ\":{bad}}},", a.name);
     }
-    for a in [green_aggressor(g, &bufs, p16, 512 << 10, 0, true), green_aggressor(g, &bufs, p16, 512 << 10, 0, false), green_k8(p16, src, dst, M, 0)] {
+    for a in [green_aggressor(&bufs, p16, 512 << 10, 0, true), green_aggressor(&bufs, p16, 512 << 10, 0, false), green_k8(p16, src, dst, M, 512 << 10, 0, false)] {
         sm_census(g, &a, json);
     }
     // Rows with victims first: today's engine shape (16-CTA launches on the caller's stream) and
     // XLA's full-grid fusion beside the partition's shapes, in the same run.
     let mut aggs: Vec<Aggressor> = vec![
         sum_aggressor(g, &bufs, "probe_st", 16, 512, 512 << 10, false, 0, None),
-        green_aggressor(g, &bufs, p16, 512 << 10, 0, true),
-        green_aggressor(g, &bufs, p16, 512 << 10, 64, true),
-        green_aggressor(g, &bufs, p16, 512 << 10, 16, true),
-        green_aggressor(g, &bufs, p16, 1 << 20, 0, true),
-        green_k8(p16, src, dst, M, 0),
+        green_aggressor(&bufs, p16, 512 << 10, 0, true),
+        green_aggressor(&bufs, p16, 512 << 10, 64, true),
+        green_aggressor(&bufs, p16, 512 << 10, 16, true),
+        green_aggressor(&bufs, p16, 1 << 20, 0, true),
+        green_k8(p16, src, dst, M, 512 << 10, 0, false),
     ];
     aggs.extend(baseline_aggressors(g, &bufs, &[]).into_iter().take(1));
+    // Programmatic dependent launch inside the partition: the next 16-CTA launch is ready when
+    // this one's CTAs end, and can only take the partition's SMs.
+    aggs.push(green_aggressor_pdl(&bufs, p16, 512 << 10, 16, true, true));
+    aggs.push(green_aggressor_pdl(&bufs, p16, 1 << 20, 16, true, true));
+    aggs.push(green_k8(p16, src, dst, M, 2 << 20, 16, false));
     let alone_from = aggs.len();
     aggs.push(sum_aggressor(g, &bufs, "probe_st", 16, 512, 0, false, 0, None));
-    aggs.push(green_aggressor(g, &bufs, p16, 512 << 10, 0, false));
-    aggs.push(green_aggressor(g, &bufs, p16, 256 << 10, 0, true));
-    aggs.push(green_aggressor(g, &bufs, p16, 2 << 20, 0, true));
-    aggs.push(green_k8(p16, src, dst, M, 64));
+    aggs.push(green_aggressor(&bufs, p16, 512 << 10, 0, false));
+    aggs.push(green_aggressor(&bufs, p16, 256 << 10, 0, true));
+    aggs.push(green_aggressor(&bufs, p16, 2 << 20, 0, true));
+    aggs.push(green_k8(p16, src, dst, M, 512 << 10, 64, false));
+    aggs.push(green_aggressor(&bufs, p16, 2 << 20, 16, true));
+    aggs.push(green_aggressor_pdl(&bufs, p16, 2 << 20, 16, true, true));
+    aggs.push(green_k8(p16, src, dst, M, 2 << 20, 16, true));
+    aggs.push(green_k8(p16, src, dst, M, 1 << 20, 32, false));
     for p in parts.iter().filter(|p| p.sms != 16) {
-        aggs.push(green_aggressor(g, &bufs, p, 512 << 10, 0, true));
+        aggs.push(green_aggressor(&bufs, p, 512 << 10, 0, true));
     }
     measure_rows(g, &aggs, samples, &|i| i >= alone_from, json);
+    // The block scheduler gives a freed SM to a pending CTA of the running grid before the
+    // victim's (one launch in the partition: the one-wave GEMM waits for all of it). Does it
+    // follow stream priority? The victims on a stream of the highest priority (XLA's compute
+    // stream has the default, the lowest, so tide cannot go below it).
+    let (mut least, mut greatest) = (0, 0);
+    ck!(sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest), "cuCtxGetStreamPriorityRange");
+    let mut hi = std::ptr::null_mut();
+    ck!(sys::cuStreamCreateWithPriority(&mut hi, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32, greatest), "cuStreamCreateWithPriority");
+    let normal = g.vic.replace(hi);
+    println!("priority: victims on a stream of priority {greatest} (range {least} least .. {greatest} greatest); aggressors at 0");
+    let mut prio: Vec<Aggressor> = vec![
+        sum_aggressor(g, &bufs, "probe_st", 16, 512, 512 << 10, false, 0, None),
+        green_aggressor(&bufs, p16, 512 << 10, 0, true),
+        green_aggressor(&bufs, p16, 512 << 10, 64, true),
+        green_aggressor(&bufs, p16, 2 << 20, 0, true),
+        sum_aggressor(g, &bufs, "probe_st", 16, 512, 0, false, 0, None),
+    ];
+    for a in prio.iter_mut() {
+        a.name = format!("victims high-priority, {}", a.name);
+    }
+    measure_rows(g, &prio, samples, &|_| false, json);
+    g.vic.set(normal);
 }
 
 // ----- engine mode: tide's calls as the engine issues them -----
