@@ -262,6 +262,13 @@ impl KArgs {
     }
 
     fn launch(mut self, f: sys::CUfunction, grid: u32, threads: u32, smem: u32, stream: sys::CUstream) {
+        let pdl = self.pdl != 0;
+        self.with_params(|params| launch(f, grid, threads, smem, stream, params, pdl));
+    }
+
+    /// `go` given the arguments as the driver wants them: the addresses of the fields (and of the
+    /// optional eighth).
+    fn with_params<R>(&mut self, go: impl FnOnce(&mut [*mut c_void]) -> R) -> R {
         let (mut xi, mut xu) = match self.extra {
             Extra::I32(v) => (v, 0u64),
             Extra::U64(v) => (0i32, v),
@@ -281,7 +288,7 @@ impl KArgs {
             Extra::U64(_) => params.push(&mut xu as *mut u64 as *mut c_void),
             Extra::None => {}
         }
-        launch(f, grid, threads, smem, stream, &mut params, self.pdl != 0);
+        go(&mut params)
     }
 }
 
@@ -401,6 +408,13 @@ struct Aggressor<'a> {
     /// SM time of one call is at most this many CTAs x the call's time (engine rows, untraced).
     ctas_bound: Option<u32>,
     call: Box<dyn Fn(sys::CUstream, u64) + 'a>,
+}
+
+impl<'a> Aggressor<'a> {
+    /// A row whose kernels trace their CTAs, under the environment's configuration.
+    fn traced(name: String, bytes: f64, call: Box<dyn Fn(sys::CUstream, u64) + 'a>) -> Aggressor<'a> {
+        Aggressor { name, bytes, traced: true, config: None, ctas_bound: None, call }
+    }
 }
 
 struct Victim<'a> {
@@ -740,20 +754,27 @@ fn measure_rows(g: &Gpu, aggs: &[Aggressor], samples: usize, alone_only: &dyn Fn
 /// Each of `checks` (sum aggressors over the N elements of `bufs`) against one grid-stride launch
 /// of tide's kernel: the results bitwise, one line per check ("bitwise NAME: OK").
 fn bitwise_against_tide(g: &Gpu, bufs: &Bufs, checks: &[Aggressor], json: &mut String) {
-    let result = |a: &Aggressor| {
-        ck!(sys::cuMemsetD8_v2(bufs.d, 0xff, N as usize * 4), "cuMemsetD8");
-        (a.call)(g.agg, 0);
-        sync_all();
-        let mut got = vec![0u32; N as usize];
-        ck!(sys::cuMemcpyDtoH_v2(got.as_mut_ptr() as *mut c_void, bufs.d, N as usize * 4), "cuMemcpyDtoH");
-        got
-    };
-    let want = result(&sum_aggressor(g, bufs, "probe_st", 16, 512, 0, false, 0, None));
+    let want = call_result(g, &sum_aggressor(g, bufs, "probe_st", 16, 512, 0, false, 0, None), bufs.d, N as usize);
     for a in checks {
-        let bad = result(a).iter().zip(&want).filter(|(x, y)| x != y).count();
-        println!("bitwise {}: {}", a.name, if bad == 0 { "OK".to_string() } else { format!("{bad} elements differ") });
-        let _ = write!(json, "{{\"bitwise\":{:?},\"differ\":{bad}}},", a.name);
+        report_bitwise(a, &call_result(g, a, bufs.d, N as usize), &want, json);
     }
+}
+
+/// The `elems` fp32 words at `dst` after one call of `a` (poisoned with NaNs before it).
+fn call_result(g: &Gpu, a: &Aggressor, dst: u64, elems: usize) -> Vec<u32> {
+    ck!(sys::cuMemsetD8_v2(dst, 0xff, elems * 4), "cuMemsetD8");
+    (a.call)(g.agg, 0);
+    sync_all();
+    let mut got = vec![0u32; elems];
+    ck!(sys::cuMemcpyDtoH_v2(got.as_mut_ptr() as *mut c_void, dst, elems * 4), "cuMemcpyDtoH");
+    got
+}
+
+/// "bitwise NAME: OK" (or how many elements differ from `want`), and its JSON record.
+fn report_bitwise(a: &Aggressor, got: &[u32], want: &[u32], json: &mut String) {
+    let bad = got.iter().zip(want).filter(|(x, y)| x != y).count();
+    println!("bitwise {}: {}", a.name, if bad == 0 { "OK".to_string() } else { format!("{bad} elements differ") });
+    let _ = write!(json, "{{\"bitwise\":{:?},\"differ\":{bad}}},", a.name);
 }
 
 fn explore(g: &Gpu, samples: usize, json: &mut String) {
@@ -1038,19 +1059,9 @@ fn sources_rows(g: &Gpu, samples: usize, json: &mut String) {
     };
     // Bitwise: every shape against one grid-stride launch over the same (HBM) sources.
     for k in [2u64, 4, 8] {
-        let result = |a: &Aggressor| {
-            ck!(sys::cuMemsetD8_v2(dst, 0xff, M as usize * 4), "cuMemsetD8");
-            (a.call)(g.agg, 0);
-            sync_all();
-            let mut got = vec![0u32; M as usize];
-            ck!(sys::cuMemcpyDtoH_v2(got.as_mut_ptr() as *mut c_void, dst, M as usize * 4), "cuMemcpyDtoH");
-            got
-        };
-        let want = result(&mk(k, 16, 0, M, false));
+        let want = call_result(g, &mk(k, 16, 0, M, false), dst, M as usize);
         for a in [mk(k, 1, 0, M, false), mk(k, 16, 512 << 10, M, false), mk(k, 16, 512 << 10, M, true)] {
-            let bad = result(&a).iter().zip(&want).filter(|(x, y)| x != y).count();
-            println!("bitwise {}: {}", a.name, if bad == 0 { "OK".to_string() } else { format!("{bad} elements differ") });
-            let _ = write!(json, "{{\"bitwise\":{:?},\"differ\":{bad}}},", a.name);
+            report_bitwise(&a, &call_result(g, &a, dst, M as usize), &want, json);
         }
     }
     let mut aggs = vec![
@@ -1317,17 +1328,9 @@ impl Partition {
             try_cu(r, "cuEventCreate (green context)")?;
             // Does the partition's stream run the primary context's functions?
             let f = func(g, "probe_write");
-            let mut args = KArgs::new(0, 0, 0, 0);
-            let mut params: Vec<*mut c_void> = vec![
-                &mut args.d as *mut u64 as *mut c_void,
-                &mut args.a as *mut u64 as *mut c_void,
-                &mut args.b as *mut u64 as *mut c_void,
-                &mut args.n as *mut u64 as *mut c_void,
-                &mut args.trace as *mut u64 as *mut c_void,
-                &mut args.base as *mut u64 as *mut c_void,
-                &mut args.pdl as *mut i32 as *mut c_void,
-            ];
-            let r = sys::cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, stream, params.as_mut_ptr(), std::ptr::null_mut());
+            let r = KArgs::new(0, 0, 0, 0).with_params(|params| {
+                sys::cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, stream, params.as_mut_ptr(), std::ptr::null_mut())
+            });
             let module = if r == sys::CUresult::CUDA_SUCCESS && sys::cuStreamSynchronize(stream) == sys::CUresult::CUDA_SUCCESS {
                 println!("partition: the primary context's functions launch on its stream");
                 g.module
@@ -1395,26 +1398,42 @@ fn green_aggressor_pdl<'a>(bufs: &'a Bufs, p: &'a Partition, cta_bytes: u64, cta
         if ctas == 0 { format!("one launch of {all} CTAs") } else { format!("launches of {per} CTAs ({})", N.div_ceil(per_launch)) },
         if one_per_sm { ", one CTA per SM" } else { ", CTAs share SMs" }
     ) + if pdl { ", PDL" } else { "" };
-    Aggressor {
+    Aggressor::traced(
         name,
-        bytes: SUM_BYTES,
-        traced: true,
-        config: None,
-        ctas_bound: None,
-        call: Box::new(move |stream, trace| {
-            p.run(stream, |s| {
-                let (mut off, mut i) = (0u64, 0u64);
-                while off < N {
-                    let n = per_launch.min(N - off);
-                    let grid = (n * 8).div_ceil(cta_bytes) as u32;
-                    KArgs { trace, base: i * per as u64, pdl: pdl as i32, ..KArgs::new(bufs.d + off * 4, bufs.a + off * 2, bufs.b + off * 2, n) }
-                        .launch(f, grid, 512, smem, s);
-                    off += n;
-                    i += 1;
-                }
-            })
+        SUM_BYTES,
+        partition_call(p, f, N, per_launch, per, 8, cta_bytes, smem, pdl, move |off, n| {
+            KArgs::new(bufs.d + off * 4, bufs.a + off * 2, bufs.b + off * 2, n)
         }),
-    }
+    )
+}
+
+/// A partition aggressor's call: `total` elements in launches of `per_launch` elements on the
+/// partition's stream, `cta_bytes` per CTA at `per_el` bytes per element (CTA b of launch i traces
+/// at record i * per + b); `args(off, n)`: the kernel's arguments for elements off .. off + n.
+fn partition_call<'a>(
+    p: &'a Partition,
+    f: sys::CUfunction,
+    total: u64,
+    per_launch: u64,
+    per: u32,
+    per_el: u64,
+    cta_bytes: u64,
+    smem: u32,
+    pdl: bool,
+    args: impl Fn(u64, u64) -> KArgs + 'a,
+) -> Box<dyn Fn(sys::CUstream, u64) + 'a> {
+    Box::new(move |stream, trace| {
+        p.run(stream, |s| {
+            let (mut off, mut i) = (0u64, 0u64);
+            while off < total {
+                let n = per_launch.min(total - off);
+                let grid = (n * per_el).div_ceil(cta_bytes) as u32;
+                KArgs { trace, base: i * per as u64, pdl: pdl as i32, ..args(off, n) }.launch(f, grid, 512, smem, s);
+                off += n;
+                i += 1;
+            }
+        })
+    })
 }
 
 /// The sum of 8 sources (the reduce-scatter at world 8: `m` elements, 20 bytes each) in the
@@ -1434,26 +1453,14 @@ fn green_k8<'a>(p: &'a Partition, src: u64, dst: u64, m: u64, cta_bytes: u64, ct
         if ctas == 0 { format!("one launch of {all} CTAs, sources in HBM") } else { format!("launches of {per} CTAs, sources in L2 ({} MiB of them)", window * 16 >> 20) },
         if pdl { ", PDL" } else { "" }
     );
-    Aggressor {
+    Aggressor::traced(
         name,
-        bytes: (m * 20) as f64,
-        traced: true,
-        config: None,
-        ctas_bound: None,
-        call: Box::new(move |stream, trace| {
-            p.run(stream, |s| {
-                let (mut off, mut i) = (0u64, 0u64);
-                while off < m {
-                    let n = per_launch.min(m - off);
-                    let grid = (n * 20).div_ceil(cta_bytes) as u32;
-                    KArgs { trace, base: i * per as u64, pdl: pdl as i32, extra: Extra::U64(1), ..KArgs::new(dst + off * 4, src + (off % window) * 2, m * 2, n) }
-                        .launch(f, grid, 512, ONE_PER_SM_SMEM, s);
-                    off += n;
-                    i += 1;
-                }
-            })
+        (m * 20) as f64,
+        partition_call(p, f, m, per_launch, per, 20, cta_bytes, ONE_PER_SM_SMEM, pdl, move |off, n| KArgs {
+            extra: Extra::U64(1),
+            ..KArgs::new(dst + off * 4, src + (off % window) * 2, m * 2, n)
         }),
-    }
+    )
 }
 
 /// Which SMs one traced call of `a` ran on and how many of its CTAs were alive at once.
@@ -1517,14 +1524,6 @@ fn green(g: &Gpu, samples: usize, json: &mut String) {
     ];
     bitwise_against_tide(g, &bufs, &checks, json);
     {
-        let result = |a: &Aggressor| {
-            ck!(sys::cuMemsetD8_v2(dst, 0xff, M as usize * 4), "cuMemsetD8");
-            (a.call)(g.agg, 0);
-            sync_all();
-            let mut got = vec![0u32; M as usize];
-            ck!(sys::cuMemcpyDtoH_v2(got.as_mut_ptr() as *mut c_void, dst, M as usize * 4), "cuMemcpyDtoH");
-            got
-        };
         let f = func(g, "probe_stk8");
         let reference = Aggressor {
             name: "sum of 8 sources, 16 CTAs grid-stride".into(),
@@ -1534,11 +1533,9 @@ fn green(g: &Gpu, samples: usize, json: &mut String) {
             ctas_bound: None,
             call: Box::new(move |stream, _| KArgs { extra: Extra::U64(1), ..KArgs::new(dst, src, M * 2, M) }.launch(f, 16, 512, 0, stream)),
         };
-        let want = result(&reference);
+        let want = call_result(g, &reference, dst, M as usize);
         let a = green_k8(p16, src, dst, M, 512 << 10, 0, false);
-        let bad = result(&a).iter().zip(&want).filter(|(x, y)| x != y).count();
-        println!("bitwise {}: {}", a.name, if bad == 0 { "OK".to_string() } else { format!("{bad} elements differ") });
-        let _ = write!(json, "{{\"bitwise\":{:?},\"differ\":{bad}}},", a.name);
+        report_bitwise(&a, &call_result(g, &a, dst, M as usize), &want, json);
     }
     for a in [green_aggressor(&bufs, p16, 512 << 10, 0, true), green_aggressor(&bufs, p16, 512 << 10, 0, false), green_k8(p16, src, dst, M, 512 << 10, 0, false)] {
         sm_census(g, &a, json);
