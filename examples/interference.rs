@@ -425,6 +425,8 @@ struct Victim<'a> {
 #[derive(Default, Clone)]
 struct Row {
     alone_ms: f64,
+    /// Host time to enqueue one call (ms).
+    host_ms: f64,
     gbps: f64,
     /// SM time of one call (sum of CTA lifetimes, ms) and the most CTAs alive at once.
     sm_ms: Option<f64>,
@@ -458,20 +460,23 @@ fn spin(g: &Gpu, stream: sys::CUstream, ns: u64, ctas: u32) {
 }
 
 /// The aggressor alone: 3 warm-up calls, then `reps` calls behind a 1-CTA spin of 2 ms (the host
-/// enqueues ahead), timed by events; ms per call.
-fn aggressor_alone(g: &Gpu, a: &Aggressor, reps: usize) -> f64 {
+/// enqueues ahead), timed by events: (GPU ms per call, host ms per call to enqueue it). A host
+/// time near the GPU time means the host, not the GPU, set the pace.
+fn aggressor_alone(g: &Gpu, a: &Aggressor, reps: usize) -> (f64, f64) {
     for _ in 0..3 {
         (a.call)(g.agg, 0);
     }
     sync_all();
     spin(g, g.agg, 2_000_000, 1);
     ck!(sys::cuEventRecord(g.ev[0], g.agg), "cuEventRecord");
+    let t = Instant::now();
     for _ in 0..reps {
         (a.call)(g.agg, 0);
     }
+    let host_ms = t.elapsed().as_secs_f64() * 1e3 / reps as f64;
     ck!(sys::cuEventRecord(g.ev[1], g.agg), "cuEventRecord");
     sync_all();
-    elapsed_ms(g.ev[0], g.ev[1]) / reps as f64
+    (elapsed_ms(g.ev[0], g.ev[1]) / reps as f64, host_ms)
 }
 
 /// CTA lifetimes of one call: (sum of lifetimes in ms, most alive at once, CTAs).
@@ -726,9 +731,10 @@ fn measure_rows(g: &Gpu, aggs: &[Aggressor], samples: usize, alone_only: &dyn Fn
             continue;
         }
         tide::config::set_override(a.config.clone());
-        let ms = aggressor_alone(g, a, 20);
+        let (ms, host_ms) = aggressor_alone(g, a, 20);
         let mut row = Row {
             alone_ms: ms,
+            host_ms,
             gbps: a.bytes / ms / 1e6,
             ..Default::default()
         };
@@ -1878,7 +1884,7 @@ fn victims(g: &Gpu) -> Vec<Victim<'_>> {
 }
 
 fn print_row(name: &str, r: &Row, json: &mut String) {
-    let mut line = format!("{name:70} alone {:.3} ms", r.alone_ms);
+    let mut line = format!("{name:70} alone {:.3} ms (host {:.3})", r.alone_ms, r.host_ms);
     if r.gbps > 0.0 {
         let _ = write!(line, ", {:.0} GB/s", r.gbps);
     }
@@ -1897,8 +1903,9 @@ fn print_row(name: &str, r: &Row, json: &mut String) {
     println!("{line}");
     let _ = write!(
         json,
-        "{{\"name\":{name:?},\"alone_ms\":{:.5},\"gbps\":{:.1},\"sm_ms\":{},\"max_resident\":{},\"ctas\":{},\"displaced\":{},\"sm_bound_ms\":{},\"victims\":[{}]}},",
+        "{{\"name\":{name:?},\"alone_ms\":{:.5},\"host_ms\":{:.5},\"gbps\":{:.1},\"sm_ms\":{},\"max_resident\":{},\"ctas\":{},\"displaced\":{},\"sm_bound_ms\":{},\"victims\":[{}]}},",
         r.alone_ms,
+        r.host_ms,
         r.gbps,
         r.sm_ms.map(|x| format!("{x:.5}")).unwrap_or("null".into()),
         r.max_resident.map(|x| x.to_string()).unwrap_or("null".into()),
