@@ -460,21 +460,26 @@ fn spin(g: &Gpu, stream: sys::CUstream, ns: u64, ctas: u32) {
 }
 
 /// The aggressor alone: 3 warm-up calls, then `reps` calls behind a 1-CTA spin of 2 ms (the host
-/// enqueues ahead), timed by events: (GPU ms per call, host ms per call to enqueue it). A host
-/// time near the GPU time means the host, not the GPU, set the pace.
+/// enqueues ahead), timed by events: (GPU ms per call, host ms to enqueue one call into an idle
+/// stream, the median of 5). A host time near the GPU time means the host sets the pace.
 fn aggressor_alone(g: &Gpu, a: &Aggressor, reps: usize) -> (f64, f64) {
     for _ in 0..3 {
         (a.call)(g.agg, 0);
     }
+    let mut host = Vec::new();
+    for _ in 0..5 {
+        sync_all();
+        let t = Instant::now();
+        (a.call)(g.agg, 0);
+        host.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let host_ms = median(&mut host);
     sync_all();
     spin(g, g.agg, 2_000_000, 1);
     ck!(sys::cuEventRecord(g.ev[0], g.agg), "cuEventRecord");
-    let t = Instant::now();
     for _ in 0..reps {
         (a.call)(g.agg, 0);
     }
-    let host_ms = t.elapsed().as_secs_f64() * 1e3 / reps as f64;
-    ck!(sys::cuEventRecord(g.ev[1], g.agg), "cuEventRecord");
     sync_all();
     (elapsed_ms(g.ev[0], g.ev[1]) / reps as f64, host_ms)
 }
