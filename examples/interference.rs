@@ -480,6 +480,7 @@ fn aggressor_alone(g: &Gpu, a: &Aggressor, reps: usize) -> (f64, f64) {
     for _ in 0..reps {
         (a.call)(g.agg, 0);
     }
+    ck!(sys::cuEventRecord(g.ev[1], g.agg), "cuEventRecord");
     sync_all();
     (elapsed_ms(g.ev[0], g.ev[1]) / reps as f64, host_ms)
 }
