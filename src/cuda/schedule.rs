@@ -412,7 +412,6 @@ pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> 
             cmds: em.cmds,
         });
     }
-    drop_unwaited_records(&mut phases);
     Ok(Schedule {
         rank,
         world,
@@ -421,24 +420,6 @@ pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> 
         events: next_event,
         needs_kernels,
     })
-}
-
-/// Removes the records of events no command waits on (a step's event is needed only where it is
-/// the latest its consumer waits on): fewer driver calls, and copies of one stream that nothing
-/// separates any more go as one batch (`issue`: a stream's pending copies are flushed before any
-/// other command on it).
-fn drop_unwaited_records(phases: &mut [PhaseSchedule]) {
-    let waited: std::collections::HashSet<usize> = phases
-        .iter()
-        .flat_map(|ph| ph.cmds.iter())
-        .filter_map(|c| match c {
-            Cmd::Wait { event, .. } => Some(*event),
-            _ => None,
-        })
-        .collect();
-    for ph in phases.iter_mut() {
-        ph.cmds.retain(|c| !matches!(c, Cmd::Record { event, .. } if !waited.contains(event)));
-    }
 }
 
 /// The streams of a schedule and how many bytes each carries so far.
@@ -738,37 +719,28 @@ impl Emitter {
 
     #[allow(clippy::needless_range_loop)] // x indexes two clocks
     /// Waits of unit `u` (on stream `s`) on the units of its step's dependencies `deps` that are on
-    /// other streams and not yet ordered before it: per other stream one wait, on the event after
-    /// the latest of those units there (a stream's units complete in order, so it orders the
-    /// earlier ones: a sum of seven staged slices waits once on their copy stream, not seven
-    /// times, and the copies between go as one batch).
+    /// other streams and not yet ordered before it.
     fn dependency_waits(&mut self, s: usize, p: usize, u: usize, deps: &[usize], units: &[Unit], step_units: &[Vec<usize>]) -> Result<()> {
-        let mut latest: Vec<Option<usize>> = vec![None; self.nstreams];
         for &dep in deps {
-            for &du in &step_units[dep] {
+            // Last first: the wait on a stream's last unit of the step orders the earlier ones.
+            for &du in step_units[dep].iter().rev() {
                 let ds = units[du].stream;
-                if ds != s && latest[ds].is_none_or(|l| self.pos[du] > self.pos[l]) {
-                    latest[ds] = Some(du);
+                if ds == s || self.clock[s][ds] >= self.pos[du] {
+                    continue;
                 }
-            }
-        }
-        for du in latest.into_iter().flatten() {
-            let ds = units[du].stream;
-            if self.clock[s][ds] >= self.pos[du] {
-                continue;
-            }
-            let (ev, evclock) = self.event_of.get(&du).ok_or_else(|| {
-                TideError::Internal(format!(
-                    "schedule: no event after unit {du} (phase {p} step {}) needed by step {}",
-                    units[du].step, units[u].step
-                ))
-            })?;
-            self.cmds.push(Cmd::Wait {
-                stream: s,
-                event: *ev,
-            });
-            for x in 0..self.nstreams {
-                self.clock[s][x] = self.clock[s][x].max(evclock[x]);
+                let (ev, evclock) = self.event_of.get(&du).ok_or_else(|| {
+                    TideError::Internal(format!(
+                        "schedule: no event after unit {du} (phase {p} step {}) needed by step {}",
+                        units[du].step, units[u].step
+                    ))
+                })?;
+                self.cmds.push(Cmd::Wait {
+                    stream: s,
+                    event: *ev,
+                });
+                for x in 0..self.nstreams {
+                    self.clock[s][x] = self.clock[s][x].max(evclock[x]);
+                }
             }
         }
         Ok(())
@@ -1498,8 +1470,6 @@ mod tests {
             (3, 2, true),
             (4, 3, false),
             (5, 1, false),
-            (8, 3, false),
-            (8, 2, true),
         ] {
             let plan = rs_plan(world, &[37, 100, 5], 16, slots, lookahead, 3);
             for streams in [1usize, 2, 3] {
@@ -1542,44 +1512,6 @@ mod tests {
         assert!(!cmds
             .iter()
             .any(|c| matches!(c, Cmd::WaitRank { stream: MAIN, .. })));
-    }
-
-    #[test]
-    fn a_sum_of_staged_slices_waits_once_per_copy_stream() {
-        // 8 ranks, 4 chunks, 2 slots: each chunk stages 7 peers' slices, then sums them. The sum
-        // waits once per copy stream (on the event after the latest copy it reads there), and the
-        // copies of a chunk on one stream follow one another with no record between them, so the
-        // engine issues them as one batch. Every interleaving still gives the reference bytes.
-        let plan = rs_plan(8, &[64], 16, 2, false, 0);
-        for streams in [1usize, 2, 3] {
-            let o = opts(streams, LocalCopy::CopyEnginePeers, 1 << 20);
-            let s = build(&plan, 0, &o).unwrap();
-            let cmds = &s.phases[0].cmds;
-            let mut waits_before: Vec<usize> = Vec::new();
-            let mut run = 0;
-            for c in cmds {
-                match c {
-                    Cmd::Wait { stream: MAIN, .. } => run += 1,
-                    Cmd::Reduce { .. } => {
-                        waits_before.push(run);
-                        run = 0;
-                    }
-                    _ => {}
-                }
-            }
-            assert_eq!(waits_before.len(), 4, "{cmds:#?}");
-            assert!(waits_before.iter().all(|&w| w >= 1 && w <= streams), "{streams} streams: {waits_before:?}");
-            // Records on the copy streams: at most one per chunk and stream (after its last copy).
-            let side_records = cmds.iter().filter(|c| matches!(c, Cmd::Record { stream, .. } if *stream != MAIN)).count();
-            assert!(side_records <= 4 * streams, "{streams} streams: {side_records} records: {cmds:#?}");
-            // Every record is waited on.
-            for c in cmds {
-                if let Cmd::Record { event, .. } = c {
-                    assert!(cmds.iter().any(|w| matches!(w, Cmd::Wait { event: e, .. } if e == event)), "event {event} unwaited");
-                }
-            }
-            check_plan(&plan, &o, 20);
-        }
     }
 
     #[test]
