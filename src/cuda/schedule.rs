@@ -1470,6 +1470,8 @@ mod tests {
             (3, 2, true),
             (4, 3, false),
             (5, 1, false),
+            (8, 3, false),
+            (8, 2, true),
         ] {
             let plan = rs_plan(world, &[37, 100, 5], 16, slots, lookahead, 3);
             for streams in [1usize, 2, 3] {
