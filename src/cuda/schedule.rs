@@ -26,9 +26,13 @@
 //! Ordering inside the rank (plan semantics: one executor's steps act in listed order wherever the
 //! byte ranges they touch overlap with at least one write): step B depends on every earlier step A
 //! whose accesses conflict with B's. When B goes on a stream other than A's, the engine records a
-//! local event right after A's piece and B's stream waits on it. Vector clocks per stream skip waits
-//! already implied (FIFO order on a stream, or transitively through an earlier wait), so the
-//! reduce-scatter's slot reuse costs one record and one wait per slot hand-over.
+//! local event right after A's piece and B's stream waits on it: once per producer stream, on the
+//! event after the latest piece B needs there (a sum of seven staged slices waits once per copy
+//! stream, not seven times). Vector clocks per stream skip waits already implied (FIFO order on a
+//! stream, or transitively through an earlier wait), so the reduce-scatter's slot reuse costs one
+//! record and one wait per slot hand-over. An event then waited on by no one is not recorded: its
+//! place becomes `Cmd::EndBatch`, which keeps the copy batches the engine forms (`cuda::issue`)
+//! what they were with every such event waited on: one per staged slice.
 //!
 //! Across ranks (see `cuda` module header for why these are enough): at its first command of phase 0 a
 //! side stream waits on this rank's previous `done` event and on the `ready` event of every rank whose
@@ -78,6 +82,11 @@ pub enum Cmd {
     Record { stream: usize, event: usize },
     /// `stream` waits on local event `event`, recorded earlier in this call.
     Wait { stream: usize, event: usize },
+    /// The end of `stream`'s pending batch of copies; issues nothing. Where an event nobody waits
+    /// on would have been recorded (`build`): the copies before and after it stay separate
+    /// batches. One batch of more pieces runs more copies at once, and that is what a concurrent
+    /// GEMM feels (docs/design.md, "Stealing nothing from compute").
+    EndBatch { stream: usize },
     /// Copy `bytes` bytes; `step` is the step's index in its phase (for error messages).
     Copy {
         stream: usize,
@@ -109,6 +118,7 @@ impl Cmd {
             | Cmd::WaitOwnPrevDone { stream }
             | Cmd::Record { stream, .. }
             | Cmd::Wait { stream, .. }
+            | Cmd::EndBatch { stream }
             | Cmd::Copy { stream, .. }
             | Cmd::Zero { stream, .. }
             | Cmd::Reduce { stream, .. } => *stream,
@@ -412,6 +422,7 @@ pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> 
             cmds: em.cmds,
         });
     }
+    end_batches_at_unwaited_records(&mut phases);
     Ok(Schedule {
         rank,
         world,
@@ -420,6 +431,27 @@ pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> 
         events: next_event,
         needs_kernels,
     })
+}
+
+/// Turns the records of events no command waits on into `Cmd::EndBatch`: no driver call, but the
+/// copies on either side still go as separate batches, as they did while every such event was
+/// waited on (a sum of seven staged slices once waited seven times).
+fn end_batches_at_unwaited_records(phases: &mut [PhaseSchedule]) {
+    let waited: std::collections::HashSet<usize> = phases
+        .iter()
+        .flat_map(|ph| ph.cmds.iter())
+        .filter_map(|c| match c {
+            Cmd::Wait { event, .. } => Some(*event),
+            _ => None,
+        })
+        .collect();
+    for c in phases.iter_mut().flat_map(|ph| ph.cmds.iter_mut()) {
+        if let Cmd::Record { stream, event } = *c {
+            if !waited.contains(&event) {
+                *c = Cmd::EndBatch { stream };
+            }
+        }
+    }
 }
 
 /// The streams of a schedule and how many bytes each carries so far.
@@ -640,7 +672,8 @@ fn touched_ranks(units: &[Unit], nstreams: usize) -> Vec<Vec<usize>> {
 
 /// Units that need an event recorded after them: for each step another stream depends on, the
 /// last of its units on each of its streams (a stream's units complete in order, so waiting on
-/// the last covers the others: `Emitter::dependency_waits` visits a step's units last first).
+/// the last covers the others: `Emitter::dependency_waits` waits on the latest per stream; the
+/// events it then does not wait on become `Cmd::EndBatch`).
 fn needs_record(units: &[Unit], step_units: &[Vec<usize>], deps: &[Vec<usize>]) -> Vec<bool> {
     let mut needs_record = vec![false; units.len()];
     for (mi, d) in deps.iter().enumerate() {
@@ -719,28 +752,37 @@ impl Emitter {
 
     #[allow(clippy::needless_range_loop)] // x indexes two clocks
     /// Waits of unit `u` (on stream `s`) on the units of its step's dependencies `deps` that are on
-    /// other streams and not yet ordered before it.
+    /// other streams and not yet ordered before it: per other stream one wait, on the event after
+    /// the latest of those units there (a stream's units complete in order, so it orders the
+    /// earlier ones: a sum of seven staged slices waits once on their copy stream, not seven
+    /// times).
     fn dependency_waits(&mut self, s: usize, p: usize, u: usize, deps: &[usize], units: &[Unit], step_units: &[Vec<usize>]) -> Result<()> {
+        let mut latest: Vec<Option<usize>> = vec![None; self.nstreams];
         for &dep in deps {
-            // Last first: the wait on a stream's last unit of the step orders the earlier ones.
-            for &du in step_units[dep].iter().rev() {
+            for &du in &step_units[dep] {
                 let ds = units[du].stream;
-                if ds == s || self.clock[s][ds] >= self.pos[du] {
-                    continue;
+                if ds != s && latest[ds].is_none_or(|l| self.pos[du] > self.pos[l]) {
+                    latest[ds] = Some(du);
                 }
-                let (ev, evclock) = self.event_of.get(&du).ok_or_else(|| {
-                    TideError::Internal(format!(
-                        "schedule: no event after unit {du} (phase {p} step {}) needed by step {}",
-                        units[du].step, units[u].step
-                    ))
-                })?;
-                self.cmds.push(Cmd::Wait {
-                    stream: s,
-                    event: *ev,
-                });
-                for x in 0..self.nstreams {
-                    self.clock[s][x] = self.clock[s][x].max(evclock[x]);
-                }
+            }
+        }
+        for du in latest.into_iter().flatten() {
+            let ds = units[du].stream;
+            if self.clock[s][ds] >= self.pos[du] {
+                continue;
+            }
+            let (ev, evclock) = self.event_of.get(&du).ok_or_else(|| {
+                TideError::Internal(format!(
+                    "schedule: no event after unit {du} (phase {p} step {}) needed by step {}",
+                    units[du].step, units[u].step
+                ))
+            })?;
+            self.cmds.push(Cmd::Wait {
+                stream: s,
+                event: *ev,
+            });
+            for x in 0..self.nstreams {
+                self.clock[s][x] = self.clock[s][x].max(evclock[x]);
             }
         }
         Ok(())
@@ -1145,6 +1187,24 @@ mod tests {
         }
     }
 
+    /// The engine's copy batches of one phase's commands (`issue::Issuer::route` with batching on):
+    /// a stream's consecutive copies, ended by any other command on that stream. Each batch: its
+    /// stream and its copies' step indices.
+    fn copy_batches(cmds: &[Cmd]) -> Vec<(usize, Vec<usize>)> {
+        let mut open: Map<usize, Vec<usize>> = Map::new();
+        let mut out = Vec::new();
+        for c in cmds {
+            let s = c.stream();
+            if let Cmd::Copy { step, .. } = c {
+                open.entry(s).or_default().push(*step);
+            } else if let Some(b) = open.remove(&s) {
+                out.push((s, b));
+            }
+        }
+        out.extend(open);
+        out
+    }
+
     fn opts(streams: usize, local: LocalCopy, min_piece: usize) -> SchedOptions {
         SchedOptions {
             copy_streams: streams,
@@ -1517,6 +1577,121 @@ mod tests {
     }
 
     #[test]
+    fn a_sum_of_staged_slices_waits_once_per_copy_stream() {
+        // 8 ranks, 4 chunks, 2 slots: each chunk stages 7 peers' slices, then sums them. The sum
+        // waits once per copy stream (on the event after the latest copy it reads there), the
+        // events before the others are not recorded, and each staged slice is still a copy batch
+        // of its own. Every interleaving still gives the reference bytes.
+        let plan = rs_plan(8, &[64], 16, 2, false, 0);
+        for streams in [1usize, 2, 3] {
+            let o = opts(streams, LocalCopy::CopyEnginePeers, 1 << 20);
+            let s = build(&plan, 0, &o).unwrap();
+            let cmds = &s.phases[0].cmds;
+            let mut waits_before: Vec<usize> = Vec::new();
+            let mut run = 0;
+            for c in cmds {
+                match c {
+                    Cmd::Wait { stream: MAIN, .. } => run += 1,
+                    Cmd::Reduce { .. } => {
+                        waits_before.push(run);
+                        run = 0;
+                    }
+                    _ => {}
+                }
+            }
+            assert_eq!(waits_before.len(), 4, "{cmds:#?}");
+            assert!(waits_before.iter().all(|&w| w >= 1 && w <= streams), "{streams} streams: {waits_before:?}");
+            // Records on the copy streams: at most one per chunk and stream (after its last copy).
+            let side_records = cmds.iter().filter(|c| matches!(c, Cmd::Record { stream, .. } if *stream != MAIN)).count();
+            assert!(side_records <= 4 * streams, "{streams} streams: {side_records} records: {cmds:#?}");
+            assert_eq!(copy_batches(cmds).len(), 4 * 7, "{streams} streams: one batch per staged slice: {cmds:#?}");
+            check_coalesced(cmds);
+            check_plan(&plan, &o, 20);
+        }
+    }
+
+    /// What `end_batches_at_unwaited_records` promises of a phase: every recorded event is waited
+    /// on, no copy batch holds copies of two steps that a later step waits on separately (the
+    /// batches of a schedule that waited on each), and no stream waits twice on one producer stream
+    /// between two of its other commands.
+    fn check_coalesced(cmds: &[Cmd]) {
+        let mut recorded_on: Map<usize, usize> = Map::new();
+        for c in cmds {
+            if let Cmd::Record { stream, event } = c {
+                assert!(cmds.iter().any(|w| matches!(w, Cmd::Wait { event: e, .. } if e == event)), "event {event} unwaited");
+                recorded_on.insert(*event, *stream);
+            }
+        }
+        // (consumer stream) -> producer streams waited on since its last other command
+        let mut since: Map<usize, Vec<usize>> = Map::new();
+        for c in cmds {
+            match c {
+                Cmd::Wait { stream, event } => {
+                    let producer = recorded_on[event];
+                    let seen = since.entry(*stream).or_default();
+                    assert!(!seen.contains(&producer), "stream {stream} waits twice on stream {producer}: {cmds:#?}");
+                    seen.push(producer);
+                }
+                other => {
+                    since.remove(&other.stream());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_layer_reduce_scatter_records_only_what_is_waited_on() {
+        // A Llama-3-8B layer (bf16), 3 slots of 32 MiB, sums in pieces of 16 x 512 KiB. At world 8
+        // rank 0 with one copy stream: 33 records, 33 waits and 108 batch ends, in 126 copy
+        // batches, one per staged slice (when every staged slice's event was recorded and waited
+        // on: 141 records, 141 waits, the same 126 batches; 491 driver calls -> 275).
+        let specs = [
+            ParamSpec::new("wq", &[4096, 4096], DType::BF16),
+            ParamSpec::new("wk", &[1024, 4096], DType::BF16),
+            ParamSpec::new("wv", &[1024, 4096], DType::BF16),
+            ParamSpec::new("wo", &[4096, 4096], DType::BF16),
+            ParamSpec::new("w1", &[14336, 4096], DType::BF16),
+            ParamSpec::new("w3", &[14336, 4096], DType::BF16),
+            ParamSpec::new("w2", &[4096, 14336], DType::BF16),
+            ParamSpec::new("attn_norm", &[4096], DType::BF16),
+            ParamSpec::new("mlp_norm", &[4096], DType::BF16),
+        ];
+        for world in [2usize, 3, 8] {
+            let layout = GroupLayout::new(&specs, world).unwrap();
+            let topo = Topology::single_node(world);
+            let rs_opts = crate::plan::RsOptions {
+                stage_slots: 3,
+                slot_bytes: 32 << 20,
+            };
+            let rs = crate::plan::reduce_scatter(&layout, topo, rs_opts).unwrap();
+            let ag = crate::plan::all_gather(&layout, topo).unwrap();
+            for streams in [1usize, 2, 3] {
+                let o = opts(streams, LocalCopy::CopyEnginePeers, 1 << 20).with_sum_pieces(16 * 512 * 1024);
+                for rank in [0, world - 1] {
+                    let s = build(&rs, rank, &o).unwrap();
+                    for ph in &s.phases {
+                        check_coalesced(&ph.cmds);
+                        for (stream, steps) in copy_batches(&ph.cmds) {
+                            assert_eq!(steps.len(), 1, "world {world} rank {rank} stream {stream}: a batch of steps {steps:?}");
+                        }
+                    }
+                    if world == 8 && streams == 1 && rank == 0 {
+                        let cmds = &s.phases[0].cmds;
+                        let count = |f: fn(&Cmd) -> bool| cmds.iter().filter(|c| f(c)).count();
+                        assert_eq!(count(|c| matches!(c, Cmd::Record { .. })), 33);
+                        assert_eq!(count(|c| matches!(c, Cmd::Wait { .. })), 33);
+                        assert_eq!(count(|c| matches!(c, Cmd::EndBatch { .. })), 108);
+                        assert_eq!(copy_batches(cmds).len(), 126);
+                    }
+                    // The all-gather's copies wait on nothing of the call: nothing changes there.
+                    let s = build(&ag, rank, &o).unwrap();
+                    assert!(s.phases.iter().all(|ph| !ph.cmds.iter().any(|c| matches!(c, Cmd::EndBatch { .. }))));
+                }
+            }
+        }
+    }
+
+    #[test]
     fn dropping_waits_is_caught_by_the_simulator() {
         // The simulator has teeth: without the cross-stream waits some interleaving goes wrong.
         let plan = rs_plan(2, &[64], 16, 2, true, 0);
@@ -1765,6 +1940,7 @@ mod tests {
                         }
                         Cmd::WaitRank { .. } => panic!("single-phase plans only"),
                         Cmd::WaitOwnPrevDone { .. } => M::Wait(Ev::Done(r), 0),
+                        Cmd::EndBatch { .. } => continue,
                         Cmd::Record { event, .. } => M::Record(Ev::Local(r, *event)),
                         Cmd::Wait { event, .. } => M::Wait(Ev::Local(r, *event), 0),
                         other => M::Data(cmd_action(other).unwrap()),
@@ -2054,6 +2230,7 @@ mod tests {
                             }
                             AM::Wait(AEv::Done(r, b), 0)
                         }
+                        Cmd::EndBatch { .. } => continue,
                         Cmd::Record { event, .. } => AM::Record(AEv::Local(r, b, *event)),
                         Cmd::Wait { event, .. } => AM::Wait(AEv::Local(r, b, *event), 0),
                         other => AM::Data(set, b, cmd_action(other).unwrap()),
