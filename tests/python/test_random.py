@@ -221,4 +221,6 @@ def test_random_layer_loops(seed):
     (loss, grads), (loss_j, grads_j) = make("tide")(shards, x), make("jax")(shards, x)
     close_to_twin(loss, loss_j, 1e-5, f"loss: {case}")
     for k in grads:
-        close_to_twin(grads[k], grads_j[k], 1e-5 if grads[k].dtype == np.float32 else 1e-2, f"gradient of {k}: {case}")
+        # The ranks' terms may cancel here (random data): fp32 summation order can then be worth
+        # more than 1e-5 of the largest gradient; 1e-4 still catches a missing or misplaced term.
+        close_to_twin(grads[k], grads_j[k], 1e-4 if grads[k].dtype == np.float32 else 1e-2, f"gradient of {k}: {case}")
