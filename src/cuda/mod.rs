@@ -88,7 +88,8 @@
 //!    per sum piece: docs/design.md "Stealing nothing from compute"), Zero (cuMemsetD8Async) and SM
 //!    local copies go on MAIN. Inside the rank,
 //!    steps that touch overlapping bytes (one writing) are ordered by local events: a copy into a
-//!    stage slot waits for the last Reduce that read the slot, a Reduce for the copies into its slots.
+//!    stage slot waits for the last Reduce that read the slot, a Reduce for the copies into its slots
+//!    (once per copy stream, on the latest of them there: `schedule` module header).
 //! 4. Between phases: MAIN joins the side streams, records the phase event, host barrier, then each
 //!    stream waits on every rank's phase event before its first command of the next phase.
 //! 5. End: MAIN waits on every side stream used (so XLA's later work sees the outputs), records
