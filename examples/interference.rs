@@ -932,7 +932,7 @@ fn lane_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, kernel: &str, smem: u32, ctas:
 fn lane_aggressor_traced<'a>(g: &'a Gpu, bufs: &'a Bufs, kernel: &str, smem: u32, ctas: u32, cta_bytes: u64, lanes: usize, src_window: u64, dst_window: u64, graph: bool, graph_trace: u64) -> Aggressor<'a> {
     let f = func(g, kernel);
     let per_launch = (ctas as u64 * cta_bytes / 8).div_ceil(PROBE_TILE_ELEMS).max(1) * PROBE_TILE_ELEMS;
-    assert!(src_window % per_launch == 0 && dst_window % per_launch == 0, "windows are whole launches");
+    assert!(src_window.is_multiple_of(per_launch) && dst_window.is_multiple_of(per_launch), "windows are whole launches");
     let ls = Lanes::new(lanes);
     let issue = move |stream: sys::CUstream, trace: u64| {
         ls.fork(stream);
@@ -949,9 +949,9 @@ fn lane_aggressor_traced<'a>(g: &'a Gpu, bufs: &'a Bufs, kernel: &str, smem: u32
     };
     let where_ = match (src_window < N, dst_window < N) {
         (false, false) => String::new(),
-        (true, false) => format!(", sources in L2 ({} MiB window)", src_window * 2 >> 20),
-        (true, true) => format!(", all in L2 ({} MiB window)", src_window * 2 >> 20),
-        (false, true) => format!(", destination in L2 ({} MiB)", dst_window * 4 >> 20),
+        (true, false) => format!(", sources in L2 ({} MiB window)", (src_window * 2) >> 20),
+        (true, true) => format!(", all in L2 ({} MiB window)", (src_window * 2) >> 20),
+        (false, true) => format!(", destination in L2 ({} MiB)", (dst_window * 4) >> 20),
     };
     let name = format!(
         "{kernel}, {}{} x {ctas} CTAs, {} KiB/CTA/launch ({} launches){where_}",
@@ -994,7 +994,7 @@ fn capture(stream: sys::CUstream, work: impl FnOnce()) -> sys::CUgraphExec {
 fn rep_aggressor<'a>(g: &'a Gpu, bufs: &'a Bufs, kernel: &str, ctas: u32, window: u64) -> Aggressor<'a> {
     let f = func(g, kernel);
     let reps = N / window;
-    let name = format!("{kernel} {ctas} CTA{} grid-stride, {} MiB window x {reps}", if ctas > 1 { "s" } else { "" }, window * 2 >> 20);
+    let name = format!("{kernel} {ctas} CTA{} grid-stride, {} MiB window x {reps}", if ctas > 1 { "s" } else { "" }, (window * 2) >> 20);
     let bytes = if kernel == "probe_read_rep" { N as f64 * 4.0 } else { SUM_BYTES };
     Aggressor {
         name,
@@ -1053,7 +1053,7 @@ fn sources_rows(g: &Gpu, samples: usize, json: &mut String) {
                     i += 1;
                 }
             };
-            let where_ = if w < M { format!("sources in L2 ({} MiB of them)", w * 2 * k >> 20) } else { where_.to_string() };
+            let where_ = if w < M { format!("sources in L2 ({} MiB of them)", (w * 2 * k) >> 20) } else { where_.to_string() };
             let name = format!(
                 "sum of {k} sources, {}{ctas} CTAs, {} KiB/CTA/launch ({} launches), {where_}",
                 if graph { "graph, " } else { "" },
@@ -1222,14 +1222,15 @@ fn sumphase(g: &Gpu, samples: usize, json: &mut String) {
     let hot = 2u64 << 20; // elements: 4 + 4 MiB of sources, 8 MiB of destination
     let st = |ctas, kib: u64, lanes, src, dst, graph| lane_aggressor(g, &bufs, "probe_st", 0, ctas, kib << 10, lanes, src, dst, graph);
     let tma = |ctas, kib: u64, lanes, src, dst, graph| lane_aggressor(g, &bufs, "probe_st_tma_out", TMA_OUT_SMEM, ctas, kib << 10, lanes, src, dst, graph);
-    let mut aggs: Vec<Aggressor> = Vec::new();
     // Rows with victims first.
-    aggs.push(st(16, 512, 1, N, N, false));
-    aggs.push(st(16, 512, 1, N, N, true));
-    aggs.push(st(16, 1024, 1, N, N, true));
-    aggs.push(tma(16, 512, 1, N, N, false));
-    aggs.push(tma(16, 512, 1, N, N, true));
-    aggs.push(st(16, 512, 1, hot, N, true));
+    let mut aggs: Vec<Aggressor> = vec![
+        st(16, 512, 1, N, N, false),
+        st(16, 512, 1, N, N, true),
+        st(16, 1024, 1, N, N, true),
+        tma(16, 512, 1, N, N, false),
+        tma(16, 512, 1, N, N, true),
+        st(16, 512, 1, hot, N, true),
+    ];
     let alone_from = aggs.len();
     aggs.push(st(8, 512, 2, N, N, false));
     aggs.push(st(8, 1024, 2, N, N, false));
@@ -1462,7 +1463,7 @@ fn green_k8<'a>(p: &'a Partition, src: u64, dst: u64, m: u64, cta_bytes: u64, ct
         "green {} SMs: sum of 8 sources, {} KiB/CTA, {}, one CTA per SM{}",
         p.sms,
         cta_bytes >> 10,
-        if ctas == 0 { format!("one launch of {all} CTAs, sources in HBM") } else { format!("launches of {per} CTAs, sources in L2 ({} MiB of them)", window * 16 >> 20) },
+        if ctas == 0 { format!("one launch of {all} CTAs, sources in HBM") } else { format!("launches of {per} CTAs, sources in L2 ({} MiB of them)", (window * 16) >> 20) },
         if pdl { ", PDL" } else { "" }
     );
     Aggressor::traced(

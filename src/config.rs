@@ -307,7 +307,7 @@ impl Config {
             nvrtc_lib_dir: r.raw("TIDE_NVRTC_LIB_DIR"),
             nccl_lib: r.raw("TIDE_NCCL_LIB"),
             debug_mp: r.flag("TIDE_DEBUG_MP", false),
-            stall_ms: r.int("TIDE_STALL_MS", 250, 0, 3_600_000) as u64,
+            stall_ms: r.int("TIDE_STALL_MS", 250, 0, 3_600_000),
         };
         r.removed("TIDE_RS_KERNEL", &["st", "coalesced"], REMOVED_RS_KERNEL);
         (config, r.errors)

@@ -94,7 +94,9 @@ impl RankInfo {
     /// it has one, else its event.
     pub(crate) fn wait(&self, stream: CUstream, point: Point, what: impl FnOnce() -> String) -> Result<()> {
         if let Some(page) = &self.signals {
-            return page.wait(stream, point, what);
+            // SAFETY: the streams tide passes are its own or XLA's for the call, live for it (as
+            // for the event below).
+            return unsafe { page.wait(stream, point, what) };
         }
         let ev = match point {
             Point::Ready => self.ready,

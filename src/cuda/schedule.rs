@@ -1663,7 +1663,7 @@ mod tests {
             let specs: Vec<ParamSpec> = (0..1 + next(5))
                 .map(|i| {
                     let dims: Vec<usize> = (0..next(3)).map(|_| 1 + next(40)).collect();
-                    ParamSpec::new(&format!("p{i}"), &dims, dtypes[next(3)])
+                    ParamSpec::new(format!("p{i}"), &dims, dtypes[next(3)])
                 })
                 .collect();
             let what = format!("seed {base} case {case}: world {world}, {specs:?}");

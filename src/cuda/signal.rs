@@ -52,7 +52,7 @@ impl Point {
         let k = match self {
             Point::Ready => 0,
             Point::Done => 1,
-            Point::Phase(p) => p.checked_add(2).unwrap_or(usize::MAX),
+            Point::Phase(p) => p.saturating_add(2),
         };
         if k < SLOTS {
             Ok(k)
@@ -81,7 +81,7 @@ impl Page {
     /// `host` points at `PAGE_BYTES` of shared memory that stays mapped for the life of the
     /// process and is used only as signals.
     pub unsafe fn register(host: *mut u8, what: impl Fn() -> String) -> Result<Page> {
-        if host.is_null() || (host as usize) % PAGE_BYTES != 0 {
+        if host.is_null() || !(host as usize).is_multiple_of(PAGE_BYTES) {
             return Err(TideError::Internal(format!("{}: signal page at {host:p} is not page-aligned", what())));
         }
         // SAFETY: the caller's guarantee.
@@ -108,17 +108,24 @@ impl Page {
     }
 
     /// The owner enqueues on `stream` the next write of `point` (the CPU counts it first).
-    pub fn record(&self, stream: CUstream, point: Point, what: impl FnOnce() -> String) -> Result<()> {
+    ///
+    /// # Safety
+    /// `stream` is a live stream of the context the page was registered in.
+    pub unsafe fn record(&self, stream: CUstream, point: Point, what: impl FnOnce() -> String) -> Result<()> {
         let k = point.slot()?;
         let n = self.enqueued(k).load(Ordering::Relaxed).wrapping_add(1);
         self.enqueued(k).store(n, Ordering::Release);
-        // SAFETY: the page is registered (`register`) and mapped for the life of the process.
+        // SAFETY: the page is registered (`register`) and mapped for the life of the process; the
+        // stream is the caller's guarantee.
         unsafe { driver::stream_write_value32(stream, self.dev + (k * 8 + 4) as u64, n, what) }
     }
 
     /// `stream` waits for the most recent write of `point` enqueued so far by the page's owner (none
     /// if it never recorded one).
-    pub fn wait(&self, stream: CUstream, point: Point, what: impl FnOnce() -> String) -> Result<()> {
+    ///
+    /// # Safety
+    /// As `record`.
+    pub unsafe fn wait(&self, stream: CUstream, point: Point, what: impl FnOnce() -> String) -> Result<()> {
         let k = point.slot()?;
         let n = self.enqueued(k).load(Ordering::Acquire);
         if n == 0 {

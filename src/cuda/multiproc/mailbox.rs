@@ -28,7 +28,7 @@ use std::time::Duration;
 const MAILBOX_MAGIC: u64 = 0x7469_6465_6375_6d62; // "tidecumb"
 
 /// Everything a peer published for one call.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(super) struct Mail {
     device: i64,
     pid: u64,
@@ -45,19 +45,6 @@ fn put(out: &mut Vec<u8>, v: u64) {
     out.extend_from_slice(&v.to_le_bytes());
 }
 
-impl Default for Mail {
-    fn default() -> Mail {
-        Mail {
-            device: 0,
-            pid: 0,
-            allocs: Vec::new(),
-            phases: 0,
-            inputs: Vec::new(),
-            stages: Vec::new(),
-            nccl_id: None,
-        }
-    }
-}
 
 impl Mail {
     fn encode(&self, seq: u64) -> Vec<u8> {
@@ -502,7 +489,8 @@ impl Meeting for Mailbox<'_> {
     /// The phase point for peers in other processes (`signal`), right after the phase event.
     fn phase_recorded(&self, p: usize, main: CUstream) -> Result<()> {
         let (me, ord) = (self.rs.rank, self.ord);
-        self.d.signals.record(main, Point::Phase(p), || format!("rank {me} device {ord}: phase {p} signal"))
+        // SAFETY: MAIN is XLA's stream of this call, live for the call.
+        unsafe { self.d.signals.record(main, Point::Phase(p), || format!("rank {me} device {ord}: phase {p} signal")) }
     }
     /// MAIN after every rail transfer (sends read our inputs; XLA may reuse them after the call).
     fn phases_ended(&self, main: CUstream) -> Result<()> {
@@ -514,7 +502,8 @@ impl Meeting for Mailbox<'_> {
     /// `done` for peers in other processes (`signal`), right after the done event.
     fn done_recorded(&self, main: CUstream) -> Result<()> {
         let (me, ord) = (self.rs.rank, self.ord);
-        self.d.signals.record(main, Point::Done, || format!("rank {me} device {ord}: done signal"))
+        // SAFETY: as `phase_recorded`.
+        unsafe { self.d.signals.record(main, Point::Done, || format!("rank {me} device {ord}: done signal")) }
     }
 }
 

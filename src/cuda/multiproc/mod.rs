@@ -665,7 +665,8 @@ impl DevPart {
             let e = driver::event_create(|| format!("device {ord}, rail event"))?;
             self.rail_events.push(e);
         }
-        self.signals.record(stream, Point::Ready, || format!("rank {me} device {ord}: ready signal"))
+        // SAFETY: STREAM is XLA's stream of this call, live for the call.
+        unsafe { self.signals.record(stream, Point::Ready, || format!("rank {me} device {ord}: ready signal")) }
     }
 
     /// Peer `q`'s signal page: the tail of its mailbox `seg` as this process maps it, registered on
