@@ -30,56 +30,85 @@ pub enum DType {
     F32 = 11,
     F64 = 12,
     BF16 = 16,
+    C64 = 15,
+    C128 = 18,
+    F8E5M2 = 19,
+    F8E4M3FN = 20,
+    F8E4M3B11FNUZ = 23,
+    F8E5M2FNUZ = 24,
+    F8E4M3FNUZ = 25,
+    F8E4M3 = 28,
+    F8E3M4 = 29,
+    F8E8M0FNU = 33,
 }
+
+/// Every `DType`, for tests and tables.
+pub const ALL_DTYPES: [DType; 23] = [
+    DType::Pred,
+    DType::S8,
+    DType::S16,
+    DType::S32,
+    DType::S64,
+    DType::U8,
+    DType::U16,
+    DType::U32,
+    DType::U64,
+    DType::F16,
+    DType::F32,
+    DType::F64,
+    DType::BF16,
+    DType::C64,
+    DType::C128,
+    DType::F8E5M2,
+    DType::F8E4M3FN,
+    DType::F8E4M3B11FNUZ,
+    DType::F8E5M2FNUZ,
+    DType::F8E4M3FNUZ,
+    DType::F8E4M3,
+    DType::F8E3M4,
+    DType::F8E8M0FNU,
+];
 
 impl DType {
     pub fn size_bytes(self) -> usize {
         match self {
             DType::Pred | DType::S8 | DType::U8 => 1,
+            DType::F8E5M2
+            | DType::F8E4M3FN
+            | DType::F8E4M3B11FNUZ
+            | DType::F8E5M2FNUZ
+            | DType::F8E4M3FNUZ
+            | DType::F8E4M3
+            | DType::F8E3M4
+            | DType::F8E8M0FNU => 1,
             DType::S16 | DType::U16 | DType::F16 | DType::BF16 => 2,
             DType::S32 | DType::U32 | DType::F32 => 4,
-            DType::S64 | DType::U64 | DType::F64 => 8,
+            DType::S64 | DType::U64 | DType::F64 | DType::C64 => 8,
+            DType::C128 => 16,
         }
     }
 
-    /// From XLA FFI's data type code.
+    /// From XLA FFI's data type code. Packed sub-byte types (S1/S2/S4, U1/U2/U4, F4E2M1FN) and the
+    /// token are not element types tide can address by the byte: refused, naming the code.
     pub fn from_xla(code: i32) -> Result<DType> {
-        Ok(match code {
-            1 => DType::Pred,
-            2 => DType::S8,
-            3 => DType::S16,
-            4 => DType::S32,
-            5 => DType::S64,
-            6 => DType::U8,
-            7 => DType::U16,
-            8 => DType::U32,
-            9 => DType::U64,
-            10 => DType::F16,
-            11 => DType::F32,
-            12 => DType::F64,
-            16 => DType::BF16,
-            other => return invalid!("unknown dtype code {other} (XLA_FFI_DataType)"),
-        })
+        match ALL_DTYPES.iter().find(|d| **d as i32 == code) {
+            Some(&d) => Ok(d),
+            None => match code {
+                21 | 22 | 26 | 27 | 30 | 31 | 32 => invalid!(
+                    "dtype code {code} (XLA_FFI_DataType) is a sub-byte type (int4, uint4, int2, uint2, \
+                     int1, uint1 or float4_e2m1fn): tide moves whole bytes per element"
+                ),
+                other => invalid!("unknown dtype code {other} (XLA_FFI_DataType)"),
+            },
+        }
     }
 
-    /// From the numpy / JAX name ("bfloat16", "float32", ...).
+    /// From the numpy / JAX name ("bfloat16", "float32", "float8_e4m3fn", ...).
     pub fn from_name(name: &str) -> Result<DType> {
-        Ok(match name {
-            "bool" => DType::Pred,
-            "int8" => DType::S8,
-            "int16" => DType::S16,
-            "int32" => DType::S32,
-            "int64" => DType::S64,
-            "uint8" => DType::U8,
-            "uint16" => DType::U16,
-            "uint32" => DType::U32,
-            "uint64" => DType::U64,
-            "float16" => DType::F16,
-            "float32" => DType::F32,
-            "float64" => DType::F64,
-            "bfloat16" => DType::BF16,
-            other => return invalid!("unknown dtype {other:?}"),
-        })
+        match ALL_DTYPES.iter().find(|d| d.name() == name) {
+            Some(&d) => Ok(d),
+            None => invalid!("unknown dtype {name:?}"),
+        }
     }
 
     pub fn name(self) -> &'static str {
@@ -97,6 +126,16 @@ impl DType {
             DType::F32 => "float32",
             DType::F64 => "float64",
             DType::BF16 => "bfloat16",
+            DType::C64 => "complex64",
+            DType::C128 => "complex128",
+            DType::F8E5M2 => "float8_e5m2",
+            DType::F8E4M3FN => "float8_e4m3fn",
+            DType::F8E4M3B11FNUZ => "float8_e4m3b11fnuz",
+            DType::F8E5M2FNUZ => "float8_e5m2fnuz",
+            DType::F8E4M3FNUZ => "float8_e4m3fnuz",
+            DType::F8E4M3 => "float8_e4m3",
+            DType::F8E3M4 => "float8_e3m4",
+            DType::F8E8M0FNU => "float8_e8m0fnu",
         }
     }
 

@@ -1,6 +1,6 @@
 //! Property tests of the FSDP2 dim-0 shard arithmetic over awkward shapes, with a hand-rolled RNG.
 
-use tide::layout::{DType, GroupLayout, ParamSpec};
+use tide::layout::{DType, GroupLayout, ParamSpec, ALL_DTYPES};
 
 struct Rng(u64);
 impl Rng {
@@ -16,21 +16,7 @@ impl Rng {
     }
 }
 
-const DTYPES: [DType; 13] = [
-    DType::Pred,
-    DType::S8,
-    DType::S16,
-    DType::S32,
-    DType::S64,
-    DType::U8,
-    DType::U16,
-    DType::U32,
-    DType::U64,
-    DType::F16,
-    DType::F32,
-    DType::F64,
-    DType::BF16,
-];
+const DTYPES: [DType; 23] = ALL_DTYPES;
 
 /// Shapes that stress the rule: 0-d, 1-D, rows < P, rows == P, rows % P != 0, 3-D.
 fn awkward_shape(rng: &mut Rng, world: usize) -> Vec<usize> {
@@ -113,7 +99,7 @@ fn random_groups_over_many_world_sizes() {
                     ParamSpec::new(
                         format!("p{k}"),
                         &awkward_shape(&mut rng, world),
-                        DTYPES[rng.below(13)],
+                        DTYPES[rng.below(DTYPES.len())],
                     )
                 })
                 .collect();
@@ -219,8 +205,37 @@ fn dtype_codes_round_trip() {
         assert_eq!(DType::from_xla(d as i32).unwrap(), d);
         assert_eq!(DType::from_name(d.name()).unwrap(), d);
     }
+    // XLA_FFI_DataType's codes and byte sizes (xla/ffi/api/c_api.h of jaxlib 0.10.2).
+    for (code, name, bytes) in [
+        (1, "bool", 1),
+        (2, "int8", 1),
+        (5, "int64", 8),
+        (9, "uint64", 8),
+        (10, "float16", 2),
+        (12, "float64", 8),
+        (15, "complex64", 8),
+        (16, "bfloat16", 2),
+        (18, "complex128", 16),
+        (19, "float8_e5m2", 1),
+        (20, "float8_e4m3fn", 1),
+        (23, "float8_e4m3b11fnuz", 1),
+        (24, "float8_e5m2fnuz", 1),
+        (25, "float8_e4m3fnuz", 1),
+        (28, "float8_e4m3", 1),
+        (29, "float8_e3m4", 1),
+        (33, "float8_e8m0fnu", 1),
+    ] {
+        let d = DType::from_xla(code).unwrap();
+        assert_eq!((d.name(), d.size_bytes()), (name, bytes), "code {code}");
+    }
+    // Sub-byte types and the token are refused, saying why.
+    for code in [21, 22, 26, 27, 30, 31, 32] {
+        let e = DType::from_xla(code).unwrap_err().to_string();
+        assert!(e.contains("sub-byte"), "{e}");
+    }
+    assert!(DType::from_xla(17).unwrap_err().to_string().contains("unknown dtype code 17"));
     assert!(DType::from_xla(99).is_err());
-    assert!(DType::from_name("complex64").is_err());
+    assert!(DType::from_name("int4").is_err());
     let reducible: Vec<DType> = DTYPES
         .iter()
         .copied()

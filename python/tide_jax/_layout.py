@@ -147,6 +147,17 @@ _STATE_HINT = (
 )
 
 
+def _bits(dtype: np.dtype) -> int:
+    """Bits per element: fewer than 8 for the packed types (int4, uint4, int2, float4_e2m1fn, ...),
+    whose NumPy itemsize (1) says nothing of how XLA stores them."""
+    for info in (jnp.iinfo, jnp.finfo):
+        try:
+            return int(info(dtype).bits)
+        except (TypeError, ValueError):
+            pass
+    return 8 * dtype.itemsize
+
+
 def _check_leaf(path: str, leaf) -> None:
     """Refuses what cannot be sharded as rows of numbers, naming the leaf: PRNG keys (extended
     dtypes such as key<fry>), Python objects, strings."""
@@ -167,8 +178,14 @@ def _check_leaf(path: str, leaf) -> None:
             np_dtype = np.dtype(dtype)
         except TypeError:
             raise TypeError(f"tide: layout: leaf {name} has dtype {dtype}, which is not an array dtype; {_STATE_HINT}") from None
-        if np_dtype.kind not in "biufc" and np_dtype != np.dtype(jnp.bfloat16):
+        if np_dtype != np.dtype(bool) and not jnp.issubdtype(np_dtype, jnp.number):
             raise TypeError(f"tide: layout: leaf {name} has dtype {np_dtype} (not numbers); {_STATE_HINT}")
+        if _bits(np_dtype) < 8:
+            raise TypeError(
+                f"tide: layout: leaf {name} has dtype {np_dtype}, {_bits(np_dtype)} bits per element: XLA may "
+                "pack such elements several to a byte, and tide moves whole bytes per element; store it as "
+                "int8 / uint8 / float8 and convert inside the step"
+            )
         return
     if isinstance(leaf, (bool, int, float, complex, np.generic)):
         return  # Python / NumPy scalars: 0-d parameters

@@ -73,6 +73,43 @@ def test_all_gather_matches_lax(backend, world):
             assert same_bytes(out[name][rank], ref[name][rank]), f"{name} on rank {rank} vs jax.lax"
 
 
+BYTE_WIDE = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.uint32, np.complex64, ml_dtypes.float8_e4m3fn,
+             ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2fnuz, ml_dtypes.float8_e4m3b11fnuz,
+             ml_dtypes.float8_e4m3, ml_dtypes.float8_e3m4, ml_dtypes.float8_e8m0fnu]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_all_gather_moves_every_byte_wide_dtype(backend, world):
+    """The all-gather moves bytes: fp8 weights (FP8 all-gather), complex, bool and small integers
+    arrive bitwise, in one group with odd shapes, by all_gather and by start/done."""
+    mesh = make_mesh((world,), (AXIS,))
+    rng = np.random.default_rng(200 + world)
+    params = {}
+    for i, dt in enumerate(BYTE_WIDE):
+        shape = [(7, 3), (13,), (), (3, 2, 2), (world + 1, 1)][i % 5]
+        if np.dtype(dt).kind in "iub":
+            params[np.dtype(dt).name] = rng.integers(0, 2 if dt is np.bool_ else 100, size=shape).astype(dt)
+        elif np.dtype(dt).kind == "c":
+            params[np.dtype(dt).name] = (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dt)
+        else:
+            params[np.dtype(dt).name] = np.asarray(rng.standard_normal(shape) * 4).astype(dt)
+    lay = tide_jax.layout(params, mesh, AXIS)
+    stacked = jax.tree.map(lambda _: P(AXIS), params)
+
+    def both(s):
+        full = tide_jax.all_gather(s, lay)
+        started = tide_jax.all_gather_done(tide_jax.all_gather_start(s, lay))
+        return jax.tree.map(lambda t: t[None], full), jax.tree.map(lambda t: t[None], started)
+
+    out, started = smap(both, mesh, (lay.spec,), (stacked, stacked))(lay.shard(params))
+    for name, x in params.items():
+        assert out[name].dtype == x.dtype, name
+        for rank in range(world):
+            assert same_bytes(out[name][rank], x), f"{name} on rank {rank}"
+            assert same_bytes(started[name][rank], x), f"{name} on rank {rank} (start/done)"
+    assert same_bytes(lay.unshard(lay.shard(params))["float8_e4m3fn"], params["float8_e4m3fn"])
+
+
 @pytest.mark.parametrize("world", [3, 8])
 def test_all_gather_with_cast(backend, world):
     mesh = make_mesh((world,), (AXIS,))

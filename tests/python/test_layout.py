@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -141,6 +142,12 @@ def test_non_array_leaves_are_refused_naming_leaf_and_dtype():
         tide_jax.layout({"w": np.zeros(3), "act": "gelu"}, mesh, "fsdp")
     lay = tide_jax.layout({"c": np.zeros((), np.uint32), "m": np.ones(5, bool)}, mesh, "fsdp")
     assert [p.dtype for p in lay.params] == [np.dtype(np.uint32), np.dtype(bool)]
+    lay = tide_jax.layout({"f8": np.zeros(5, ml_dtypes.float8_e4m3fn), "c": np.zeros(3, np.complex64)}, mesh, "fsdp")
+    assert [p.dtype for p in lay.params] == [np.dtype(np.complex64), np.dtype(ml_dtypes.float8_e4m3fn)]  # key order
+    # Packed sub-byte types: XLA may store several elements to a byte; refused before anything runs.
+    for dt in (ml_dtypes.int4, ml_dtypes.uint4, ml_dtypes.int2, ml_dtypes.float4_e2m1fn):
+        with pytest.raises(TypeError, match=rf"leaf \['q'\] has dtype {np.dtype(dt).name}, [24] bits per element"):
+            tide_jax.layout({"w": np.zeros(3), "q": np.zeros(4, dt)}, mesh, "fsdp")
 
 
 def test_first_wrong_call_names_the_fix():

@@ -4,7 +4,8 @@ nobody wrote down.
 Each test draws its cases from a new seed (printed in every failure; `TIDE_RANDOM_SEED=S` replays
 one, `TIDE_RANDOM_CASES=N` runs N per test instead of 6):
 - `test_random_pytrees`: 1-6 parameters of 0-3 dims (sizes 1-70, rarely dividing the world), f32 /
-  bf16 / f16 / int32, on 1-8 of the CPU devices. all_gather gives every rank each parameter's bytes;
+  bf16 / f16 and, all-gathered only, int8-32 / uint8-32 / bool / complex64 / float8, on 1-8 of the
+  CPU devices. all_gather gives every rank each parameter's bytes;
   the reduce-scatter of per-rank random gradients is within fp32 rounding of the fp64 sum, padding
   rows zero.
 - `test_random_composed_meshes`: fsdp beside a tensor axis (either order) or data x fsdp x tensor,
@@ -34,6 +35,8 @@ from conftest import make_mesh
 
 EPS32 = float(np.finfo(np.float32).eps)
 FLOATS = [np.float32, ml_dtypes.bfloat16, np.float16]
+OTHERS = [np.int32, np.int8, np.uint8, np.int16, np.uint32, np.bool_, np.complex64, ml_dtypes.float8_e4m3fn,
+          ml_dtypes.float8_e5m2]
 CASES = int(os.environ.get("TIDE_RANDOM_CASES", "6"))
 
 
@@ -67,8 +70,14 @@ def random_params(rng, ints: bool):
     for i in range(int(rng.integers(1, 7))):
         shape = tuple(int(rng.integers(1, 12)) if rng.random() > 0.05 else int(rng.integers(12, 71))
                       for _ in range(int(rng.integers(0, 4))))
-        if ints and rng.random() < 0.15:
-            params[f"p{i}"] = rng.integers(-50, 50, size=shape).astype(np.int32)
+        if ints and rng.random() < 0.25:  # all-gathered only: moved as bytes
+            other = OTHERS[rng.integers(0, len(OTHERS))]
+            if np.dtype(other).kind in "iub":
+                params[f"p{i}"] = rng.integers(-50, 50, size=shape).astype(other)
+            elif np.dtype(other).kind == "c":
+                params[f"p{i}"] = (np.asarray(rng.standard_normal(shape)) * (1 + 1j)).astype(other)
+            else:
+                params[f"p{i}"] = np.asarray(rng.standard_normal(shape)).astype(other)
         else:
             params[f"p{i}"] = np.asarray(rng.standard_normal(shape)).astype(FLOATS[rng.integers(0, 3)])
     return params
@@ -90,7 +99,7 @@ def test_random_pytrees(tide_backend, seed):
         for rank in range(world):
             assert same_bytes(out[k][rank], x), f"all_gather of {k} on rank {rank}: {case}"
 
-    floats = {k: v for k, v in params.items() if v.dtype != np.int32}
+    floats = {k: v for k, v in params.items() if v.dtype in [np.dtype(f) for f in FLOATS]}
     if not floats:
         return
     lay = tide_jax.layout(floats, mesh, "fsdp")
