@@ -574,6 +574,20 @@ class Layout:
         return Layout(sub, self.mesh, self.axis, topology=self._topology_arg, _prefix=prefix,
                       specs=self.specs[key], replicas=self.replicas)
 
+    def _subset(self, indices) -> "Layout":
+        """The layout of some of this one's parameters, as a list (the same paths, mesh, device map
+        and job): what a collective over part of a group runs on (a backward that reduces only the
+        floating leaves)."""
+        indices = list(indices)
+        self.job  # resolved once, on this layout (a multi-process job's set-up)
+        sub = object.__new__(Layout)
+        sub.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_jit_cache"})
+        sub.params = tuple(self.params[i] for i in indices)
+        sub.treedef = jax.tree_util.tree_structure([0] * len(indices))
+        leaves = jax.tree_util.tree_leaves(self.abstract)
+        sub.abstract = [leaves[i] for i in indices]
+        return sub
+
     def same_mesh(self, other: "Layout") -> bool:
         return self.mesh == other.mesh and self.axis == other.axis
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat, _lib
-from ._layout import Layout
+from ._layout import Layout, ParamInfo
 
 __all__ = [
     "Handle",
@@ -654,8 +654,51 @@ def all_gather(shards, lay: Layout, dtype=None, *, backend: str | None = None):
 
     `dtype` (e.g. jnp.bfloat16) casts every floating shard before the gather, so only the local shard
     is converted and the wire carries the narrow type. One native call per pytree (parameter group).
+
+    Differentiable like `jax.lax.all_gather`: the cotangent of the gathered parameters is
+    reduce-scattered (`reduce_scatter`: float32 sums) and cast to each shard's dtype. `gather_params`
+    is the same gather with the FSDP recipe's defaults (bf16, HSDP replicas summed in float32).
     """
-    return _all_gather(shards, lay, dtype, backend)
+    _check_context(lay, "all_gather")
+    leaves = _check_shards(shards, lay, "all_gather")
+    backend = backend or _backend
+    if backend == "jax" or not any(jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves):
+        return _all_gather(shards, lay, dtype, backend)  # jax.lax's own autodiff / nothing to differentiate
+    shard_vmas = [_compat.vma_of(x) for x in leaves]
+
+    @jax.custom_vjp
+    def gather(shards):
+        return _all_gather(shards, lay, dtype, backend)
+
+    def fwd(shards):
+        return gather(shards), None
+
+    def bwd(_, cotangent):
+        cts = lay.treedef.flatten_up_to(cotangent)
+        outs = [None] * len(leaves)
+        native, own = [], []  # summed by tide in float32 / by jax.lax in their own dtype (f64, complex)
+        for i, (p, x, ct, s) in enumerate(zip(lay.params, leaves, cts, shard_vmas)):
+            if not jnp.issubdtype(x.dtype, jnp.inexact):
+                outs[i] = np.zeros(p.shard_shape, jax.dtypes.float0)
+                continue
+            ct = _compat.mark_varying(ct, sorted(s | {lay.axis}))  # a no-op under check_vma=False
+            if np.dtype(ct.dtype) in REDUCIBLE or (jnp.issubdtype(ct.dtype, jnp.floating) and ct.dtype.itemsize < 4):
+                native.append((i, ct.astype(jnp.float32) if np.dtype(ct.dtype) not in REDUCIBLE else ct))
+            else:
+                own.append((i, ct))
+        if native:
+            sub = lay._subset([i for i, _ in native])
+            for (i, _), o in zip(native, reduce_scatter([ct for _, ct in native], sub, None, backend=backend)):
+                outs[i] = o
+        for i, ct in own:
+            outs[i] = _psum_scatter_leaf(ct, lay.params[i], lay.axis)
+        for i, (x, s) in enumerate(zip(leaves, shard_vmas)):
+            if jnp.issubdtype(x.dtype, jnp.inexact):
+                outs[i] = _typed_like(outs[i].astype(x.dtype), s)
+        return (jax.tree_util.tree_unflatten(lay.treedef, outs),)
+
+    gather.defvjp(fwd, bwd)
+    return gather(shards)
 
 
 def reduce_scatter(grads, lay: Layout, dtype=jnp.float32, *, backend: str | None = None):
@@ -664,9 +707,56 @@ def reduce_scatter(grads, lay: Layout, dtype=jnp.float32, *, backend: str | None
 
     The sum is accumulated in float32; the result is `(shard_rows, *rest)` float32 with padding rows
     zero, cast to `dtype` afterwards if that differs.
+
+    Differentiable like `jax.lax.psum_scatter`: the cotangent of the shards is all-gathered and cast
+    to each gradient's dtype.
     """
     n = len(lay.params) if isinstance(lay, Layout) else 0
-    return _reduce_scatter(grads, lay, [None if dtype is None else np.dtype(dtype)] * n, backend)
+    dtypes = [None if dtype is None else np.dtype(dtype)] * n
+    _check_context(lay, "reduce_scatter")
+    leaves = _check_grads(grads, lay, "reduce_scatter")
+    backend = backend or _backend
+    if backend == "jax":
+        return _reduce_scatter(grads, lay, dtypes, backend)  # jax.lax's own autodiff
+    grad_vmas = [_compat.vma_of(x) for x in leaves]
+
+    @jax.custom_vjp
+    def scatter(grads):
+        return _reduce_scatter(grads, lay, dtypes, backend)
+
+    def fwd(grads):
+        return scatter(grads), None
+
+    def bwd(_, cotangent):
+        cts = lay.treedef.flatten_up_to(cotangent)
+        cts = [_compat.mark_varying(ct, sorted(s | {lay.axis})) for ct, s in zip(cts, grad_vmas)]
+        full = lay.treedef.flatten_up_to(all_gather(jax.tree_util.tree_unflatten(lay.treedef, cts), lay,
+                                                    backend=backend))
+        outs = [_typed_like(f.astype(x.dtype), s) for f, x, s in zip(full, leaves, grad_vmas)]
+        return (jax.tree_util.tree_unflatten(lay.treedef, outs),)
+
+    scatter.defvjp(fwd, bwd)
+    return scatter(grads)
+
+
+def _psum_scatter_leaf(ct, p: ParamInfo, axis: str):
+    """One parameter's reduce-scatter by jax.lax, in the cotangent's own dtype (float64, complex):
+    padded to whole shards, summed over `axis`; the shard of this rank."""
+    g = jnp.reshape(ct, (p.rows, *p.rest))
+    if p.padded_rows > p.rows:
+        g = jnp.pad(g, [(0, p.padded_rows - p.rows)] + [(0, 0)] * len(p.rest))
+    return jnp.reshape(jax.lax.psum_scatter(g, axis, scatter_dimension=0, tiled=True), p.shard_shape)
+
+
+def _typed_like(t, vma: frozenset):
+    """A backward's result typed as its primal (`vma`, under check_vma): summed over the axes it
+    varies over and the primal does not (the primal was the same on every rank there, and JAX's
+    broadcast of it transposes to a sum), then marked varying as the primal is. A no-op when nothing
+    is tracked (check_vma=False: no value has varying axes)."""
+    extra = _compat.vma_of(t) - vma
+    if extra:
+        t = jax.lax.psum(t, tuple(sorted(extra)))
+    return _compat.mark_varying(t, sorted(vma)) if vma else t
 
 
 def gather_params(shards, lay: Layout, dtype=jnp.bfloat16, *, backend: str | None = None):
@@ -701,12 +791,11 @@ def gather_params(shards, lay: Layout, dtype=jnp.bfloat16, *, backend: str | Non
         # A cotangent may be typed less varying than the primal output (e.g. the same on every rank);
         # its values are still per device, so type it as such before summing it over devices.
         flat, tree = jax.tree_util.tree_flatten(cotangent)
-        flat = [_compat.mark_varying(t, sorted(s | set(r) | {lay.axis})) if s else t
-                for t, s, r in zip(flat, shard_vmas, replicas)]
+        flat = [_compat.mark_varying(t, sorted(s | set(r) | {lay.axis})) for t, s, r in zip(flat, shard_vmas, replicas)]
         grads = _reduce_scatter(jax.tree_util.tree_unflatten(tree, flat), lay, shard_dtypes, backend,
                                 psum_axes=replicas)
         flat, tree = jax.tree_util.tree_flatten(grads)
-        flat = [_compat.mark_varying(t, sorted(s)) if s else t for t, s in zip(flat, shard_vmas)]
+        flat = [_typed_like(t, s) for t, s in zip(flat, shard_vmas)]
         return (jax.tree_util.tree_unflatten(tree, flat),)
 
     gather.defvjp(fwd, bwd)
