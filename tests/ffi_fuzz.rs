@@ -400,7 +400,7 @@ fn mutate(rng: &mut Rng, c: &mut Case) -> &'static [&'static str] {
         }
         15 => {
             let b = pick_buf(rng, c);
-            b.dtype = rng.pick(&[0, 13, 14, 15, 17, 99, -1, i32::MAX]);
+            b.dtype = rng.pick(&[0, 13, 14, 17, 21, 32, 99, -1, i32::MAX]); // unknown, token, sub-byte
             &["dtype"]
         }
         16 => {

@@ -331,11 +331,6 @@ class Layout:
             a = _abstract(leaf)
             path = _prefix + jax.tree_util.keystr(key_path)
             shape = tuple(int(d) for d in a.shape)
-            if any(d == 0 for d in shape):
-                raise ValueError(
-                    f"tide: parameter {path or '<root>'} has shape {shape}: zero-size parameters "
-                    "cannot be sharded"
-                )
             carried = spec is None and _carried_spec(leaf) is not None
             dims = _resolve_spec(path, shape, spec if spec is not None else (_carried_spec(leaf) or PartitionSpec()),
                                  carried, mesh, axis)
@@ -581,12 +576,21 @@ class Layout:
         indices = list(indices)
         self.job  # resolved once, on this layout (a multi-process job's set-up)
         sub = object.__new__(Layout)
-        sub.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_jit_cache"})
+        sub.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_jit_cache", "_nonempty_cache")})
         sub.params = tuple(self.params[i] for i in indices)
         sub.treedef = jax.tree_util.tree_structure([0] * len(indices))
         leaves = jax.tree_util.tree_leaves(self.abstract)
         sub.abstract = [leaves[i] for i in indices]
         return sub
+
+    def _nonempty(self):
+        """(indices, layout) of the parameters with elements when some have none (a dim of size 0),
+        else None. The native library moves no empty parameter: tide's calls run on this subset and
+        the empty ones' results are made where they are needed (empty arrays of their shapes)."""
+        if "_nonempty_cache" not in self.__dict__:
+            idx = [i for i, p in enumerate(self.params) if p.rows * p.row_elems > 0]
+            self._nonempty_cache = None if len(idx) == len(self.params) else (idx, self._subset(idx) if idx else None)
+        return self._nonempty_cache
 
     def same_mesh(self, other: "Layout") -> bool:
         return self.mesh == other.mesh and self.axis == other.axis

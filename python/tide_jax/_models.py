@@ -291,8 +291,6 @@ class Plan:
                     "bfloat16, float16 or float32 only; cast the model's parameters to float32"
                 )
             shape = shape_of(x)
-            if any(d == 0 for d in shape):
-                raise ValueError(f"tide: {what}: parameter {path} has shape {shape}: zero-size parameters cannot be sharded")
             self.params.append(_Param(path, shape, dt, stack_of(path)))
         self.state: list[_State] = [_State(path, is_array(x), stack_of(path)) for path, x in state]
         self.specs = self._layer_specs(specs)

@@ -247,10 +247,61 @@ def _local_reduce_scatter(leaves: list, lay: Layout) -> list:
     return _vary_like(outs, leaves, lay.axis)
 
 
+# ----- parameters with no elements (a dim of size 0) -----
+# [Note: empty parameters]
+# The native library moves no empty parameter (src/layout.rs refuses them): a group with some runs
+# its call on the others (`Layout._nonempty`, a sub-layout with the same paths and device map), and
+# the empty ones' results are the local ops' (a reshape of zero elements, typed as the call's), made
+# at the start and carried through the handle to the done. A group with nothing but empty
+# parameters makes no call at all.
+def _empty_outs(op: str, leaves: list, lay: Layout) -> list:
+    """Per parameter: for an empty one, the local op's result (a reshape of zero elements, typed as
+    the call's); None for the others."""
+    idx = set(lay._nonempty()[0])
+    outs = []
+    for i, (p, x) in enumerate(zip(lay.params, leaves)):
+        if i in idx:
+            outs.append(None)
+            continue
+        o = jnp.reshape(x, p.local_shape) if op == "all_gather" else jnp.reshape(x, p.shard_shape).astype(jnp.float32)
+        outs.append(_compat.mark_varying(o, sorted(_compat.vma_of(x) | {lay.axis})))
+    return outs
+
+
+def _without_empty(leaves: list, lay: Layout, run, op: str) -> list:
+    idx, sub = lay._nonempty()
+    outs = _empty_outs(op, leaves, lay)
+    if sub is not None:
+        for i, o in zip(idx, run([leaves[i] for i in idx], sub)):
+            outs[i] = o
+    return outs
+
+
+def _part_handle(op: str, lay: Layout, inner: Handle, idx, empties: list, out_vmas) -> Handle:
+    """The handle of a call started on the non-empty parameters (`inner`): every result in place,
+    the empty parameters' (`empties`, made now) with them."""
+    results = list(empties)
+    for i, r in zip(idx, inner.results):
+        results[i] = r
+    return Handle(results, inner.operands, (op, lay, ("part", inner.meta, tuple(idx)), out_vmas))
+
+
+def _part_done(handle: Handle, done) -> list:
+    """`done` of a `_part_handle`: the inner call's done, the empty results as they came."""
+    _, _, (_, inner_meta, idx), _ = handle.meta
+    outs = list(handle.results)
+    inner = Handle([outs[i] for i in idx], handle.operands, inner_meta)
+    for i, o in zip(idx, done(inner)):
+        outs[i] = o
+    return outs
+
+
 # ----- the native (tide) implementations, on validated leaves -----
 def _tide_all_gather(leaves: list, lay: Layout) -> list:
     if _is_local(lay, "all_gather"):
         return _local_all_gather(leaves, lay)
+    if lay._nonempty() is not None:
+        return _without_empty(leaves, lay, _tide_all_gather, "all_gather")
     _lib.ensure_registered(lay.platform)
     result_types = [jax.ShapeDtypeStruct(p.local_shape, x.dtype) for p, x in zip(lay.params, leaves)]
     outs = jax.ffi.ffi_call("tide_all_gather", result_types, vmap_method="sequential")(*leaves, **_attrs(lay, _new_site()))
@@ -260,6 +311,8 @@ def _tide_all_gather(leaves: list, lay: Layout) -> list:
 def _tide_reduce_scatter(leaves: list, lay: Layout) -> list:
     if _is_local(lay, "reduce_scatter"):
         return _local_reduce_scatter(leaves, lay)
+    if lay._nonempty() is not None:
+        return _without_empty(leaves, lay, _tide_reduce_scatter, "reduce_scatter")
     _lib.ensure_registered(lay.platform)
     result_types = [jax.ShapeDtypeStruct(p.shard_shape, jnp.float32) for p in lay.params]
     outs = jax.ffi.ffi_call("tide_reduce_scatter", result_types, vmap_method="sequential")(*leaves, **_attrs(lay, _new_site()))
@@ -300,6 +353,13 @@ def _start(op: str, leaves: list, lay: Layout, backend: str, urgent: bool = Fals
             gather, scatter = _local_all_gather, _local_reduce_scatter
         outs = (gather if op == "all_gather" else scatter)(leaves, lay)
         return Handle(outs, [], (op, lay, "local", ()))
+    if lay._nonempty() is not None:  # [Note: empty parameters]
+        idx, sub = lay._nonempty()
+        empties = _empty_outs(op, leaves, lay)
+        if sub is None:
+            return Handle(empties, [], (op, lay, "local", ()))
+        inner = _start(op, [leaves[i] for i in idx], sub, backend, urgent)
+        return _part_handle(op, lay, inner, idx, empties, ())
     _lib.ensure_registered(lay.platform)
     if op == "all_gather":
         types = [jax.ShapeDtypeStruct(p.local_shape, x.dtype) for p, x in zip(lay.params, leaves)]
@@ -382,6 +442,8 @@ def _done(handle: Handle, op: str) -> list:
         raise ValueError(f"tide: {op}_done got the handle of a {hop}_start")
     if backend == "local":
         return list(handle.results)
+    if isinstance(backend, tuple):  # started on the non-empty parameters
+        return _part_done(handle, lambda inner: _done(inner, op))
     n = len(handle.results)
     types = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in handle.results]
     tracked = any(out_vmas)
@@ -408,9 +470,14 @@ def _done(handle: Handle, op: str) -> list:
 def _start_into(leaves: list, bufs: list, index, lay: Layout, backend: str, urgent: bool = False) -> Handle:
     n = len(leaves)
     index = jnp.asarray(index, jnp.int32)
-    if backend == "jax" or _is_local(lay, "reduce_scatter"):
+    part = lay._nonempty()
+    if backend == "jax" or _is_local(lay, "reduce_scatter") or (part is not None and part[1] is None):
         h = _start("reduce_scatter", leaves, lay, backend, urgent)
         return Handle(list(bufs), [h, index], ("reduce_scatter_into", lay, "wrapped", ()))
+    if part is not None:  # [Note: empty parameters]: their buffers have no elements to write
+        idx, sub = part
+        inner = _start_into([leaves[i] for i in idx], [bufs[i] for i in idx], index, sub, backend, urgent)
+        return _part_handle("reduce_scatter_into", lay, inner, idx, list(bufs), ())
     _lib.ensure_registered(lay.platform)
     for p, b in zip(lay.params, bufs):
         if b.dtype != np.dtype(jnp.float32) or tuple(b.shape[1:]) != tuple(p.shard_shape) or b.ndim < 1:
@@ -466,6 +533,8 @@ def _done_into(handle: Handle) -> list:
     if not isinstance(handle, Handle) or handle.meta[0] != "reduce_scatter_into":
         raise TypeError("tide: reduce_scatter into slices: expected the handle of its start")
     _, lay, backend, buf_vmas = handle.meta
+    if isinstance(backend, tuple):  # started on the non-empty parameters
+        return _part_done(handle, _done_into)
     if backend == "wrapped":
         h, index = handle.operands
         outs = _done(h, "reduce_scatter")
@@ -531,9 +600,17 @@ def _ag_cast_enabled() -> bool:
 
 def _start_cast(stacked: list, index, lay: Layout, backend: str) -> Handle:
     index = jnp.asarray(index, jnp.int32)
-    if not _cast_ok(lay, [s.dtype for s in stacked], jnp.bfloat16, backend):
+    part = lay._nonempty()
+    if not _cast_ok(lay, [s.dtype for s in stacked], jnp.bfloat16, backend) or (part is not None and part[1] is None):
         leaves = [jax.lax.dynamic_index_in_dim(s, index, 0, keepdims=False).astype(jnp.bfloat16) for s in stacked]
         return _start("all_gather", leaves, lay, backend)
+    if part is not None:  # [Note: empty parameters]
+        idx, sub = part
+        inner = _start_cast([stacked[i] for i in idx], index, sub, backend)
+        empties = [None if i in idx else _compat.mark_varying(jnp.zeros(p.local_shape, jnp.bfloat16),
+                                                               sorted(_compat.vma_of(x) | {lay.axis}))
+                   for i, (p, x) in enumerate(zip(lay.params, stacked))]
+        return _part_handle("all_gather", lay, inner, idx, empties, ())
     _lib.ensure_registered(lay.platform)
     for p, s in zip(lay.params, stacked):
         if s.ndim < 1 or tuple(s.shape[1:]) != tuple(p.shard_shape) or s.dtype != np.dtype(np.float32):

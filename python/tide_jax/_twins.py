@@ -9,12 +9,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from . import _compat
 from ._layout import Layout
+
+
+def _empty(x, shape, dtype, axis: str):
+    """An empty parameter's result (XLA's collectives refuse a dimension of size 0), typed as the
+    collective's would be."""
+    return _compat.mark_varying(jnp.zeros(shape, dtype), sorted(_compat.vma_of(x) | {axis}))
 
 
 def all_gather_leaves(leaves: list, lay: Layout) -> list:
     outs = []
     for p, x in zip(lay.params, leaves):
+        if p.rows * p.row_elems == 0:
+            outs.append(_empty(x, p.local_shape, x.dtype, lay.axis))
+            continue
         full = jax.lax.all_gather(x, lay.axis, axis=0, tiled=True)  # (world * shard_rows, *rest)
         outs.append(jnp.reshape(full[: p.rows], p.local_shape))
     return outs
@@ -23,6 +33,9 @@ def all_gather_leaves(leaves: list, lay: Layout) -> list:
 def reduce_scatter_leaves(leaves: list, lay: Layout) -> list:
     outs = []
     for p, g in zip(lay.params, leaves):
+        if p.rows * p.row_elems == 0:
+            outs.append(_empty(g, p.shard_shape, jnp.float32, lay.axis))
+            continue
         g = jnp.reshape(g, (p.rows, *p.rest)).astype(jnp.float32)
         pad_rows = p.padded_rows - p.rows
         if pad_rows:
