@@ -3,7 +3,8 @@ nobody wrote down.
 
 Each test draws its cases from a new seed (printed in every failure; `TIDE_RANDOM_SEED=S` replays
 one, `TIDE_RANDOM_CASES=N` runs N per test instead of 6):
-- `test_random_pytrees`: 1-6 parameters of 0-3 dims (sizes 1-70, rarely dividing the world), f32 /
+- `test_random_pytrees`: 1-6 parameters of 0-3 dims (sizes 1-70, rarely dividing the world, now and
+  then one of size 0), f32 /
   bf16 / f16 and, all-gathered only, int8-32 / uint8-32 / bool / complex64 / float8, on 1-8 of the
   CPU devices. all_gather gives every rank each parameter's bytes;
   the reduce-scatter of per-rank random gradients is within fp32 rounding of the fp64 sum, padding
@@ -70,6 +71,8 @@ def random_params(rng, ints: bool):
     for i in range(int(rng.integers(1, 7))):
         shape = tuple(int(rng.integers(1, 12)) if rng.random() > 0.05 else int(rng.integers(12, 71))
                       for _ in range(int(rng.integers(0, 4))))
+        if shape and rng.random() < 0.08:  # an empty parameter now and then
+            shape = tuple(0 if d == int(rng.integers(0, len(shape))) else n for d, n in enumerate(shape))
         if ints and rng.random() < 0.25:  # all-gathered only: moved as bytes
             other = OTHERS[rng.integers(0, len(OTHERS))]
             if np.dtype(other).kind in "iub":
@@ -109,12 +112,13 @@ def test_random_pytrees(tide_backend, seed):
                (jax.tree.map(lambda _: P("fsdp"), floats),), lay.spec)(per_rank)
     for k, x in floats.items():
         rows = int(np.shape(x)[0]) if np.ndim(x) else 1
+        row = math.prod(np.shape(x)[1:])
         terms = np.asarray(grads[k]).astype(np.float64)
-        exact = terms.sum(0).reshape(rows, -1)
-        bound = world * EPS32 * np.abs(terms).sum(0).reshape(rows, -1) + 1e-30
+        exact = terms.sum(0).reshape(rows, row)
+        bound = world * EPS32 * np.abs(terms).sum(0).reshape(rows, row) + 1e-30
         got = np.asarray(out[k])
         assert got.dtype == np.float32, f"reduce_scatter of {k}: {got.dtype}: {case}"
-        got = got.astype(np.float64).reshape(got.shape[0], -1)
+        got = got.astype(np.float64).reshape(got.shape[0], row)
         assert not got[rows:].any(), f"reduce_scatter of {k}: padding rows not zero: {case}"
         err = np.abs(got[:rows] - exact)
         assert (err <= bound).all(), f"reduce_scatter of {k}: error {err.max():.3g} over the fp32 bound: {case}"
