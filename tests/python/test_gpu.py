@@ -551,3 +551,44 @@ def test_all_gather_cast_on_gpus(n, rng, monkeypatch):
     T.check_cast_gather(mesh, seed=int(rng.integers(1 << 30)))
     T.check_loop_same_bits(monkeypatch, n, 4, "dots", True, mesh=mesh)
     T.check_loop_same_bits(monkeypatch, n, 3, None, False, mesh=mesh)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_byte_wide_dtypes_empty_parameters_and_grad_on_gpus(tide, rng, n, monkeypatch):
+    """float8 / complex / bool / int8 parameters all-gathered bitwise beside empty ones (tide's call
+    runs on the others); jax.grad through tide.all_gather equals the reduce-scatter of the cotangent.
+    TIDE_WORLD1_NATIVE=1 so one GPU runs the engine too."""
+    import jax
+    import jax.numpy as jnp
+    import ml_dtypes
+    from jax.sharding import PartitionSpec as P
+    monkeypatch.setenv("TIDE_WORLD1_NATIVE", "1")
+    devs = _need(n)
+    mesh = _mesh(devs)
+    params = {"f8": rng.standard_normal((37, 5)).astype(ml_dtypes.float8_e4m3fn),
+              "e5": rng.standard_normal((9,)).astype(ml_dtypes.float8_e5m2),
+              "c": (rng.standard_normal((7, 3)) + 1j * rng.standard_normal((7, 3))).astype(np.complex64),
+              "m": rng.integers(0, 2, (11,)).astype(np.bool_), "i8": rng.integers(-100, 100, (3, 4)).astype(np.int8),
+              "empty": np.zeros((0, 8), np.float32), "lora": np.zeros((4, 0), ml_dtypes.bfloat16),
+              "w": rng.standard_normal((1031, 3)).astype(np.float32)}
+    lay = tide.layout(params, mesh, AXIS)
+    out = _smap(mesh, lambda s: {k: v[None] for k, v in tide.all_gather(s, lay).items()}, (lay.spec,),
+                {k: P(AXIS) for k in params})(lay.shard(params))
+    for k, x in params.items():
+        got = np.asarray(jax.device_get(out[k]))
+        assert got.shape == (n, *x.shape) and got.dtype == x.dtype, k
+        for d in range(n):
+            assert got[d].tobytes() == x.tobytes(), f"{k} on device {d}"
+    floats = {"w": params["w"], "empty": params["empty"]}
+    flay = tide.layout(floats, mesh, AXIS)
+    weights = (rng.integers(-8, 9, (n, 1031, 3)) / 4).astype(np.float32)
+
+    def grads(s, w):
+        return jax.grad(lambda s: jnp.sum(tide.all_gather(s, flay)["w"] * w[0]) + jnp.sum(tide.all_gather(s, flay)["empty"]))(s)
+
+    from jax.sharding import NamedSharding
+    g = _smap(mesh, grads, (flay.spec, P(AXIS)), flay.spec)(flay.shard(floats),
+                                                            jax.device_put(weights, NamedSharding(mesh, P(AXIS))))
+    want = _pad(weights.astype(np.float64).sum(0), n).astype(np.float32)
+    assert np.asarray(jax.device_get(g["w"])).tobytes() == want.tobytes()
+    assert np.shape(g["empty"]) == flay.params[0].global_shape
