@@ -743,14 +743,7 @@ def all_gather(shards, lay: Layout, dtype=None, *, backend: str | None = None):
         return _all_gather(shards, lay, dtype, backend)  # jax.lax's own autodiff / nothing to differentiate
     shard_vmas = [_compat.vma_of(x) for x in leaves]
 
-    @jax.custom_vjp
-    def gather(shards):
-        return _all_gather(shards, lay, dtype, backend)
-
-    def fwd(shards):
-        return gather(shards), None
-
-    def bwd(_, cotangent):
+    def bwd(cotangent):
         cts = lay.treedef.flatten_up_to(cotangent)
         outs = [None] * len(leaves)
         native, own = [], []  # summed by tide in float32 / by jax.lax in their own dtype (f64, complex)
@@ -772,10 +765,9 @@ def all_gather(shards, lay: Layout, dtype=None, *, backend: str | None = None):
         for i, (x, s) in enumerate(zip(leaves, shard_vmas)):
             if jnp.issubdtype(x.dtype, jnp.inexact):
                 outs[i] = _typed_like(outs[i].astype(x.dtype), s)
-        return (jax.tree_util.tree_unflatten(lay.treedef, outs),)
+        return jax.tree_util.tree_unflatten(lay.treedef, outs)
 
-    gather.defvjp(fwd, bwd)
-    return gather(shards)
+    return _linear(lambda t: _all_gather(t, lay, dtype, backend), bwd, shards)
 
 
 def reduce_scatter(grads, lay: Layout, dtype=jnp.float32, *, backend: str | None = None):
@@ -797,23 +789,23 @@ def reduce_scatter(grads, lay: Layout, dtype=jnp.float32, *, backend: str | None
         return _reduce_scatter(grads, lay, dtypes, backend)  # jax.lax's own autodiff
     grad_vmas = [_compat.vma_of(x) for x in leaves]
 
-    @jax.custom_vjp
-    def scatter(grads):
-        return _reduce_scatter(grads, lay, dtypes, backend)
-
-    def fwd(grads):
-        return scatter(grads), None
-
-    def bwd(_, cotangent):
+    def bwd(cotangent):
         cts = lay.treedef.flatten_up_to(cotangent)
         cts = [_compat.mark_varying(ct, sorted(s | {lay.axis})) for ct, s in zip(cts, grad_vmas)]
         full = lay.treedef.flatten_up_to(all_gather(jax.tree_util.tree_unflatten(lay.treedef, cts), lay,
                                                     backend=backend))
         outs = [_typed_like(f.astype(x.dtype), s) for f, x, s in zip(full, leaves, grad_vmas)]
-        return (jax.tree_util.tree_unflatten(lay.treedef, outs),)
+        return jax.tree_util.tree_unflatten(lay.treedef, outs)
 
-    scatter.defvjp(fwd, bwd)
-    return scatter(grads)
+    return _linear(lambda t: _reduce_scatter(t, lay, dtypes, backend), bwd, grads)
+
+
+def _linear(forward, transpose, tree):
+    """`forward(tree)`, a linear map made of tide calls (which JAX cannot differentiate), with
+    `transpose(cotangent of the result) -> cotangent of tree` as its derivative."""
+    f = jax.custom_vjp(forward)
+    f.defvjp(lambda t: (f(t), None), lambda _, ct: (transpose(ct),))
+    return f(tree)
 
 
 def _psum_scatter_leaf(ct, p: ParamInfo, axis: str):
@@ -854,17 +846,13 @@ def gather_params(shards, lay: Layout, dtype=jnp.bfloat16, *, backend: str | Non
     backend = backend or _backend
     shard_vmas, replicas = replica_axes(leaves, lay)
 
-    @jax.custom_vjp
     def gather(shards):
         full = _all_gather(shards, lay, dtype, backend)
         flat, tree = jax.tree_util.tree_flatten(full)
         flat = [_compat.mark_varying(t, r) if r else t for t, r in zip(flat, replicas)]
         return jax.tree_util.tree_unflatten(tree, flat)
 
-    def fwd(shards):
-        return gather(shards), None
-
-    def bwd(_, cotangent):
+    def bwd(cotangent):
         # A cotangent may be typed less varying than the primal output (e.g. the same on every rank);
         # its values are still per device, so type it as such before summing it over devices.
         flat, tree = jax.tree_util.tree_flatten(cotangent)
@@ -873,10 +861,9 @@ def gather_params(shards, lay: Layout, dtype=jnp.bfloat16, *, backend: str | Non
                                 psum_axes=replicas)
         flat, tree = jax.tree_util.tree_flatten(grads)
         flat = [_typed_like(t, s) for t, s in zip(flat, shard_vmas)]
-        return (jax.tree_util.tree_unflatten(tree, flat),)
+        return jax.tree_util.tree_unflatten(tree, flat)
 
-    gather.defvjp(fwd, bwd)
-    return gather(shards)
+    return _linear(gather, bwd, shards)
 
 
 def replica_axes(leaves, lay: Layout) -> tuple[list, list]:
