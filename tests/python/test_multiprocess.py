@@ -128,6 +128,27 @@ def worker(out_dir: str, die: int | None, hsdp: int = 0) -> None:
         for o in others[k].addressable_shards:
             assert not np.asarray(o.data).any(), f"reduce_scatter into slices wrote another slice of {k}"
 
+    # All-gathered only: float8, complex, int8 and empty parameters (bytes; the empty ones make no call).
+    import ml_dtypes
+
+    rng = np.random.default_rng(99 + world)
+    extra = {"f8": rng.standard_normal((13, 3)).astype(ml_dtypes.float8_e4m3fn),
+             "c": (rng.standard_normal((5,)) + 1j * rng.standard_normal((5,))).astype(np.complex64),
+             "i8": rng.integers(-100, 100, (world + 1, 2)).astype(np.int8), "none": np.zeros((0, 4), np.float32)}
+    elay = tide_jax.layout(extra, mesh, "fsdp")
+    eshards = {}
+    for p in elay.params:
+        x = extra[p.path.strip("[]'")].reshape(p.rows, *p.rest)
+        pad = np.zeros((p.padded_rows, *p.rest), x.dtype)
+        pad[: p.rows] = x
+        eshards[p.path.strip("[]'")] = global_array(pad, p.global_shape)
+    efull = jax.jit(tide_jax.shard_map(lambda s: {k: v[None] for k, v in tide_jax.all_gather(s, elay).items()},
+                                       mesh=mesh, in_specs=(P("fsdp"),), out_specs=P("fsdp")))(eshards)
+    for k, x in extra.items():
+        for sh in efull[k].addressable_shards:
+            got = np.asarray(sh.data)[0]
+            assert got.dtype == x.dtype and got.shape == x.shape and got.tobytes() == x.tobytes(), f"all_gather {k}"
+
     results = {}
     for k in params:
         p = next(q for q in lay.params if q.path.strip("[]'") == k)
