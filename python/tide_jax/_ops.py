@@ -199,7 +199,9 @@ def _check_grads(grads, lay: Layout, op: str) -> list:
 
 
 def _maybe_cast(x, dtype):
-    if dtype is None or not jnp.issubdtype(x.dtype, jnp.inexact):
+    """`x` as `dtype` if it is a real floating array (a complex one would lose its imaginary part:
+    left as it is, like integers)."""
+    if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating):
         return x
     return x.astype(dtype)
 

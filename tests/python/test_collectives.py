@@ -108,6 +108,12 @@ def test_all_gather_moves_every_byte_wide_dtype(backend, world):
             assert same_bytes(out[name][rank], x), f"{name} on rank {rank}"
             assert same_bytes(started[name][rank], x), f"{name} on rank {rank} (start/done)"
     assert same_bytes(lay.unshard(lay.shard(params))["float8_e4m3fn"], params["float8_e4m3fn"])
+    # dtype= casts the real floating shards only: float8 to bf16; complex, bool and ints as they are.
+    cast = smap(lambda s: jax.tree.map(lambda t: t[None], tide_jax.all_gather(s, lay, jnp.bfloat16)), mesh,
+                (lay.spec,), stacked)(lay.shard(params))
+    for name, x in params.items():
+        want = np.asarray(x).astype(ml_dtypes.bfloat16) if np.dtype(x.dtype).kind not in "biuc" else x
+        assert same_bytes(cast[name][world - 1], want), f"{name} gathered as bfloat16"
 
 
 @pytest.mark.parametrize("world", [3, 8])
