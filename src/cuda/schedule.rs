@@ -445,12 +445,10 @@ fn end_batches_at_unwaited_records(phases: &mut [PhaseSchedule]) {
             _ => None,
         })
         .collect();
-    for c in phases.iter_mut().flat_map(|ph| ph.cmds.iter_mut()) {
-        if let Cmd::Record { stream, event } = *c {
-            if !waited.contains(&event) {
-                *c = Cmd::EndBatch { stream };
-            }
-        }
+    // This branch: dropped, not turned into batch ends, so a chunk's staged slices on one copy
+    // stream go as one batch (the A/B of `scripts/gpu run OUT interference_ab`).
+    for ph in phases.iter_mut() {
+        ph.cmds.retain(|c| !matches!(c, Cmd::Record { event, .. } if !waited.contains(event)));
     }
 }
 
@@ -1604,7 +1602,7 @@ mod tests {
             // Records on the copy streams: at most one per chunk and stream (after its last copy).
             let side_records = cmds.iter().filter(|c| matches!(c, Cmd::Record { stream, .. } if *stream != MAIN)).count();
             assert!(side_records <= 4 * streams, "{streams} streams: {side_records} records: {cmds:#?}");
-            assert_eq!(copy_batches(cmds).len(), 4 * 7, "{streams} streams: one batch per staged slice: {cmds:#?}");
+            assert!(copy_batches(cmds).len() <= 4 * streams, "{streams} streams: one batch per chunk and stream: {cmds:#?}");
             check_coalesced(cmds);
             check_plan(&plan, &o, 20);
         }
@@ -1726,17 +1724,14 @@ mod tests {
                     let s = build(&rs, rank, &o).unwrap();
                     for ph in &s.phases {
                         check_coalesced(&ph.cmds);
-                        for (stream, steps) in copy_batches(&ph.cmds) {
-                            assert_eq!(steps.len(), 1, "world {world} rank {rank} stream {stream}: a batch of steps {steps:?}");
-                        }
+
                     }
                     if world == 8 && streams == 1 && rank == 0 {
                         let cmds = &s.phases[0].cmds;
                         let count = |f: fn(&Cmd) -> bool| cmds.iter().filter(|c| f(c)).count();
                         assert_eq!(count(|c| matches!(c, Cmd::Record { .. })), 33);
                         assert_eq!(count(|c| matches!(c, Cmd::Wait { .. })), 33);
-                        assert_eq!(count(|c| matches!(c, Cmd::EndBatch { .. })), 108);
-                        assert_eq!(copy_batches(cmds).len(), 126);
+                        assert_eq!(count(|c| matches!(c, Cmd::EndBatch { .. })), 0);
                     }
                     // The all-gather's copies wait on nothing of the call: nothing changes there.
                     let s = build(&ag, rank, &o).unwrap();
