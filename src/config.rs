@@ -39,9 +39,12 @@ pub struct Config {
     /// TIDE_RS_STAGE_SLOTS (default 3; an integer in [1, 64]): number of staging slots in the
     /// reduce-scatter pipeline (3 beat 2 on 2 H200s: bench/results/2026-11-30-cuda-bench.md).
     pub rs_stage_slots: usize,
-    /// TIDE_RS_SLOT_BYTES (default 32 MiB; an integer in [4096, 2^32]): bytes of one staging slot.
+    /// TIDE_RS_SLOT_BYTES (default 16 MiB; an integer in [4096, 2^32]): bytes of one staging slot.
     /// The reduce-scatter's scratch per rank is rs_stage_slots * rs_slot_bytes, independent of the
-    /// group size.
+    /// group size. 16, not 32: with a chunk's staged slices in one copy batch, 16 MiB slots keep an
+    /// emulated world-8 reduce-scatter within issue #22's bars beside a one-wave GEMM (+3.0 %) and
+    /// still move more per second than 32 MiB slots did before (942 vs 826 GB/s; 32 MiB now: 1385
+    /// GB/s at +3.9 %), bench/results/2026-12-05-1h200 runs 47-48.
     pub rs_slot_bytes: usize,
     /// TIDE_AG_STREAMS (default 1; an integer in [1, 16]; 1 was fastest on 2 H200s, more streams
     /// only add event and host overhead: bench/results/2026-11-30-cuda-bench.md): copy streams the
@@ -81,7 +84,7 @@ pub struct Config {
     /// reduce-scatter) that may be started and not yet done at once per device. Each owns an
     /// in-flight slot: a tide stream, side streams, events and (reduce-scatter) its own stage slots,
     /// so staging memory per device is at most TIDE_MAX_IN_FLIGHT x TIDE_RS_STAGE_SLOTS x
-    /// TIDE_RS_SLOT_BYTES (default 4 x 96 MiB, allocated only when that many reduce-scatters were in
+    /// TIDE_RS_SLOT_BYTES (default 4 x 48 MiB, allocated only when that many reduce-scatters were in
     /// flight at once, then kept); the all-gather needs none. A start beyond it fails with an error
     /// naming it. 4, not 2: XLA may issue a layer loop's next start before the previous done
     /// (tide_jax's prefetch=2 then has 3 gathers in flight).
@@ -294,7 +297,7 @@ impl Config {
             rs_max_ctas: r.int("TIDE_RS_MAX_CTAS", 16, 1, 1024) as u32,
             rs_cta_bytes: r.int("TIDE_RS_CTA_BYTES", 512 << 10, 0, 1 << 32) as usize,
             rs_stage_slots: r.int("TIDE_RS_STAGE_SLOTS", 3, 1, 64) as usize,
-            rs_slot_bytes: r.int("TIDE_RS_SLOT_BYTES", 32 << 20, 4096, 1 << 32) as usize,
+            rs_slot_bytes: r.int("TIDE_RS_SLOT_BYTES", 16 << 20, 4096, 1 << 32) as usize,
             ag_streams: r.int("TIDE_AG_STREAMS", 1, 1, 16) as usize,
             multicast: r.flag("TIDE_MULTICAST", false),
             rs_copy_streams: r.int("TIDE_RS_COPY_STREAMS", 1, 1, 16) as usize,

@@ -433,8 +433,6 @@ impl Issuer<'_> {
                 // SAFETY: valid event and stream.
                 unsafe { driver::stream_wait_event(s, ev, || format!("rank {rank} device {ord}: local event {event}")) }
             }
-            // `route` flushed the stream's pending work before it: that is all it asks.
-            Cmd::EndBatch { .. } => Ok(()),
             Cmd::Copy { step, src, dst, bytes, via, .. } => self.copy(s, p, *step, src, dst, *bytes, *via),
             Cmd::Zero { step, dst, bytes, .. } => {
                 let da = address(self.infos, dst, *bytes)?;

@@ -42,8 +42,8 @@
 //! op and device: a start beyond that fails with an error naming the setting (it cannot wait: the
 //! done that would free a slot runs later on the same thread). Memory per device: the all-gather
 //! none beyond XLA's buffers; the reduce-scatter TIDE_MAX_IN_FLIGHT x TIDE_RS_STAGE_SLOTS x
-//! TIDE_RS_SLOT_BYTES (default at most 4 x 3 x 32 MiB = 384 MiB; a slot's staging is allocated when
-//! the slot is first used, so a program with at most 2 reduce-scatters in flight uses 192 MiB), kept.
+//! TIDE_RS_SLOT_BYTES (default at most 4 x 3 x 16 MiB = 192 MiB; a slot's staging is allocated when
+//! the slot is first used, so a program with at most 2 reduce-scatters in flight uses 96 MiB), kept.
 //! - A1 (start): XLA's stream X records `entry`; T waits on it and records `ready`. So `ready`
 //!   follows everything XLA enqueued before the start (the inputs' producers, the last readers of
 //!   the output buffers) and everything the slot's previous call enqueued on T, even a call whose
@@ -111,7 +111,7 @@
 //! Memory (device, per GPU, allocated once and kept): the all-gather needs none beyond XLA's
 //! buffers (every piece lands at its final address; the cast, if any, is XLA's, on the local shard).
 //! The reduce-scatter stages peers' slices in `TIDE_RS_STAGE_SLOTS x TIDE_RS_SLOT_BYTES` bytes
-//! (default 3 x 32 MiB = 96 MiB), independent of the group size and of the number of GPUs; chunks of
+//! (default 3 x 16 MiB = 48 MiB), independent of the group size and of the number of GPUs; chunks of
 //! at most `slot_bytes / (P - 1)` per peer cycle through the slots. Plus events and streams.
 //!
 //! Concurrency: the in-process driver holds a device's state lock only while it takes a slot,

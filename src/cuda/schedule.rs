@@ -30,9 +30,11 @@
 //! event after the latest piece B needs there (a sum of seven staged slices waits once per copy
 //! stream, not seven times). Vector clocks per stream skip waits already implied (FIFO order on a
 //! stream, or transitively through an earlier wait), so the reduce-scatter's slot reuse costs one
-//! record and one wait per slot hand-over. An event then waited on by no one is not recorded: its
-//! place becomes `Cmd::EndBatch`, which keeps the copy batches the engine forms (`cuda::issue`)
-//! what they were with every such event waited on: one per staged slice.
+//! record and one wait per slot hand-over. An event then waited on by no one is not recorded, so
+//! the copies on either side of it join one batch (`cuda::issue` forms a batch of a stream's
+//! consecutive copies): a chunk's staged slices go as one batch per copy stream. Measured beside a
+//! one-wave GEMM (bench/results/2026-12-05-1h200 runs 47-48): with 16 MiB staging slots, within
+//! issue #22's bars and faster than one batch per slice with 32 MiB slots.
 //!
 //! Across ranks (see `cuda` module header for why these are enough): at its first command of phase 0 a
 //! side stream waits on this rank's previous `done` event and on the `ready` event of every rank whose
@@ -82,11 +84,6 @@ pub enum Cmd {
     Record { stream: usize, event: usize },
     /// `stream` waits on local event `event`, recorded earlier in this call.
     Wait { stream: usize, event: usize },
-    /// The end of `stream`'s pending batch of copies; issues nothing. Where an event nobody waits
-    /// on would have been recorded (`build`): the copies before and after it stay separate
-    /// batches. One batch of more pieces runs more copies at once, and that is what a concurrent
-    /// GEMM feels (docs/design.md, "Stealing nothing from compute").
-    EndBatch { stream: usize },
     /// Copy `bytes` bytes; `step` is the step's index in its phase (for error messages).
     Copy {
         stream: usize,
@@ -118,7 +115,6 @@ impl Cmd {
             | Cmd::WaitOwnPrevDone { stream }
             | Cmd::Record { stream, .. }
             | Cmd::Wait { stream, .. }
-            | Cmd::EndBatch { stream }
             | Cmd::Copy { stream, .. }
             | Cmd::Zero { stream, .. }
             | Cmd::Reduce { stream, .. } => *stream,
@@ -422,7 +418,7 @@ pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> 
             cmds: em.cmds,
         });
     }
-    end_batches_at_unwaited_records(&mut phases);
+    drop_unwaited_records(&mut phases);
     Ok(Schedule {
         rank,
         world,
@@ -433,10 +429,9 @@ pub fn build(plan: &Plan, rank: usize, opts: &SchedOptions) -> Result<Schedule> 
     })
 }
 
-/// Turns the records of events no command waits on into `Cmd::EndBatch`: no driver call, but the
-/// copies on either side still go as separate batches, as they did while every such event was
-/// waited on (a sum of seven staged slices once waited seven times).
-fn end_batches_at_unwaited_records(phases: &mut [PhaseSchedule]) {
+/// Drops the records of events no command waits on (a sum of seven staged slices once waited
+/// seven times): no driver call, and the copies on either side join one batch.
+fn drop_unwaited_records(phases: &mut [PhaseSchedule]) {
     let waited: std::collections::HashSet<usize> = phases
         .iter()
         .flat_map(|ph| ph.cmds.iter())
@@ -445,8 +440,6 @@ fn end_batches_at_unwaited_records(phases: &mut [PhaseSchedule]) {
             _ => None,
         })
         .collect();
-    // This branch: dropped, not turned into batch ends, so a chunk's staged slices on one copy
-    // stream go as one batch (the A/B of `scripts/gpu run OUT interference_ab`).
     for ph in phases.iter_mut() {
         ph.cmds.retain(|c| !matches!(c, Cmd::Record { event, .. } if !waited.contains(event)));
     }
@@ -671,7 +664,7 @@ fn touched_ranks(units: &[Unit], nstreams: usize) -> Vec<Vec<usize>> {
 /// Units that need an event recorded after them: for each step another stream depends on, the
 /// last of its units on each of its streams (a stream's units complete in order, so waiting on
 /// the last covers the others: `Emitter::dependency_waits` waits on the latest per stream; the
-/// events it then does not wait on become `Cmd::EndBatch`).
+/// events it then does not wait on are dropped, `drop_unwaited_records`).
 fn needs_record(units: &[Unit], step_units: &[Vec<usize>], deps: &[Vec<usize>]) -> Vec<bool> {
     let mut needs_record = vec![false; units.len()];
     for (mi, d) in deps.iter().enumerate() {
@@ -1608,7 +1601,7 @@ mod tests {
         }
     }
 
-    /// What `end_batches_at_unwaited_records` promises of a phase: every recorded event is waited
+    /// What `drop_unwaited_records` promises of a phase: every recorded event is waited
     /// on, no copy batch holds copies of two steps that a later step waits on separately (the
     /// batches of a schedule that waited on each), and no stream waits twice on one producer stream
     /// between two of its other commands.
@@ -1693,9 +1686,9 @@ mod tests {
     #[test]
     fn a_layer_reduce_scatter_records_only_what_is_waited_on() {
         // A Llama-3-8B layer (bf16), 3 slots of 32 MiB, sums in pieces of 16 x 512 KiB. At world 8
-        // rank 0 with one copy stream: 33 records, 33 waits and 108 batch ends, in 126 copy
-        // batches, one per staged slice (when every staged slice's event was recorded and waited
-        // on: 141 records, 141 waits, the same 126 batches; 491 driver calls -> 275).
+        // rank 0 with one copy stream: 33 records and 33 waits (when every staged slice's event was
+        // recorded and waited on: 141 and 141), and a chunk's seven staged slices in one copy batch
+        // (18 batches; 126 when each staged slice was its own batch).
         let specs = [
             ParamSpec::new("wq", &[4096, 4096], DType::BF16),
             ParamSpec::new("wk", &[1024, 4096], DType::BF16),
@@ -1722,18 +1715,19 @@ mod tests {
                     let s = build(&rs, rank, &o).unwrap();
                     for ph in &s.phases {
                         check_coalesced(&ph.cmds);
-
                     }
                     if world == 8 && streams == 1 && rank == 0 {
                         let cmds = &s.phases[0].cmds;
                         let count = |f: fn(&Cmd) -> bool| cmds.iter().filter(|c| f(c)).count();
                         assert_eq!(count(|c| matches!(c, Cmd::Record { .. })), 33);
                         assert_eq!(count(|c| matches!(c, Cmd::Wait { .. })), 33);
-                        assert_eq!(count(|c| matches!(c, Cmd::EndBatch { .. })), 0);
+                        assert_eq!(copy_batches(cmds).len(), 18, "one copy batch per chunk");
                     }
-                    // The all-gather's copies wait on nothing of the call: nothing changes there.
+                    // The all-gather's copies wait on nothing of the call: its records are all waited on.
                     let s = build(&ag, rank, &o).unwrap();
-                    assert!(s.phases.iter().all(|ph| !ph.cmds.iter().any(|c| matches!(c, Cmd::EndBatch { .. }))));
+                    for ph in &s.phases {
+                        check_coalesced(&ph.cmds);
+                    }
                 }
             }
         }
@@ -1988,7 +1982,6 @@ mod tests {
                         }
                         Cmd::WaitRank { .. } => panic!("single-phase plans only"),
                         Cmd::WaitOwnPrevDone { .. } => M::Wait(Ev::Done(r), 0),
-                        Cmd::EndBatch { .. } => continue,
                         Cmd::Record { event, .. } => M::Record(Ev::Local(r, *event)),
                         Cmd::Wait { event, .. } => M::Wait(Ev::Local(r, *event), 0),
                         other => M::Data(cmd_action(other).unwrap()),
@@ -2278,7 +2271,6 @@ mod tests {
                             }
                             AM::Wait(AEv::Done(r, b), 0)
                         }
-                        Cmd::EndBatch { .. } => continue,
                         Cmd::Record { event, .. } => AM::Record(AEv::Local(r, b, *event)),
                         Cmd::Wait { event, .. } => AM::Wait(AEv::Local(r, b, *event), 0),
                         other => AM::Data(set, b, cmd_action(other).unwrap()),
