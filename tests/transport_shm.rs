@@ -4,6 +4,7 @@
 //! Topologies of several nodes run their cross-node copies over the TCP rail (loopback here), and
 //! one test gives each node its own /dev/shm (a private mount namespace), as separate hosts have.
 
+use std::collections::HashMap;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use tide::call::{BufferView, CallInfo};
@@ -437,10 +438,12 @@ fn child_entry() {
             println!("rank {rank} error after {took:?}: {err}");
             let msg = err.to_string();
             // Same node: the control plane names the dead pid; another node: the rail names the
-            // rank whose stream closed.
+            // rank whose stream closed: rank 1, or a rank that failed because of it first (a rank
+            // two hops away can read that one's torn stream first); the parent then checks that
+            // rank's own error names rank 1.
             assert!(
                 (msg.contains("rank 1 (pid") && msg.contains("died"))
-                    || (msg.contains("rank 1 on node") && msg.contains("closed its rail stream")),
+                    || (msg.contains(" on node") && msg.contains("closed its rail stream")),
                 "unclear error: {msg}"
             );
             assert!(
@@ -583,6 +586,34 @@ fn dead_peer_is_named_within_bounded_time() {
                     report(out)
                 );
             }
+        }
+        // Every survivor's error leads to rank 1: it names rank 1, or a rank whose own error does.
+        let errors: HashMap<usize, String> = outs
+            .iter()
+            .filter(|(ranks, _)| ranks[0] != 1)
+            .filter_map(|(ranks, out)| {
+                let text = String::from_utf8_lossy(&out.stdout).into_owned();
+                let line = text.lines().find(|l| l.contains(" error after "))?.to_string();
+                Some((ranks[0], line))
+            })
+            .collect();
+        let names_rank_1 = |m: &str| m.contains("rank 1 (pid") || m.contains("rank 1 on node");
+        for (rank, msg) in &errors {
+            if names_rank_1(msg) {
+                continue;
+            }
+            let q: usize = msg
+                .split(" closed its rail stream")
+                .next()
+                .and_then(|head| head.rsplit("rank ").next())
+                .and_then(|s| s.split(' ').next())
+                .and_then(|s| s.parse().ok())
+                .unwrap_or_else(|| panic!("{topo}: rank {rank}: no rank named: {msg}"));
+            let theirs = errors.get(&q).map(String::as_str).unwrap_or("");
+            assert!(
+                q != *rank && names_rank_1(theirs),
+                "{topo}: rank {rank} blames rank {q}, whose error does not lead to rank 1: {msg} / {theirs}"
+            );
         }
         assert!(
             start.elapsed() < Duration::from_secs(30),
