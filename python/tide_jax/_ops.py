@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat, _lib
-from ._layout import Layout, ParamInfo
+from ._layout import Layout
 
 __all__ = [
     "Handle",
@@ -253,19 +253,21 @@ def _local_reduce_scatter(leaves: list, lay: Layout) -> list:
 # [Note: empty parameters]
 # The native library moves no empty parameter (src/layout.rs refuses them): a group with some runs
 # its call on the others (`Layout._nonempty`, a sub-layout with the same paths and device map), and
-# the empty ones' results are the local ops' (a reshape of zero elements, typed as the call's), made
-# at the start and carried through the handle to the done. A group with nothing but empty
+# the empty ones' results are arrays of no elements (`_empty_outs`, typed as the call's), made at
+# the start and carried through the handle to the done. A group with nothing but empty
 # parameters makes no call at all.
-def _empty_outs(op: str, leaves: list, lay: Layout) -> list:
-    """Per parameter: for an empty one, the local op's result (a reshape of zero elements, typed as
-    the call's); None for the others."""
+def _empty_outs(op: str, leaves: list, lay: Layout, dtype=None) -> list:
+    """Per parameter: for an empty one, the op's result (no elements; `dtype`, else the call's:
+    the operand's for the all-gather, float32 for the reduce-scatter), typed as the call's; None
+    for the others."""
     idx = set(lay._nonempty()[0])
     outs = []
     for i, (p, x) in enumerate(zip(lay.params, leaves)):
         if i in idx:
             outs.append(None)
             continue
-        o = jnp.reshape(x, p.local_shape) if op == "all_gather" else jnp.reshape(x, p.shard_shape).astype(jnp.float32)
+        gather = op == "all_gather"
+        o = jnp.zeros(p.local_shape if gather else p.shard_shape, dtype or (x.dtype if gather else jnp.float32))
         outs.append(_compat.mark_varying(o, sorted(_compat.vma_of(x) | {lay.axis})))
     return outs
 
@@ -609,10 +611,7 @@ def _start_cast(stacked: list, index, lay: Layout, backend: str) -> Handle:
     if part is not None:  # [Note: empty parameters]
         idx, sub = part
         inner = _start_cast([stacked[i] for i in idx], index, sub, backend)
-        empties = [None if i in idx else _compat.mark_varying(jnp.zeros(p.local_shape, jnp.bfloat16),
-                                                               sorted(_compat.vma_of(x) | {lay.axis}))
-                   for i, (p, x) in enumerate(zip(lay.params, stacked))]
-        return _part_handle("all_gather", lay, inner, idx, empties, ())
+        return _part_handle("all_gather", lay, inner, idx, _empty_outs("all_gather", stacked, lay, jnp.bfloat16), ())
     _lib.ensure_registered(lay.platform)
     for p, s in zip(lay.params, stacked):
         if s.ndim < 1 or tuple(s.shape[1:]) != tuple(p.shard_shape) or s.dtype != np.dtype(np.float32):
@@ -762,8 +761,12 @@ def all_gather(shards, lay: Layout, dtype=None, *, backend: str | None = None):
             sub = lay._subset([i for i, _ in native])
             for (i, _), o in zip(native, reduce_scatter([ct for _, ct in native], sub, None, backend=backend)):
                 outs[i] = o
-        for i, ct in own:
-            outs[i] = _psum_scatter_leaf(ct, lay.params[i], lay.axis)
+        if own:
+            from . import _twins
+
+            sub = lay._subset([i for i, _ in own])
+            for (i, _), o in zip(own, _twins.reduce_scatter_leaves([ct for _, ct in own], sub, dtype=None)):
+                outs[i] = o
         for i, (x, s) in enumerate(zip(leaves, shard_vmas)):
             if jnp.issubdtype(x.dtype, jnp.inexact):
                 outs[i] = _typed_like(outs[i].astype(x.dtype), s)
@@ -808,15 +811,6 @@ def _linear(forward, transpose, tree):
     f = jax.custom_vjp(forward)
     f.defvjp(lambda t: (f(t), None), lambda _, ct: (transpose(ct),))
     return f(tree)
-
-
-def _psum_scatter_leaf(ct, p: ParamInfo, axis: str):
-    """One parameter's reduce-scatter by jax.lax, in the cotangent's own dtype (float64, complex):
-    padded to whole shards, summed over `axis`; the shard of this rank."""
-    g = jnp.reshape(ct, (p.rows, *p.rest))
-    if p.padded_rows > p.rows:
-        g = jnp.pad(g, [(0, p.padded_rows - p.rows)] + [(0, 0)] * len(p.rest))
-    return jnp.reshape(jax.lax.psum_scatter(g, axis, scatter_dimension=0, tiled=True), p.shard_shape)
 
 
 def _typed_like(t, vma: frozenset):

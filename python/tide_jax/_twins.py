@@ -30,13 +30,14 @@ def all_gather_leaves(leaves: list, lay: Layout) -> list:
     return outs
 
 
-def reduce_scatter_leaves(leaves: list, lay: Layout) -> list:
+def reduce_scatter_leaves(leaves: list, lay: Layout, dtype=jnp.float32) -> list:
+    """Summed in `dtype` (None: each gradient's own, e.g. float64 or complex)."""
     outs = []
     for p, g in zip(lay.params, leaves):
         if p.rows * p.row_elems == 0:
-            outs.append(_empty(g, p.shard_shape, jnp.float32, lay.axis))
+            outs.append(_empty(g, p.shard_shape, dtype or g.dtype, lay.axis))
             continue
-        g = jnp.reshape(g, (p.rows, *p.rest)).astype(jnp.float32)
+        g = jnp.reshape(g, (p.rows, *p.rest)).astype(dtype or g.dtype)
         pad_rows = p.padded_rows - p.rows
         if pad_rows:
             g = jnp.pad(g, [(0, pad_rows)] + [(0, 0)] * len(p.rest))

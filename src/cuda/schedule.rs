@@ -1672,7 +1672,6 @@ mod tests {
                 let s = build(&rs, rank, &o).unwrap();
                 for ph in &s.phases {
                     check_coalesced(&ph.cmds);
-
                 }
             }
             let result = std::panic::catch_unwind(|| {

@@ -204,3 +204,36 @@ def test_operands_the_same_on_every_rank_get_their_cotangents_summed(tide_backen
         for k in params:
             assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
             assert np.asarray(got[k]).tobytes() == np.asarray(want[k]).tobytes(), k
+
+
+@pytest.mark.parametrize("world", [3, 8])
+def test_float8_shards_get_float32_sums_of_their_cotangent(tide_backend, world):
+    """float8 shards gathered as float8: their cotangent (float8) is widened and summed in float32
+    by tide, then rounded once to float8, as NumPy does the same sum (values exact in e4m3; one
+    rank's 1 and the others' 1/16 would sum to 1 in float8 steps). XLA:CPU's own psum of float8
+    widens too, so on CPU this checks the values, not which of the two summed them."""
+    mesh = make_mesh((world,), (AXIS,))
+    rng = np.random.default_rng(30 + world)
+    f8 = ml_dtypes.float8_e4m3fn
+    params = {"q": exact(rng, (7, 3), f8), "w": exact(rng, (5,))}
+    lay = tide_jax.layout(params, mesh, AXIS)
+    weights = {k: exact(rng, (world, *np.shape(x))) for k, x in params.items()}
+    weights["q"][:, 0, 0] = [1.0] + [1 / 16] * (world - 1)
+
+    def grads(shards, w):
+        def loss(shards):
+            full = tide_jax.all_gather(shards, lay)
+            return sum(jnp.sum(full[k].astype(jnp.float32) * w[k][0]) for k in params)
+
+        return jax.grad(loss)(shards)
+
+    out = smap(grads, mesh, (lay.spec, {k: P(AXIS) for k in params}), lay.spec, True)(
+        lay.shard(params), per_rank(mesh, weights))
+    for p in lay.params:
+        k = p.path[2:-2]
+        cts = np.asarray(weights[k]).astype(params[k].dtype).astype(np.float32)  # each rank's cotangent
+        want = np.zeros((p.padded_rows, p.row_elems), np.float32)
+        want[: p.rows] = cts.sum(0).reshape(p.rows, p.row_elems)
+        want = want.astype(params[k].dtype).reshape(p.global_shape)
+        got = np.asarray(out[k])
+        assert got.dtype == params[k].dtype and got.tobytes() == want.tobytes(), k
