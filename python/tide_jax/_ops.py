@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat, _lib
+from . import _linear as _linear_prim
 from ._layout import Layout
 
 __all__ = [
@@ -733,9 +734,10 @@ def all_gather(shards, lay: Layout, dtype=None, *, backend: str | None = None):
     `dtype` (e.g. jnp.bfloat16) casts every floating shard before the gather, so only the local shard
     is converted and the wire carries the narrow type. One native call per pytree (parameter group).
 
-    Differentiable like `jax.lax.all_gather`: the cotangent of the gathered parameters is
-    reduce-scattered (`reduce_scatter`: float32 sums) and cast to each shard's dtype. `gather_params`
-    is the same gather with the FSDP recipe's defaults (bf16, HSDP replicas summed in float32).
+    Differentiable like `jax.lax.all_gather`, in reverse and forward mode (`_linear.py`): the tangent
+    is the all-gather of the tangents; the cotangent of the gathered parameters is reduce-scattered
+    (`reduce_scatter`: float32 sums) and cast to each shard's dtype. `gather_params` is the same
+    gather with the FSDP recipe's defaults (bf16, HSDP replicas summed in float32).
     """
     _check_context(lay, "all_gather")
     leaves = _check_shards(shards, lay, "all_gather")
@@ -782,7 +784,8 @@ def reduce_scatter(grads, lay: Layout, dtype=jnp.float32, *, backend: str | None
     The sum is accumulated in float32; the result is `(shard_rows, *rest)` float32 with padding rows
     zero, cast to `dtype` afterwards if that differs.
 
-    Differentiable like `jax.lax.psum_scatter`: the cotangent of the shards is all-gathered and cast
+    Differentiable like `jax.lax.psum_scatter` (reverse and forward mode: the tangent is the
+    reduce-scatter of the tangents): the cotangent of the shards is all-gathered and cast
     to each gradient's dtype.
     """
     n = len(lay.params) if isinstance(lay, Layout) else 0
@@ -807,10 +810,21 @@ def reduce_scatter(grads, lay: Layout, dtype=jnp.float32, *, backend: str | None
 
 def _linear(forward, transpose, tree):
     """`forward(tree)`, a linear map made of tide calls (which JAX cannot differentiate), with
-    `transpose(cotangent of the result) -> cotangent of tree` as its derivative."""
-    f = jax.custom_vjp(forward)
-    f.defvjp(lambda t: (f(t), None), lambda _, ct: (transpose(ct),))
-    return f(tree)
+    `transpose(cotangent of the result) -> cotangent of tree`: one `tide_linear` primitive
+    (`_linear.py`), so reverse mode, forward mode and vmap all follow from linearity."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    out_tree = []
+
+    def flat_forward(xs):
+        flat, tree_out = jax.tree_util.tree_flatten(forward(jax.tree_util.tree_unflatten(treedef, xs)))
+        out_tree[:] = [tree_out]
+        return flat
+
+    def flat_transpose(cts):
+        return treedef.flatten_up_to(transpose(jax.tree_util.tree_unflatten(out_tree[0], cts)))
+
+    outs = _linear_prim.linear(flat_forward, flat_transpose, leaves)  # traces flat_forward: sets out_tree
+    return jax.tree_util.tree_unflatten(out_tree[0], outs)
 
 
 def _typed_like(t, vma: frozenset):

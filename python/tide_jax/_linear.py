@@ -1,0 +1,99 @@
+"""`linear(forward, transpose, leaves)`: a linear map made of tide calls, as one JAX primitive that
+every transformation understands.
+
+The FFI calls have no derivative of their own. Each public collective is linear in its operands, so
+it is bound as `tide_linear`, a primitive whose rules follow from linearity:
+- jvp: the map applied to the tangents (forward mode, `jax.jvp`, `jax.jacfwd`, `jax.hessian`,
+  Hessian-vector products as jvp of grad);
+- transpose: the caller's `transpose` (reverse mode: the all-gather's is the reduce-scatter of the
+  cotangent, and back), itself made of public ops, so derivatives of any order compose;
+- batching: the map under `jax.vmap` (each FFI call batched sequentially, as before);
+- lowering: the traced forward, inlined.
+
+Contract of `forward` / `transpose`: functions of a list of arrays returning a list, linear in every
+element, tracing only tide calls and jax.numpy on their arguments (no tracer closed over), and
+block-diagonal: output i depends on input i alone (true of every collective here: each parameter is
+gathered or scattered on its own). `transpose(cts)` takes one cotangent per output and returns one
+per input (a float0 array for an input without a tangent space, an integer shard).
+
+Zeros: a symbolic-zero tangent or cotangent is made a real zero before the map sees it (JAX's own
+`linear_call` does not, and fails on them), and the outputs of integer leaves get symbolic-zero
+tangents. The traced forward is traced afresh for every bind, so a jvp's tangent call is a call site
+of its own (docs/design.md "Call sites and instances").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive, jaxpr_as_fun
+from jax.interpreters import ad, batching, mlir
+
+tide_linear_p = Primitive("tide_linear")
+tide_linear_p.multiple_results = True
+
+
+def linear(forward, transpose, leaves: list) -> list:
+    """`forward(leaves)` bound as one `tide_linear` primitive (contract: module docstring)."""
+    leaves = list(leaves)
+    callee = jax.make_jaxpr(lambda *xs: list(forward(list(xs))))(*leaves)
+    return tide_linear_p.bind(*leaves, callee=callee, forward=forward, transpose=transpose)
+
+
+def _impl(*args, callee, forward, transpose):
+    del forward, transpose
+    return jaxpr_as_fun(callee)(*args)
+
+
+def _abstract_eval(*avals, callee, forward, transpose):
+    del avals, forward, transpose
+    return callee.out_avals, callee.effects
+
+
+def _has_tangents(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _jvp(primals, tangents, *, callee, forward, transpose):
+    out = tide_linear_p.bind(*primals, callee=callee, forward=forward, transpose=transpose)
+    # Integer leaves have float0 tangents: give the map zeros of their own type (its output there
+    # is a symbolic zero anyway).
+    ts = [ad.instantiate_zeros(t) if _has_tangents(p.dtype) else jnp.zeros_like(p) for p, t in zip(primals, tangents)]
+    t_out = linear(forward, transpose, ts)
+    t_out = [t if _has_tangents(o.dtype) else ad.Zero(jax.typeof(o).to_tangent_aval()) for o, t in zip(out, t_out)]
+    return out, t_out
+
+
+def _transpose(cts, *args, callee, forward, transpose):
+    del forward
+    cts = [ad.instantiate_zeros(ct) if _has_tangents(a.dtype) else jnp.zeros(a.shape, a.dtype)
+           for ct, a in zip(cts, callee.out_avals)]
+    res = list(transpose(cts))
+    return [r if ad.is_undefined_primal(x) and _has_tangents(r.dtype) else None for x, r in zip(args, res)]
+
+
+def _batch(args, dims, *, callee, forward, transpose):
+    del callee
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    # Unbatched operands are broadcast: the map is applied to each batch element on its own.
+    args = [jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+            for x, d in zip(args, dims)]
+
+    def vforward(xs):
+        return jax.vmap(lambda *x: list(forward(list(x))))(*xs)
+
+    def vtranspose(cts):
+        return jax.vmap(lambda *c: list(transpose(list(c))))(*cts)
+
+    outs = linear(vforward, vtranspose, args)
+    return outs, [0] * len(outs)
+
+
+tide_linear_p.def_impl(_impl)
+tide_linear_p.def_effectful_abstract_eval(_abstract_eval)
+ad.primitive_jvps[tide_linear_p] = _jvp
+ad.primitive_transposes[tide_linear_p] = _transpose
+batching.primitive_batchers[tide_linear_p] = _batch
+mlir.register_lowering(tide_linear_p, mlir.lower_fun(_impl, multiple_results=True))
+
+__all__ = ["linear", "tide_linear_p"]
