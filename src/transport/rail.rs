@@ -29,8 +29,11 @@
 //! ("rank 2 on node 1 closed its rail stream"); on streams at a frame boundary it first writes an
 //! error frame with its message. A dead remote process closes its sockets the same way (the kernel
 //! does it). A failing rank also sends a failure notice to every process of its group
-//! (`broadcast_failure`), which every rail wait checks: a peer waiting for it in a call it never
-//! reached fails at once too. After a failure the job's rail is unusable: later calls fail at once.
+//! (`broadcast_failure`, delivered before its error returns, up to 250 ms), which every rail wait
+//! checks: a peer waiting for it in a call it never reached fails at once too, and a rank that reads
+//! a stream's end (a peer's half-written frame carries no error frame) waits up to 250 ms for the
+//! notice (`notice_grace`), so it names the root cause, not the survivor whose stream ended. After a
+//! failure the job's rail is unusable: later calls fail at once.
 
 use super::group::{ProcessGroup, Timing};
 use crate::error::{Result, TideError};
@@ -96,9 +99,28 @@ fn noticed(job: u64, group: usize, gpus_per_node: usize, what: &str) -> Result<(
     }
 }
 
+/// How long a rank that read end-of-stream waits for the peer's failure notice before naming the
+/// peer itself (a process that died sends none).
+const NOTICE_GRACE: Duration = Duration::from_millis(250);
+
+/// `noticed`, polled for up to `NOTICE_GRACE`: Err with the announced failure if one arrives.
+fn notice_grace(job: u64, group: usize, gpus_per_node: usize, what: &str) -> Result<()> {
+    let end = Instant::now() + NOTICE_GRACE;
+    loop {
+        noticed(job, group, gpus_per_node, what)?;
+        if Instant::now() >= end {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// Tells every process of (job, group) with a registered rail address that `rank` (a rank of this
-/// process) failed with `why`, once, from a background thread (best effort, 1 s per connection):
-/// their rail waits fail at once with this message instead of at the timeout.
+/// process) failed with `why`, once: their rail waits fail at once with this message instead of at
+/// the timeout, and a peer that read this rank's stream end mid-frame learns the root cause from it
+/// (`notice_grace`). One thread per address (1 s per connection, best effort); the caller waits for
+/// them up to `NOTICE_WAIT`, so a process that exits right after its error (a failed job) still
+/// delivers its notices to live peers, and a dead or unreachable one delays the error by no more.
 pub fn broadcast_failure(job: u64, group: usize, rank: usize, why: &str) {
     if !ANNOUNCED
         .lock()
@@ -119,27 +141,42 @@ pub fn broadcast_failure(job: u64, group: usize, rank: usize, why: &str) {
     if addrs.is_empty() {
         return;
     }
-    let msg = why.as_bytes()[..why.len().min(MAX_ERR_BYTES)].to_vec();
-    let _ = std::thread::Builder::new()
-        .name("tide-rail-notice".into())
-        .spawn(move || {
-            let mut packet = Vec::with_capacity(HELLO_BYTES + 4 + msg.len());
-            for w in [NOTICE_MAGIC, job, group as u64, 0, rank as u64, 0] {
-                packet.extend_from_slice(&w.to_le_bytes());
-            }
-            packet.extend_from_slice(&(msg.len() as u32).to_le_bytes());
-            packet.extend_from_slice(&msg);
-            for addr in addrs {
-                let Some(sa) = addr.to_socket_addrs().ok().and_then(|mut a| a.next()) else {
-                    continue;
-                };
-                if let Ok(mut s) = TcpStream::connect_timeout(&sa, Duration::from_secs(1)) {
-                    let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
-                    let _ = s.write_all(&packet);
+    let msg = &why.as_bytes()[..why.len().min(MAX_ERR_BYTES)];
+    let mut packet = Vec::with_capacity(HELLO_BYTES + 4 + msg.len());
+    for w in [NOTICE_MAGIC, job, group as u64, 0, rank as u64, 0] {
+        packet.extend_from_slice(&w.to_le_bytes());
+    }
+    packet.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+    packet.extend_from_slice(msg);
+    let packet = Arc::new(packet);
+    let (done, finished) = std::sync::mpsc::channel::<()>();
+    let mut started = 0;
+    for addr in addrs {
+        let (packet, done) = (packet.clone(), done.clone());
+        let spawned = std::thread::Builder::new()
+            .name("tide-rail-notice".into())
+            .spawn(move || {
+                if let Some(sa) = addr.to_socket_addrs().ok().and_then(|mut a| a.next()) {
+                    if let Ok(mut s) = TcpStream::connect_timeout(&sa, Duration::from_secs(1)) {
+                        let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+                        let _ = s.write_all(&packet);
+                    }
                 }
-            }
-        });
+                let _ = done.send(());
+            });
+        started += usize::from(spawned.is_ok());
+    }
+    let end = Instant::now() + NOTICE_WAIT;
+    for _ in 0..started {
+        let left = end.saturating_duration_since(Instant::now());
+        if finished.recv_timeout(left).is_err() {
+            break;
+        }
+    }
 }
+
+/// How long a failing rank waits for its failure notices to be delivered (`broadcast_failure`).
+const NOTICE_WAIT: Duration = Duration::from_millis(250);
 
 /// Bytes this process received through the rail (tests check the rail was used).
 static RECEIVED: AtomicU64 = AtomicU64::new(0);
@@ -778,11 +815,15 @@ impl crate::engine::Rail for CallRail<'_> {
             while got < buf.len() {
                 match (&*stream).read(&mut buf[got..]) {
                     Ok(0) => {
+                        // A peer that failed closes its streams, then tells every process why
+                        // (`broadcast_failure`): a stream it left half written carries no error frame,
+                        // so wait briefly for the notice, which names the root cause.
+                        notice_grace(job, group_id, g, what)?;
                         return Err(rail_err(format!(
                             "{what}: rank {q} on node {node_q} closed its rail stream (it failed or exited: \
                              its own error says why) while this rank waited for the {part} of phase {phase} \
                              step {step}"
-                        )))
+                        )));
                     }
                     Ok(n) => got += n,
                     Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => {
@@ -926,4 +967,34 @@ pub unsafe extern "C" fn tide_rail_register(
 #[no_mangle]
 pub extern "C" fn tide_rail_bytes_received() -> u64 {
     bytes_received()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A failing rank's notice reaches a live process before `broadcast_failure` returns or within
+    /// `notice_grace`; a dead address delays it by at most `NOTICE_WAIT`; a group with no notice
+    /// waits out the grace and names nobody.
+    #[test]
+    fn notice_arrives_within_the_grace_and_a_dead_address_costs_at_most_the_wait() {
+        let port = listen("127.0.0.1").unwrap();
+        let job = 0x6e6f_7469_6365; // a job no other test uses
+        // A dead address (nothing listens on it) beside this process's live one.
+        let dead = TcpListener::bind(("127.0.0.1", 0)).unwrap().local_addr().unwrap();
+        register_peer(job, 0, 0, &format!("127.0.0.1:{port}")).unwrap();
+        register_peer(job, 0, 1, &dead.to_string()).unwrap();
+        let none = Instant::now();
+        assert!(notice_grace(job, 0, 1, "call").is_ok());
+        assert!(none.elapsed() >= NOTICE_GRACE);
+
+        let start = Instant::now();
+        broadcast_failure(job, 0, 3, "rank 2 (pid 7) died");
+        assert!(start.elapsed() <= NOTICE_WAIT + Duration::from_millis(100), "{:?}", start.elapsed());
+        let err = notice_grace(job, 0, 1, "tide all_gather call 4").unwrap_err().to_string();
+        assert!(
+            err.contains("tide all_gather call 4: rank 3 on node 3 failed: rank 2 (pid 7) died"),
+            "{err}"
+        );
+    }
 }
