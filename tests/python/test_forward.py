@@ -19,17 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import tide_jax
 from conftest import make_mesh
-
-AXIS = "fsdp"
-
-
-def smap(f, mesh, in_specs, out_specs, check_vma=True):
-    return jax.jit(tide_jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma))
-
-
-def exact(rng, shape, dtype=np.float32):
-    """Random numbers exact in bf16 (their products and sums over <= 8 ranks exact in fp32)."""
-    return (rng.integers(-16, 17, size=shape) / 8).astype(dtype)
+from test_grad import AXIS, exact, smap  # exact: values whose products and sums stay exact in fp32
 
 
 def group(rng):
@@ -101,7 +91,7 @@ def test_jvp_of_reduce_scatter_and_gather_params_equal_jax(world):
             return rs, one, stacked(gp)
 
         sh = {k: P(AXIS) for k in params}
-        f = smap(body, mesh, (sh, sh, lay.spec, lay.spec), ((lay.spec, lay.spec), (lay.spec, lay.spec), (sh, sh)))
+        f = smap(body, mesh, (sh, sh, lay.spec, lay.spec), ((lay.spec, lay.spec), (lay.spec, lay.spec), (sh, sh)), True)
         return f(jax.device_put(g_in, NamedSharding(mesh, P(AXIS))), jax.device_put(t_in, NamedSharding(mesh, P(AXIS))),
                  lay.shard(params), jax.device_put(t_sh, lay.shardings))
 
@@ -168,7 +158,7 @@ def test_hessian_through_all_gather_equals_jax(world):
             return jax.tree.map(lambda t: t[None], h)
 
         spec = jax.tree.map(lambda _: P(AXIS), {"w": {"w": 0, "b": 0}, "b": {"w": 0, "b": 0}})
-        return smap(hess, mesh, (lay.spec,), spec)(lay.shard(params))
+        return smap(hess, mesh, (lay.spec,), spec, True)(lay.shard(params))
 
     got, want = run("tide"), run("jax")
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -194,7 +184,7 @@ def test_linear_transpose_of_all_gather_is_the_reduce_scatter(tide_backend, worl
         return rs, stacked(back)
 
     sh = {k: P(AXIS) for k in params}
-    rs, back = smap(body, mesh, (lay.spec, sh), (lay.spec, sh))(lay.shard(params),
+    rs, back = smap(body, mesh, (lay.spec, sh), (lay.spec, sh), True)(lay.shard(params),
                                                                 jax.device_put(cts, NamedSharding(mesh, P(AXIS))))
     want_rs = lay.shard({k: c.sum(0).astype(np.float32) for k, c in cts.items()})
     for k in params:
@@ -224,7 +214,7 @@ def test_vmap_and_grad_compose_with_integer_leaves():
             return g1["w"], g2["w"], g3["w"]
 
         out_specs = (P(None, AXIS), P(AXIS), P(None, AXIS))
-        return smap(body, mesh, (lay.spec, P()), out_specs)(lay.shard(params), xs)
+        return smap(body, mesh, (lay.spec, P()), out_specs, True)(lay.shard(params), xs)
 
     got, want = run("tide"), run("jax")
     for a, b in zip(got, want):
