@@ -211,7 +211,8 @@ def test_float8_shards_get_float32_sums_of_their_cotangent(tide_backend, world):
     """float8 shards gathered as float8: their cotangent (float8) is widened and summed in float32
     by tide, then rounded once to float8, as NumPy does the same sum (values exact in e4m3; one
     rank's 1 and the others' 1/16 would sum to 1 in float8 steps). XLA:CPU's own psum of float8
-    widens too, so on CPU this checks the values, not which of the two summed them."""
+    widens too, so the values cannot tell which of the two summed them: the lowered program must
+    hold tide's reduce-scatter of q's cotangent as float32 and no collective of XLA's own."""
     mesh = make_mesh((world,), (AXIS,))
     rng = np.random.default_rng(30 + world)
     f8 = ml_dtypes.float8_e4m3fn
@@ -227,8 +228,12 @@ def test_float8_shards_get_float32_sums_of_their_cotangent(tide_backend, world):
 
         return jax.grad(loss)(shards)
 
-    out = smap(grads, mesh, (lay.spec, {k: P(AXIS) for k in params}), lay.spec, True)(
-        lay.shard(params), per_rank(mesh, weights))
+    f = smap(grads, mesh, (lay.spec, {k: P(AXIS) for k in params}), lay.spec, True)
+    program = f.lower(lay.shard(params), per_rank(mesh, weights)).as_text()
+    calls = [line for line in program.splitlines() if "@tide_reduce_scatter(" in line]
+    assert len(calls) == 1 and "(tensor<7x3xf32>, tensor<5xf32>) ->" in calls[0], calls
+    assert not any(op in program for op in ("stablehlo.reduce_scatter", "stablehlo.all_reduce")), "an XLA collective"
+    out = f(lay.shard(params), per_rank(mesh, weights))
     for p in lay.params:
         k = p.path[2:-2]
         cts = np.asarray(weights[k]).astype(params[k].dtype).astype(np.float32)  # each rank's cotangent
