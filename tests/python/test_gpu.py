@@ -592,3 +592,44 @@ def test_byte_wide_dtypes_empty_parameters_and_grad_on_gpus(tide, rng, n, monkey
     want = _pad(weights.astype(np.float64).sum(0), n).astype(np.float32)
     assert np.asarray(jax.device_get(g["w"])).tobytes() == want.tobytes()
     assert np.shape(g["empty"]) == flay.params[0].global_shape
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_forward_mode_and_hessian_vector_products_on_gpus(tide, rng, n, monkeypatch):
+    """jax.jvp through tide.all_gather (the tangent is the gathered tangent, bitwise) and a
+    Hessian-vector product (jvp of grad) through all_gather and reduce_scatter on the CUDA engine,
+    against the jax backend. TIDE_WORLD1_NATIVE=1 so one GPU runs the engine too."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    monkeypatch.setenv("TIDE_WORLD1_NATIVE", "1")
+    devs = _need(n)
+    mesh = _mesh(devs)
+    exact = lambda shape: (rng.integers(-16, 17, shape) / 8).astype(np.float32)  # noqa: E731
+    params = {"w": exact((1031, 3)), "b": exact((5,))}
+    tangent = {"w": exact((1031, 3)), "b": exact((5,))}
+    lay = tide.layout(params, mesh, AXIS)
+    t_out = _smap(mesh, lambda s, t: {k: v[None] for k, v in jax.jvp(lambda s: tide.all_gather(s, lay), (s,), (t,))[1].items()},
+                  (lay.spec, lay.spec), {k: P(AXIS) for k in params})(lay.shard(params), lay.shard(tangent))
+    for k in params:
+        got = np.asarray(jax.device_get(t_out[k]))
+        assert got.tobytes() == np.stack([tangent[k]] * n).tobytes(), k
+    x = exact((n, 3))
+
+    def hvp(backend):
+        def loss(s, x):
+            full = tide.all_gather(s, lay, backend=backend)
+            h = jnp.tanh(full["w"] @ x[0])
+            rs = tide.reduce_scatter({"w": full["w"] * h[:, None], "b": full["b"]}, lay, backend=backend)
+            return jax.lax.psum(jnp.sum(h ** 2) + jnp.sum(rs["w"] ** 2) + jnp.sum(full["b"] * x[0, 0]), AXIS)
+
+        f = lambda s, x, v: jax.jvp(lambda s: jax.grad(loss)(s, x), (s,), (v,))[1]  # noqa: E731
+        return _smap(mesh, f, (lay.spec, P(AXIS), lay.spec), lay.spec)(
+            lay.shard(params), jax.device_put(x, NamedSharding(mesh, P(AXIS))), lay.shard(tangent))
+
+    got, want = hvp("tide"), hvp("jax")
+    for k in params:
+        np.testing.assert_allclose(np.asarray(jax.device_get(got[k])), np.asarray(jax.device_get(want[k])),
+                                   rtol=1e-5, atol=1e-5)
+    assert np.asarray(jax.device_get(got["w"])).any()
