@@ -102,6 +102,8 @@ fn noticed(job: u64, group: usize, gpus_per_node: usize, what: &str) -> Result<(
 /// How long a rank that read end-of-stream waits for the peer's failure notice before naming the
 /// peer itself (a process that died sends none).
 const NOTICE_GRACE: Duration = Duration::from_millis(250);
+/// How long a failing rank waits for its failure notices to be delivered (`broadcast_failure`).
+const NOTICE_WAIT: Duration = Duration::from_millis(250);
 
 /// `noticed`, polled for up to `NOTICE_GRACE`: Err with the announced failure if one arrives.
 fn notice_grace(job: u64, group: usize, gpus_per_node: usize, what: &str) -> Result<()> {
@@ -174,9 +176,6 @@ pub fn broadcast_failure(job: u64, group: usize, rank: usize, why: &str) {
         }
     }
 }
-
-/// How long a failing rank waits for its failure notices to be delivered (`broadcast_failure`).
-const NOTICE_WAIT: Duration = Duration::from_millis(250);
 
 /// Bytes this process received through the rail (tests check the rail was used).
 static RECEIVED: AtomicU64 = AtomicU64::new(0);
