@@ -13,8 +13,9 @@ it is bound as `tide_linear`, a primitive whose rules follow from linearity:
 Contract of `forward` / `transpose`: functions of a list of arrays returning a list, linear in every
 element, tracing only tide calls and jax.numpy on their arguments (no tracer closed over), and
 block-diagonal: output i depends on input i alone (true of every collective here: each parameter is
-gathered or scattered on its own). `transpose(cts)` takes one cotangent per output and returns one
-per input (a float0 array for an input without a tangent space, an integer shard).
+gathered or scattered on its own). `transpose(cts, needed)` takes one cotangent per output and
+returns one per input where `needed[i]` (the operands JAX differentiates), None elsewhere: a frozen
+parameter beside trained ones in one group costs no collective in the backward.
 
 Zeros: a symbolic-zero tangent or cotangent is made a real zero before the map sees it (JAX's own
 `linear_call` does not, and fails on them), and the outputs of integer leaves get symbolic-zero
@@ -66,10 +67,15 @@ def _jvp(primals, tangents, *, callee, forward, transpose):
 
 def _transpose(cts, *args, callee, forward, transpose):
     del forward
+    # Only the operands JAX differentiates get a cotangent: the others (constants, integer shards)
+    # are left out of the transposed collective altogether.
+    needed = [ad.is_undefined_primal(x) and _has_tangents(x.aval.dtype) for x in args]
+    if not any(needed):
+        return [None] * len(args)
     cts = [ad.instantiate_zeros(ct) if _has_tangents(a.dtype) else jnp.zeros(a.shape, a.dtype)
            for ct, a in zip(cts, callee.out_avals)]
-    res = list(transpose(cts))
-    return [r if ad.is_undefined_primal(x) and _has_tangents(r.dtype) else None for x, r in zip(args, res)]
+    res = list(transpose(cts, needed))
+    return [r if n else None for n, r in zip(needed, res)]
 
 
 def _batch(args, dims, *, callee, forward, transpose):
@@ -82,8 +88,8 @@ def _batch(args, dims, *, callee, forward, transpose):
     def vforward(xs):
         return jax.vmap(lambda *x: list(forward(list(x))))(*xs)
 
-    def vtranspose(cts):
-        return jax.vmap(lambda *c: list(transpose(list(c))))(*cts)
+    def vtranspose(cts, needed):
+        return jax.vmap(lambda *c: list(transpose(list(c), needed)))(*cts)
 
     outs = linear(vforward, vtranspose, args)
     return outs, [0] * len(outs)

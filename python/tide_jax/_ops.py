@@ -746,14 +746,13 @@ def all_gather(shards, lay: Layout, dtype=None, *, backend: str | None = None):
         return _all_gather(shards, lay, dtype, backend)  # jax.lax's own autodiff / nothing to differentiate
     shard_vmas = [_compat.vma_of(x) for x in leaves]
 
-    def bwd(cotangent):
+    def bwd(cotangent, needed):
         cts = lay.treedef.flatten_up_to(cotangent)
         outs = [None] * len(leaves)
         native, own = [], []  # summed by tide in float32 / by jax.lax in their own dtype (f64, complex)
         for i, (p, x, ct, s) in enumerate(zip(lay.params, leaves, cts, shard_vmas)):
-            if not jnp.issubdtype(x.dtype, jnp.inexact):
-                outs[i] = np.zeros(p.shard_shape, jax.dtypes.float0)
-                continue
+            if not jnp.issubdtype(x.dtype, jnp.inexact) or not needed[i]:
+                continue  # no tangent space, or nobody asks for this shard's gradient: no collective
             ct = _compat.mark_varying(ct, sorted(s | {lay.axis}))  # a no-op under check_vma=False
             if np.dtype(ct.dtype) in REDUCIBLE or (jnp.issubdtype(ct.dtype, jnp.floating) and ct.dtype.itemsize < 4):
                 native.append((i, ct.astype(jnp.float32) if np.dtype(ct.dtype) not in REDUCIBLE else ct))
@@ -769,10 +768,7 @@ def all_gather(shards, lay: Layout, dtype=None, *, backend: str | None = None):
             sub = lay._subset([i for i, _ in own])
             for (i, _), o in zip(own, _twins.reduce_scatter_leaves([ct for _, ct in own], sub, dtype=None)):
                 outs[i] = o
-        for i, (x, s) in enumerate(zip(leaves, shard_vmas)):
-            if jnp.issubdtype(x.dtype, jnp.inexact):
-                outs[i] = _typed_like(outs[i].astype(x.dtype), s)
-        return jax.tree_util.tree_unflatten(lay.treedef, outs)
+        return [None if o is None else _typed_like(o.astype(x.dtype), s) for o, x, s in zip(outs, leaves, shard_vmas)]
 
     return _linear(lambda t: _all_gather(t, lay, dtype, backend), bwd, shards)
 
@@ -797,21 +793,24 @@ def reduce_scatter(grads, lay: Layout, dtype=jnp.float32, *, backend: str | None
         return _reduce_scatter(grads, lay, dtypes, backend)  # jax.lax's own autodiff
     grad_vmas = [_compat.vma_of(x) for x in leaves]
 
-    def bwd(cotangent):
+    def bwd(cotangent, needed):
+        idx = [i for i, n in enumerate(needed) if n]
         cts = lay.treedef.flatten_up_to(cotangent)
-        cts = [_compat.mark_varying(ct, sorted(s | {lay.axis})) for ct, s in zip(cts, grad_vmas)]
-        full = lay.treedef.flatten_up_to(all_gather(jax.tree_util.tree_unflatten(lay.treedef, cts), lay,
-                                                    backend=backend))
-        outs = [_typed_like(f.astype(x.dtype), s) for f, x, s in zip(full, leaves, grad_vmas)]
-        return jax.tree_util.tree_unflatten(lay.treedef, outs)
+        cts = [_compat.mark_varying(cts[i], sorted(grad_vmas[i] | {lay.axis})) for i in idx]
+        outs = [None] * len(leaves)
+        for i, f in zip(idx, _on_subset(lambda t, sub: all_gather(t, sub, backend=backend), cts, lay, idx)):
+            outs[i] = _typed_like(f.astype(leaves[i].dtype), grad_vmas[i])
+        return outs
 
     return _linear(lambda t: _reduce_scatter(t, lay, dtypes, backend), bwd, grads)
 
 
 def _linear(forward, transpose, tree):
     """`forward(tree)`, a linear map made of tide calls (which JAX cannot differentiate), with
-    `transpose(cotangent of the result) -> cotangent of tree`: one `tide_linear` primitive
-    (`_linear.py`), so reverse mode, forward mode and vmap all follow from linearity."""
+    `transpose(cotangent of the result, needed) -> [cotangent of leaf i of tree, or None where not
+    needed[i]]`: one `tide_linear` primitive (`_linear.py`), so reverse mode, forward mode and vmap all
+    follow from linearity. A leaf nobody differentiates (a frozen parameter beside trained ones in one
+    group) is left out of the transpose's collective."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     out_tree = []
 
@@ -820,11 +819,20 @@ def _linear(forward, transpose, tree):
         out_tree[:] = [tree_out]
         return flat
 
-    def flat_transpose(cts):
-        return treedef.flatten_up_to(transpose(jax.tree_util.tree_unflatten(out_tree[0], cts)))
+    def flat_transpose(cts, needed):
+        return list(transpose(jax.tree_util.tree_unflatten(out_tree[0], cts), needed))
 
     outs = _linear_prim.linear(flat_forward, flat_transpose, leaves)  # traces flat_forward: sets out_tree
     return jax.tree_util.tree_unflatten(out_tree[0], outs)
+
+
+def _on_subset(op, leaves: list, lay: Layout, idx: list) -> list:
+    """`op(tree, layout)` on the parameters `idx` of `lay` (their `leaves`, in order), as a list: on
+    `lay` itself when `idx` names all of them (the usual case, every parameter differentiated: the
+    very call a full-group op makes), else on the layout of those."""
+    if len(idx) == len(lay.params):
+        return lay.treedef.flatten_up_to(op(jax.tree_util.tree_unflatten(lay.treedef, leaves), lay))
+    return list(op(leaves, lay._subset(idx)))
 
 
 def _typed_like(t, vma: frozenset):
@@ -862,16 +870,18 @@ def gather_params(shards, lay: Layout, dtype=jnp.bfloat16, *, backend: str | Non
         flat = [_compat.mark_varying(t, r) if r else t for t, r in zip(flat, replicas)]
         return jax.tree_util.tree_unflatten(tree, flat)
 
-    def bwd(cotangent):
+    def bwd(cotangent, needed):
         # A cotangent may be typed less varying than the primal output (e.g. the same on every rank);
         # its values are still per device, so type it as such before summing it over devices.
-        flat, tree = jax.tree_util.tree_flatten(cotangent)
-        flat = [_compat.mark_varying(t, sorted(s | set(r) | {lay.axis})) for t, s, r in zip(flat, shard_vmas, replicas)]
-        grads = _reduce_scatter(jax.tree_util.tree_unflatten(tree, flat), lay, shard_dtypes, backend,
-                                psum_axes=replicas)
-        flat, tree = jax.tree_util.tree_flatten(grads)
-        flat = [_typed_like(t, s) for t, s in zip(flat, shard_vmas)]
-        return jax.tree_util.tree_unflatten(tree, flat)
+        idx = [i for i, n in enumerate(needed) if n]
+        flat = lay.treedef.flatten_up_to(cotangent)
+        flat = [_compat.mark_varying(flat[i], sorted(shard_vmas[i] | set(replicas[i]) | {lay.axis})) for i in idx]
+        grads = _on_subset(lambda t, sub: _reduce_scatter(t, sub, [shard_dtypes[i] for i in idx], backend,
+                                                          psum_axes=[replicas[i] for i in idx]), flat, lay, idx)
+        outs = [None] * len(leaves)
+        for i, g in zip(idx, grads):
+            outs[i] = _typed_like(g, shard_vmas[i])
+        return outs
 
     return _linear(gather, bwd, shards)
 
