@@ -750,7 +750,7 @@ def all_gather(shards, lay: Layout, dtype=None, *, backend: str | None = None):
         cts = lay.treedef.flatten_up_to(cotangent)
         outs = [None] * len(leaves)
         native, own = [], []  # summed by tide in float32 / by jax.lax in their own dtype (f64, complex)
-        for i, (p, x, ct, s) in enumerate(zip(lay.params, leaves, cts, shard_vmas)):
+        for i, (x, ct, s) in enumerate(zip(leaves, cts, shard_vmas)):
             if not jnp.issubdtype(x.dtype, jnp.inexact) or not needed[i]:
                 continue  # no tangent space, or nobody asks for this shard's gradient: no collective
             ct = _compat.mark_varying(ct, sorted(s | {lay.axis}))  # a no-op under check_vma=False
