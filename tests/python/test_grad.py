@@ -282,3 +282,36 @@ def test_frozen_parameters_cost_no_reduce_scatter(op, world):
     want = g(*args_j)
     for k in ("a", "b"):
         np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+
+
+def test_frozen_parameters_with_hsdp_replicas():
+    """The same on an HSDP mesh (shards copied over "data", their fp32 gradients summed over it):
+    only the trained leaves are reduce-scattered and summed over the replicas, bitwise as jax.lax."""
+    mesh = make_mesh((2, 4), ("data", AXIS))
+    rng = np.random.default_rng(3)
+    params = {"base": exact(rng, (33, 8)), "a": exact(rng, (2, 8)), "b": exact(rng, (33, 2))}
+    lay = tide_jax.layout(params, mesh, AXIS, replicas=("data",))
+    x = exact(rng, (8, 4, 8))
+
+    def run(backend):
+        def grads(shards, x):
+            def loss(lora):
+                full = tide_jax.gather_params(dict(shards, **lora), lay, backend=backend)
+                h = x[0] @ full["base"].T.astype(jnp.float32)
+                h = h + (x[0] @ full["a"].T.astype(jnp.float32)) @ full["b"].T.astype(jnp.float32)
+                return jax.lax.psum(jnp.sum(h * h), ("data", AXIS))
+
+            return jax.grad(loss)({k: shards[k] for k in ("a", "b")})
+
+        f = smap(grads, mesh, (lay.spec, P(("data", AXIS))), {k: lay.spec[k] for k in ("a", "b")}, True)
+        return f, (lay.shard(params), x)
+
+    f, args = run("tide")
+    calls = [line for line in f.lower(*args).as_text().splitlines() if "@tide_reduce_scatter(" in line]
+    assert len(calls) == 1 and "33x8" not in calls[0].split(") -> (")[0].rsplit(" : (", 1)[1], calls
+    got = f(*args)
+    g, args_j = run("jax")
+    want = g(*args_j)
+    for k in ("a", "b"):
+        assert np.asarray(want[k]).any(), k
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
