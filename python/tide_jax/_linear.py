@@ -13,14 +13,19 @@ it is bound as `tide_linear`, a primitive whose rules follow from linearity:
 Contract of `forward` / `transpose`: functions of a list of arrays returning a list, linear in every
 element, tracing only tide calls and jax.numpy on their arguments (no tracer closed over), and
 block-diagonal: output i depends on input i alone (true of every collective here: each parameter is
-gathered or scattered on its own). `transpose(cts, needed)` takes one cotangent per output and
-returns one per input where `needed[i]` (the operands JAX differentiates), None elsewhere: a frozen
-parameter beside trained ones in one group costs no collective in the backward.
+gathered or scattered on its own). `forward(xs)` may get None in place of some inputs and then
+returns None at those outputs, computing nothing for them. `transpose(cts, needed)` takes one
+cotangent per output and returns one per input where `needed[i]` (the operands JAX differentiates),
+None elsewhere.
 
-Zeros: a symbolic-zero tangent or cotangent is made a real zero before the map sees it (JAX's own
-`linear_call` does not, and fails on them), and the outputs of integer leaves get symbolic-zero
-tangents. The traced forward is traced afresh for every bind, so a jvp's tangent call is a call site
-of its own (docs/design.md "Call sites and instances").
+Zeros: only leaves with a tangent or cotangent to move cost a collective. The jvp maps the leaves
+whose tangents are not symbolic zeros, and only those of inexact type; the others' output tangents
+are symbolic zeros (forward mode in the adapters of a LoRA group gathers no tangent of the frozen
+base). The transpose computes the cotangents JAX asks for whose outputs' cotangents are not symbolic
+zeros (a frozen parameter beside trained ones, or one the loss does not use, costs no reduce-scatter);
+the others are None (zero). JAX's own `linear_call` fails on symbolic zeros. The traced forward is traced afresh for
+every bind, so a jvp's tangent call is a call site of its own (docs/design.md "Call sites and
+instances").
 """
 
 from __future__ import annotations
@@ -57,19 +62,51 @@ def _has_tangents(dtype) -> bool:
 
 def _jvp(primals, tangents, *, callee, forward, transpose):
     out = tide_linear_p.bind(*primals, callee=callee, forward=forward, transpose=transpose)
-    # Integer leaves have float0 tangents: give the map zeros of their own type (its output there
-    # is a symbolic zero anyway).
-    ts = [ad.instantiate_zeros(t) if _has_tangents(p.dtype) else jnp.zeros_like(p) for p, t in zip(primals, tangents)]
-    t_out = linear(forward, transpose, ts)
-    t_out = [t if _has_tangents(o.dtype) else ad.Zero(jax.typeof(o).to_tangent_aval()) for o, t in zip(out, t_out)]
+    t_out = [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in out]
+    # Integer leaves (float0 tangents) and symbolic-zero tangents map to symbolic zeros: left out.
+    idx = [i for i, (p, t) in enumerate(zip(primals, tangents)) if type(t) is not ad.Zero and _has_tangents(p.dtype)]
+    if idx:
+        sub_forward, sub_transpose = _restrict(forward, transpose, idx, callee.out_avals)
+        for i, t in zip(idx, linear(sub_forward, sub_transpose, [tangents[i] for i in idx])):
+            if _has_tangents(out[i].dtype):
+                t_out[i] = t
     return out, t_out
+
+
+def _restrict(forward, transpose, idx: list, out_avals: list):
+    """The map on the inputs `idx` alone (a block of a block-diagonal map): (forward, transpose) of
+    the sub-lists. All of them: the map itself, so the same call as without zeros."""
+    n = len(out_avals)
+    if len(idx) == n:
+        return forward, transpose
+
+    def sub_forward(xs):
+        full = [None] * n
+        for i, x in zip(idx, xs):
+            full[i] = x
+        outs = forward(full)
+        return [outs[i] for i in idx]
+
+    def sub_transpose(cts, needed):
+        # The other outputs' cotangents are never read (not needed): zeros of their types.
+        full_cts = [jnp.zeros(a.shape, a.dtype) for a in out_avals]
+        full_needed = [False] * n
+        for i, ct, nd in zip(idx, cts, needed):
+            full_cts[i], full_needed[i] = ct, nd
+        res = transpose(full_cts, full_needed)
+        return [res[i] for i in idx]
+
+    return sub_forward, sub_transpose
 
 
 def _transpose(cts, *args, callee, forward, transpose):
     del forward
-    # Only the operands JAX differentiates get a cotangent: the others (constants, integer shards)
-    # are left out of the transposed collective altogether.
-    needed = [ad.is_undefined_primal(x) and _has_tangents(x.aval.dtype) for x in args]
+    # Only the operands JAX differentiates get a cotangent, and only where their output's cotangent
+    # is not a symbolic zero (a parameter the loss does not use): the others (constants, integer
+    # shards) are left out of the transposed collective altogether (block-diagonal: output i comes
+    # from operand i alone).
+    needed = [ad.is_undefined_primal(x) and _has_tangents(x.aval.dtype) and type(ct) is not ad.Zero
+              for x, ct in zip(args, cts)]
     if not any(needed):
         return [None] * len(args)
     cts = [ad.instantiate_zeros(ct) if _has_tangents(a.dtype) else jnp.zeros(a.shape, a.dtype)

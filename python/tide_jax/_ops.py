@@ -770,7 +770,8 @@ def all_gather(shards, lay: Layout, dtype=None, *, backend: str | None = None):
                 outs[i] = o
         return [None if o is None else _typed_like(o.astype(x.dtype), s) for o, x, s in zip(outs, leaves, shard_vmas)]
 
-    return _linear(lambda t: _all_gather(t, lay, dtype, backend), bwd, shards)
+    return _linear(lambda t: _all_gather(t, lay, dtype, backend), bwd, shards,
+                   lambda xs, idx: _on_subset(lambda t, sub: _all_gather(t, sub, dtype, backend), xs, lay, idx))
 
 
 def reduce_scatter(grads, lay: Layout, dtype=jnp.float32, *, backend: str | None = None):
@@ -802,19 +803,29 @@ def reduce_scatter(grads, lay: Layout, dtype=jnp.float32, *, backend: str | None
             outs[i] = _typed_like(f.astype(leaves[i].dtype), grad_vmas[i])
         return outs
 
-    return _linear(lambda t: _reduce_scatter(t, lay, dtypes, backend), bwd, grads)
+    return _linear(lambda t: _reduce_scatter(t, lay, dtypes, backend), bwd, grads,
+                   lambda xs, idx: _on_subset(lambda t, sub: _reduce_scatter(t, sub, [dtypes[i] for i in idx], backend),
+                                              xs, lay, idx))
 
 
-def _linear(forward, transpose, tree):
+def _linear(forward, transpose, tree, forward_on):
     """`forward(tree)`, a linear map made of tide calls (which JAX cannot differentiate), with
     `transpose(cotangent of the result, needed) -> [cotangent of leaf i of tree, or None where not
-    needed[i]]`: one `tide_linear` primitive (`_linear.py`), so reverse mode, forward mode and vmap all
+    needed[i]]` and `forward_on(leaves, idx) -> [result i for i in idx]`, the map on some leaves
+    alone: one `tide_linear` primitive (`_linear.py`), so reverse mode, forward mode and vmap all
     follow from linearity. A leaf nobody differentiates (a frozen parameter beside trained ones in one
-    group) is left out of the transpose's collective."""
+    group) is left out of the transpose's collective, and a leaf whose tangent is zero out of the
+    jvp's. Leaf i of the result is the map of leaf i of `tree` (the same structure, in order)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     out_tree = []
 
     def flat_forward(xs):
+        if any(x is None for x in xs):  # a jvp's tangents, some zero: the others' collective alone
+            idx = [i for i, x in enumerate(xs) if x is not None]
+            outs = [None] * len(xs)
+            for i, o in zip(idx, forward_on([xs[i] for i in idx], idx)):
+                outs[i] = o
+            return outs
         flat, tree_out = jax.tree_util.tree_flatten(forward(jax.tree_util.tree_unflatten(treedef, xs)))
         out_tree[:] = [tree_out]
         return flat
@@ -870,6 +881,10 @@ def gather_params(shards, lay: Layout, dtype=jnp.bfloat16, *, backend: str | Non
         flat = [_compat.mark_varying(t, r) if r else t for t, r in zip(flat, replicas)]
         return jax.tree_util.tree_unflatten(tree, flat)
 
+    def gather_on(xs, idx):
+        full = _on_subset(lambda t, sub: _all_gather(t, sub, dtype, backend), xs, lay, idx)
+        return [_compat.mark_varying(t, replicas[i]) if replicas[i] else t for i, t in zip(idx, full)]
+
     def bwd(cotangent, needed):
         # A cotangent may be typed less varying than the primal output (e.g. the same on every rank);
         # its values are still per device, so type it as such before summing it over devices.
@@ -883,7 +898,7 @@ def gather_params(shards, lay: Layout, dtype=jnp.bfloat16, *, backend: str | Non
             outs[i] = _typed_like(g, shard_vmas[i])
         return outs
 
-    return _linear(gather, bwd, shards)
+    return _linear(gather, bwd, shards, gather_on)
 
 
 def replica_axes(leaves, lay: Layout) -> tuple[list, list]:

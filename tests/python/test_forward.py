@@ -220,3 +220,89 @@ def test_vmap_and_grad_compose_with_integer_leaves():
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
         assert np.asarray(a).any()
+
+
+def tide_operands(f, args, target: str) -> list:
+    """The operand types of each `target` custom call (e.g. "tide_all_gather") in f's lowered program."""
+    lines = [line for line in f.lower(*args).as_text().splitlines() if f"@{target}(" in line]
+    return [line.split(") -> (")[0].rsplit(" : (", 1)[1] for line in lines]
+
+
+@pytest.mark.parametrize("op", ["all_gather", "gather_params"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_jvp_in_some_leaves_gathers_only_their_tangents(op, world):
+    """Forward mode in the adapters of a LoRA group (the base weights closed over, an integer leaf
+    beside them): the tangents' all-gather moves the adapters' tangents alone (the lowered program's
+    second tide all-gather has their two operands, not the base's or the integer's), the base's
+    output tangent is zero, and everything equals JAX's jvp of jax.lax bitwise."""
+    mesh = make_mesh((world,), (AXIS,))
+    rng = np.random.default_rng(90 + world)
+    params = {"base": exact(rng, (33, 8)), "a": exact(rng, (2, 8)), "b": exact(rng, (33, 2))}
+    if op == "all_gather":
+        params["n"] = rng.integers(-5, 5, size=(9,)).astype(np.int32)
+    lay = tide_jax.layout(params, mesh, AXIS)
+    trained = ("a", "b")
+    tangent = {k: exact(rng, params[k].shape) for k in trained}
+    lay_t = tide_jax.layout(tangent, mesh, AXIS)
+
+    def run(backend):
+        gather = getattr(tide_jax, op)
+
+        def body(shards, t):
+            out, t_out = jax.jvp(lambda lora: gather(dict(shards, **lora), lay, backend=backend),
+                                 ({k: shards[k] for k in trained},), (t,))
+            return stacked(out), stacked({k: v for k, v in t_out.items() if k != "n"})
+
+        spec = {k: P(AXIS) for k in params}
+        f = smap(body, mesh, (lay.spec, lay_t.spec), (spec, {k: P(AXIS) for k in ("base", "a", "b")}), True)
+        return f, (lay.shard(params), lay_t.shard(tangent))
+
+    f, args = run("tide")
+    calls = tide_operands(f, args, "tide_all_gather")
+    assert len(calls) == 2, calls  # the primals' gather, the tangents' gather
+    rows = lambda r: -(-r // world)
+    assert calls[0].count("tensor<") == len(params), calls[0]
+    ty = "bf16" if op == "gather_params" else "f32"  # gather_params casts the shards, then gathers
+    assert calls[1] == f"tensor<{rows(2)}x8x{ty}>, tensor<{rows(33)}x2x{ty}>", calls[1]
+    got = f(*args)
+    g, args_j = run("jax")
+    want = g(*args_j)
+    for a, b, path in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree_util.tree_leaves_with_path(got)):
+        assert np.asarray(a).dtype == np.asarray(b).dtype, path[0]
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), jax.tree_util.keystr(path[0])
+    assert not np.asarray(got[1]["base"]).any() and np.asarray(got[1]["a"]).any()
+
+
+@pytest.mark.parametrize("op", ["all_gather", "gather_params"])
+def test_parameter_the_loss_does_not_use_costs_no_reduce_scatter(op):
+    """A gathered parameter the loss never reads has a symbolic-zero cotangent: the backward's
+    reduce-scatter leaves it out (its gradient is zero, as jax.lax's), the others bitwise as jax.lax."""
+    world = 3
+    mesh = make_mesh((world,), (AXIS,))
+    rng = np.random.default_rng(17)
+    params = {"head": exact(rng, (10, 4)), "w": exact(rng, (7, 4)), "b": exact(rng, (7,))}
+    lay = tide_jax.layout(params, mesh, AXIS)
+    x = exact(rng, (world, 4))
+
+    def run(backend):
+        gather = getattr(tide_jax, op)
+
+        def grads(shards, x):
+            def loss(s):
+                full = gather(s, lay, backend=backend)  # "head" unused: another task's
+                h = full["w"].astype(jnp.float32) @ x[0] + full["b"].astype(jnp.float32)
+                return jax.lax.psum(jnp.sum(h * h), AXIS)
+
+            return jax.grad(loss)(shards)
+
+        return smap(grads, mesh, (lay.spec, P(AXIS)), lay.spec, True), (lay.shard(params), x)
+
+    f, args = run("tide")
+    calls = tide_operands(f, args, "tide_reduce_scatter")
+    assert len(calls) == 1 and calls[0].count("tensor<") == 2 and "10x4" not in calls[0], calls
+    got = f(*args)
+    g, args_j = run("jax")
+    want = g(*args_j)
+    for k in params:
+        assert np.asarray(got[k]).tobytes() == np.asarray(want[k]).tobytes(), k
+    assert not np.asarray(got["head"]).any() and np.asarray(got["w"]).any()
