@@ -891,10 +891,14 @@ def gather_params(shards, lay: Layout, dtype=jnp.bfloat16, *, backend: str | Non
         idx = [i for i, n in enumerate(needed) if n]
         flat = lay.treedef.flatten_up_to(cotangent)
         flat = [_compat.mark_varying(flat[i], sorted(shard_vmas[i] | set(replicas[i]) | {lay.axis})) for i in idx]
-        grads = _on_subset(lambda t, sub: _reduce_scatter(t, sub, [shard_dtypes[i] for i in idx], backend,
-                                                          psum_axes=[replicas[i] for i in idx]), flat, lay, idx)
+        # The public reduce_scatter (float32 sums), itself differentiable: forward over reverse (a
+        # Hessian-vector product) differentiates this backward too. Replicas summed in float32, then
+        # the cast to each shard's dtype, as `_reduce_scatter(..., psum_axes)` does.
+        sums = _on_subset(lambda t, sub: reduce_scatter(t, sub, None, backend=backend), flat, lay, idx)
         outs = [None] * len(leaves)
-        for i, g in zip(idx, grads):
+        for i, g in zip(idx, sums):
+            g = jax.lax.psum(g, tuple(replicas[i])) if replicas[i] else g
+            g = g if g.dtype == shard_dtypes[i] else g.astype(shard_dtypes[i])
             outs[i] = _typed_like(g, shard_vmas[i])
         return outs
 
