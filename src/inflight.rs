@@ -171,7 +171,10 @@ pub fn take(
         return crate::invalid!(
             "{what} on device {device}: no matching start is in flight for these buffers (result 0 at \
              {first:#x}). Either done ran without its start, or XLA copied the start's results before \
-             done (pass them to done unchanged, as tide_jax does)"
+             done: pass them to done unchanged, as tide_jax does. In a loop, XLA hoists a start whose \
+             operands are the same in every iteration out of the loop, and a done kept inside then gets \
+             a copy: tie the start's operands to the iteration first (`shards, carry = \
+             tide_jax.ordered(shards, carry)`), or start and finish the collective outside the loop"
         );
     };
     if record.outputs != outputs {

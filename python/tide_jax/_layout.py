@@ -563,9 +563,11 @@ class Layout:
     # ----- sub-layouts -----
     def __getitem__(self, key) -> "Layout":
         sub = self.abstract[key]
-        prefix = self._prefix + jax.tree_util.keystr(
-            (jax.tree_util.SequenceKey(key) if isinstance(key, int) else jax.tree_util.DictKey(key),)
-        )
+        if isinstance(key, int) and hasattr(self.abstract, "_fields"):  # a namedtuple: JAX names it .field
+            entry = jax.tree_util.GetAttrKey(self.abstract._fields[key])
+        else:
+            entry = jax.tree_util.SequenceKey(key) if isinstance(key, int) else jax.tree_util.DictKey(key)
+        prefix = self._prefix + jax.tree_util.keystr((entry,))
         return Layout(sub, self.mesh, self.axis, topology=self._topology_arg, _prefix=prefix,
                       specs=self.specs[key], replicas=self.replicas)
 

@@ -31,6 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
 from . import _compat, _lib
 from . import _linear as _linear_prim
 from ._layout import Layout
@@ -141,12 +144,76 @@ def _check_context(lay: Layout, op: str) -> None:
         )
     lay_shape = dict(lay.mesh.shape)
     here_shape = dict(getattr(mesh, "shape", {}))
+    if here_shape == lay_shape and lay.axis not in manual:
+        raise ValueError(
+            f"tide: {op}: the layout's axis {lay.axis!r} is not manual in the enclosing shard_map (manual: "
+            f"{sorted(manual)}): tide's collectives run over the shards of that axis, so shard_map must "
+            f"take it, e.g. axis_names={{{', '.join(repr(a) for a in sorted(set(manual) | {lay.axis}))}}} "
+            "(or leave axis_names out: every axis manual)"
+        )
     if lay.axis not in manual or here_shape != lay_shape:
         raise ValueError(
             f"tide: {op}: the layout is from another mesh: it shards over axis {lay.axis!r} of a mesh "
             f"with axes {lay_shape}, but the enclosing shard_map's mesh has axes {here_shape} "
             f"(manual: {sorted(manual)}). Build the layout from the mesh passed to shard_map."
         )
+
+
+# [Note: the mesh guard]
+# `_check_context` sees only the abstract mesh while tracing (axis names and sizes): a layout built
+# for a mesh with the same axes but its devices in another order (or other devices) passes it. Yet
+# the native call addresses rank r by the layout's device map, while XLA hands each device the shard
+# of its position in shard_map's mesh: every rank would land its shard at another rank's place,
+# silently. The concrete mesh is known at lowering (shard_map's axis context), so each native call's
+# first operand goes through `tide_mesh_guard`, an identity that emits nothing and, when lowered,
+# compares the two meshes' axis names and device ids and fails naming the call and both orders.
+# Under an abstract mesh alone there is nothing to compare; the native call then still refuses a
+# device missing from its map.
+_mesh_guard_p = Primitive("tide_mesh_guard")
+_mesh_guard_p.def_impl(lambda x, **_: x)
+_mesh_guard_p.def_abstract_eval(lambda x, **_: x)
+
+
+def _mesh_guard_jvp(primals, tangents, **params):
+    return _mesh_guard_p.bind(*primals, **params), tangents[0]
+
+
+def _mesh_guard_batch(args, dims, **params):
+    return _mesh_guard_p.bind(*args, **params), dims[0]
+
+
+def _mesh_guard_lowering(ctx, x, *, names, shape, devices, what):
+    mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+    ids = getattr(mesh, "device_ids", None)  # a concrete Mesh; an AbstractMesh has none
+    if ids is not None:
+        here = (tuple(mesh.axis_names), tuple(np.shape(ids)), tuple(int(d) for d in np.ravel(ids)))
+        if here != (names, shape, devices):
+            axes = lambda n, sh: ", ".join(f"{a}={k}" for a, k in zip(n, sh))
+            raise ValueError(
+                f"tide: {what}: the layout was built for another mesh than the enclosing shard_map's: "
+                f"the layout's mesh ({axes(names, shape)}) has devices {np.array(devices).reshape(shape).tolist()}, "
+                f"shard_map's ({axes(*here[:2])}) has {np.asarray(ids).tolist()}. tide addresses each rank "
+                "by its layout's device order, so each shard would land at another rank's place. Build the "
+                "layout from the mesh passed to shard_map."
+            )
+    return [x]
+
+
+ad.primitive_jvps[_mesh_guard_p] = _mesh_guard_jvp
+batching.primitive_batchers[_mesh_guard_p] = _mesh_guard_batch
+mlir.register_lowering(_mesh_guard_p, _mesh_guard_lowering)
+
+
+def _guarded(leaves: list, lay: Layout, op: str) -> list:
+    """`leaves` with the first one through the mesh guard ([Note: the mesh guard])."""
+    if not leaves:
+        return leaves
+    names = [p.path or "<root>" for p in lay.params[:3]]
+    what = f"{op} of {', '.join(names)}{', ...' if len(lay.params) > 3 else ''}"
+    ids = lay.mesh.device_ids
+    first = _mesh_guard_p.bind(leaves[0], names=tuple(lay.mesh.axis_names), shape=tuple(np.shape(ids)),
+                               devices=tuple(int(d) for d in np.ravel(ids)), what=what)
+    return [first, *leaves[1:]]
 
 
 def _flatten_like(tree, lay: Layout, op: str, what: str) -> list:
@@ -309,7 +376,8 @@ def _tide_all_gather(leaves: list, lay: Layout) -> list:
         return _without_empty(leaves, lay, _tide_all_gather, "all_gather")
     _lib.ensure_registered(lay.platform)
     result_types = [jax.ShapeDtypeStruct(p.local_shape, x.dtype) for p, x in zip(lay.params, leaves)]
-    outs = jax.ffi.ffi_call("tide_all_gather", result_types, vmap_method="sequential")(*leaves, **_attrs(lay, _new_site()))
+    outs = jax.ffi.ffi_call("tide_all_gather", result_types, vmap_method="sequential")(
+        *_guarded(leaves, lay, "all_gather"), **_attrs(lay, _new_site()))
     return _vary_like(list(outs), leaves, lay.axis)
 
 
@@ -320,7 +388,8 @@ def _tide_reduce_scatter(leaves: list, lay: Layout) -> list:
         return _without_empty(leaves, lay, _tide_reduce_scatter, "reduce_scatter")
     _lib.ensure_registered(lay.platform)
     result_types = [jax.ShapeDtypeStruct(p.shard_shape, jnp.float32) for p in lay.params]
-    outs = jax.ffi.ffi_call("tide_reduce_scatter", result_types, vmap_method="sequential")(*leaves, **_attrs(lay, _new_site()))
+    outs = jax.ffi.ffi_call("tide_reduce_scatter", result_types, vmap_method="sequential")(
+        *_guarded(leaves, lay, "reduce_scatter"), **_attrs(lay, _new_site()))
     return _vary_like(list(outs), leaves, lay.axis)
 
 
@@ -380,7 +449,8 @@ def _start(op: str, leaves: list, lay: Layout, backend: str, urgent: bool = Fals
     types = types + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     # In flight, the results are typed varying over the axis alone ([Note: vma of the collectives]).
     tracked = any(_compat.vma_of(x) for x in leaves)
-    outs = _start_call(op, types, n, _attrs(lay, _new_site(), urgent), (lay.axis,) if tracked else ())(*leaves)
+    outs = _start_call(op, types, n, _attrs(lay, _new_site(), urgent), (lay.axis,) if tracked else ())(
+        *_guarded(leaves, lay, f"{op}_start"))
     return Handle(list(outs[:n]), list(outs[n:]), (op, lay, backend, out_vmas))
 
 
@@ -497,7 +567,7 @@ def _start_into(leaves: list, bufs: list, index, lay: Layout, backend: str, urge
              + [jax.ShapeDtypeStruct((), jnp.int32)])
     tracked = any(_compat.vma_of(x) for x in leaves) or any(buf_vmas)
     outs = _start_into_call(types, n, _attrs(lay, _new_site(), urgent), (lay.axis,) if tracked else (), buf_vmas)(
-        *leaves, *bufs, index)
+        *_guarded(leaves, lay, "reduce_scatter_start"), *bufs, index)
     return Handle(list(outs[:n]), list(outs[n:]), ("reduce_scatter_into", lay, backend, buf_vmas))
 
 
@@ -624,7 +694,7 @@ def _start_cast(stacked: list, index, lay: Layout, backend: str) -> Handle:
     out_vmas = _out_vmas(stacked, lay.axis)
     tracked = any(_compat.vma_of(x) for x in stacked)
     outs = _start_cast_call(types, len(stacked), _attrs(lay, _new_site()), (lay.axis,) if tracked else ())(
-        *stacked, index)
+        *_guarded(stacked, lay, "all_gather_start"), index)
     return Handle(list(outs), [], ("all_gather", lay, "tide-cast", out_vmas))
 
 

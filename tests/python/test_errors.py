@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tide_jax
@@ -89,6 +89,52 @@ def test_layout_from_another_mesh_shape(backend):
     lay_1d = tide_jax.layout(params, flat, AXIS)
     with pytest.raises(ValueError, match="another mesh"):
         smap(lambda s: tide_jax.all_gather(s, lay_1d)["w"], mesh, (lay_2d.spec,))(lay_2d.shard(params))
+
+
+@pytest.mark.parametrize("other", ["reversed", "other devices", "transposed 2d"])
+def test_layout_from_a_mesh_with_other_devices(tide_backend, other):
+    """Same axis names and sizes, devices in another order (or other devices): the abstract mesh
+    matches, but tide addresses ranks by the layout's device order, so each shard would land at
+    another rank's place. Refused when lowered, naming the call and both device orders, for every
+    native call (all_gather, reduce_scatter, all_gather_start); the layout's own mesh, rebuilt from
+    the same devices, is accepted (and the result checked)."""
+    devs = np.array(jax.devices()[:8])
+    if other == "transposed 2d":
+        names = ("data", AXIS)
+        mesh, here = Mesh(devs.reshape(2, 4), names), Mesh(devs.reshape(4, 2).T, names)
+    else:
+        names = (AXIS,)
+        mesh = Mesh(devs[:4], names)
+        here = Mesh(devs[:4][::-1] if other == "reversed" else devs[4:8], names)
+    params = {"w": np.arange(14, dtype=np.float32).reshape(7, 2), "b": np.ones((3,), np.float32)}
+    lay = tide_jax.layout(params, mesh, AXIS)
+    calls = {
+        "all_gather": lambda s: tide_jax.all_gather(s, lay)["w"],
+        "reduce_scatter": lambda s: tide_jax.reduce_scatter(tide_jax.all_gather(s, lay, backend="jax"), lay)["w"],
+        "all_gather_start": lambda s: tide_jax.all_gather_done(tide_jax.all_gather_start(s, lay))["w"],
+    }
+    for op, f in calls.items():
+        g = jax.jit(tide_jax.shard_map(f, mesh=here, in_specs=(lay.spec,), out_specs=P(names), check_vma=False))
+        with pytest.raises(ValueError, match=rf"tide: {op} of \['b'\], \['w'\]: the layout was built for another mesh"
+                                              r".*devices \[.*shard_map's.*has \[.*Build the layout from the mesh"):
+            g.lower(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), lay.shard(params)))
+    same = Mesh(mesh.devices.copy(), names)
+    got = jax.jit(tide_jax.shard_map(calls["all_gather"], mesh=same, in_specs=(lay.spec,), out_specs=P(names),
+                                     check_vma=False))(lay.shard(params))
+    np.testing.assert_array_equal(np.asarray(got)[:7], params["w"])
+
+
+def test_layout_axis_not_manual(backend):
+    """The layout's own mesh, but shard_map takes another axis only: the error says that axis is not
+    manual (not that the mesh differs) and how to fix it."""
+    mesh = make_mesh((2, 4), ("data", AXIS))
+    params = {"w": np.zeros((7, 3), np.float32)}
+    lay = tide_jax.layout(params, mesh, AXIS)
+    f = jax.jit(jax.shard_map(lambda s: tide_jax.all_gather(s, lay)["w"][None], mesh=mesh, in_specs=(P(),),
+                              out_specs=P("data"), axis_names={"data"}))
+    with pytest.raises(ValueError, match=r"all_gather: the layout's axis 'fsdp' is not manual in the enclosing "
+                                         r"shard_map \(manual: \['data'\]\).*axis_names=\{'data', 'fsdp'\}"):
+        f(lay.shard(params))
 
 
 def test_outside_shard_map(backend, setup):

@@ -81,6 +81,26 @@ def test_sub_layouts():
     assert direct.treedef == sub.treedef and direct.params[0].shape == sub.params[0].shape
 
 
+def test_sub_layouts_name_parameters_as_the_whole_layout_does():
+    """A sub-layout taken through namedtuples, lists, tuples and dicts names each parameter by the
+    same path as the whole layout (namedtuple fields as .field, as JAX's keystr does)."""
+    import collections
+
+    nt = collections.namedtuple("NT", "w b")
+    mesh = make_mesh((3,), ("fsdp",))
+    params = {"layers": [nt(np.zeros((4, 2), np.float32), np.zeros((2,), np.float32)) for _ in range(2)],
+              "head": (np.zeros((5,), np.float32), {"g": np.zeros((3,), np.float32)})}
+    lay = tide_jax.layout(params, mesh, "fsdp")
+    whole = [p.path for p in lay.params]
+    for keys in [("layers",), ("layers", 1), ("layers", 1, 0), ("layers", 0, 1), ("head",), ("head", 1, "g")]:
+        sub = lay
+        for k in keys:
+            sub = sub[k]
+        for p in sub.params:
+            assert p.path in whole, (keys, p.path, whole)
+    assert lay["layers"][1][0].params[0].path == "['layers'][1].w"
+
+
 @pytest.mark.parametrize("names,axis", [(("dp", "fsdp"), "fsdp"), (("fsdp", "dp"), "fsdp")])
 def test_device_map_two_axes(names, axis):
     shape = (2, 4) if names[0] == "dp" else (4, 2)

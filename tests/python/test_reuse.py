@@ -394,3 +394,50 @@ def test_reused_helper_and_layer_loop_multiprocess():
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "worker":
     worker(sys.argv[3] if len(sys.argv) > 3 else "")
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_start_done_in_a_loop_over_invariant_shards(tie):
+    """README's overlap recipe (start, ordered, compute, ordered, done) in a lax.scan body whose
+    shards are the same in every iteration (gradient accumulation: the parameters re-gathered per
+    microbatch). XLA hoists such a start out of the loop, and the done kept in the loop by `ordered`
+    would get a copy of its results: with the shards tied to the carry first (the README's fix) the
+    result equals the jax backend's; without, it is right or fails naming that fix, never wrong."""
+    import tide_jax
+    from conftest import make_mesh
+
+    mesh = make_mesh((3,), (AXIS,))
+    rng = np.random.default_rng(8)
+    params = {"w": rng.standard_normal((7, 2)).astype(np.float32), "b": rng.standard_normal((5,)).astype(np.float32)}
+    lay = tide_jax.layout(params, mesh, AXIS)
+    xs = rng.standard_normal((4, 3)).astype(np.float32)
+
+    def run(backend):
+        def f(s, xs):
+            def body(c, x):
+                if tie:
+                    s_, c = tide_jax.ordered(s, c)
+                else:
+                    s_ = s
+                h = tide_jax.all_gather_start(s_, lay, backend=backend)
+                h, c = tide_jax.ordered(h, c)
+                c = c * 0.5 + x.sum()  # the microbatch's compute, beside the gather
+                h, c = tide_jax.ordered(h, c)
+                full = tide_jax.all_gather_done(h)
+                return c + full["w"].sum() * x[0] + full["b"][1:].sum(), None
+
+            c0 = jax.lax.pcast(jnp.float32(0.0), AXIS, to="varying")
+            return jax.lax.scan(body, c0, xs)[0][None]
+
+        g = jax.jit(tide_jax.shard_map(f, mesh=mesh, in_specs=(lay.spec, P()), out_specs=P(AXIS)))
+        return np.asarray(g(lay.shard(params), xs))
+
+    want = run("jax")
+    try:
+        got = run("tide")
+    except Exception as e:  # the untied form, hoisted by XLA: the error names the fix
+        assert not tie, e
+        assert "hoists a start whose operands are the same in every iteration" in str(e), e
+        assert "tide_jax.ordered(shards, carry)" in str(e), e
+        return
+    np.testing.assert_array_equal(got, want)
