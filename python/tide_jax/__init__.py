@@ -44,7 +44,7 @@ from ._ops import (
     set_backend,
 )
 from ._loop import REMAT_NAMES, remat_policy, scan_layers
-from ._distributed import initialize
+from ._distributed import initialize, report_uncaught_to_launcher as _report_uncaught_to_launcher
 from ._dispatch import dispatch_lock
 
 __version__ = "0.1.0"
@@ -98,3 +98,5 @@ __all__ = [
     "set_backend",
     "shard_map",
 ]
+
+_report_uncaught_to_launcher()  # under `python -m tide_jax.launch` only (TIDE_LAUNCH_DIR)

@@ -97,6 +97,38 @@ def initialize(**kwargs: Any) -> None:
     jax.distributed.initialize(**args)
 
 
+def report_uncaught_to_launcher() -> None:
+    """Under `python -m tide_jax.launch` (`TIDE_LAUNCH_DIR` set): an exception nobody catches is
+    written to `<dir>/raised-<rank>` (its last line, "RuntimeError: ...") before Python prints it, so
+    the launcher names this rank as the root cause at once. Without it the launcher saw only the
+    peer that timed out first: the raising process waits in JAX's shutdown barrier for its peers,
+    and they wait in their next collective for it, until TIDE_TIMEOUT_S. Installed once, at import;
+    the previous hook still prints the traceback."""
+    import sys
+
+    where, rank = os.environ.get("TIDE_LAUNCH_DIR"), os.environ.get("TIDE_LOCAL_RANK")
+    if not where or rank is None or getattr(sys.excepthook, "_tide_launch", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        try:
+            import traceback
+
+            text = "".join(traceback.format_exception_only(kind, value)).strip().splitlines()
+            line = (text[-1] if text else kind.__name__)[:500]
+            tmp = os.path.join(where, f".raised-{rank}.{os.getpid()}")
+            with open(tmp, "w") as f:
+                f.write(line)
+            os.replace(tmp, os.path.join(where, f"raised-{rank}"))
+        except Exception:
+            pass
+        previous(kind, value, tb)
+
+    hook._tide_launch = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
 def _cluster_detected() -> bool:
     env = os.environ
     return any(k in env for k in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "JAX_COORDINATOR_ADDRESS"))

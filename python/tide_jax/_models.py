@@ -279,6 +279,13 @@ class Plan:
             if not is_array(x):
                 raise TypeError(f"tide: {what}: parameter {path} is a {type(x).__name__}, not an array")
             dt = np.dtype(x.dtype) if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) else None
+            if dt is not None and jnp.issubdtype(dt, jnp.complexfloating):
+                raise TypeError(
+                    f"tide: {what}: parameter {path} has dtype {dt.name}: the front doors keep float32 master "
+                    "shards and cannot train complex parameters; store the real and imaginary parts as two "
+                    "float32 parameters (w = w_re + 1j * w_im), or gather it with tide_jax.all_gather, whose "
+                    "backward sums complex gradients in their own dtype"
+                )
             if dt is None or not jnp.issubdtype(dt, jnp.floating):
                 raise TypeError(
                     f"tide: {what}: parameter {path} has dtype {dtype_name(x)}: tide shards and differentiates "

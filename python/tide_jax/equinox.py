@@ -23,7 +23,8 @@ made with `eqx.filter_vmap`, every array with the layers on its first axis), bui
 and one for the other floating arrays, and returns the model with every floating array replaced by its
 fp32 FSDP shard (`(P * shard_rows, *rest)`, stacked `(L, P * shard_rows, *rest)`). Every other leaf
 is state: non-floating arrays (PRNG keys, integer or boolean buffers) are passed through unsharded
-(replicated, no gradient), and the rest (Python numbers, functions, `eqx.nn.Dropout`'s rate) stays
+(replicated, no gradient), complex arrays are refused (float32 master shards cannot hold them: store
+the real and imaginary parts as two float arrays), and the rest (Python numbers, functions, `eqx.nn.Dropout`'s rate) stays
 static, as under `eqx.filter_jit`.
 
 `fsdp.filter_value_and_grad(loss_fn)(model, *batch)` runs `loss_fn(model, *batch)` on every device

@@ -7,9 +7,11 @@ Each process gets `JAX_COORDINATOR_ADDRESS` (a free localhost port), `JAX_NUM_PR
 says otherwise or `--no-gpu-split`. `--cpu-devices K` runs on CPU with K devices per process.
 
 Output lines are prefixed with `[rank i]`; Gloo's "Rank i is connected to N peer ranks" lines (one
-per process and CPU collective group, from JAX's CPU collectives) are dropped. If a process exits non-zero or dies, the others get
-`--grace` seconds to finish on their own (they usually fail fast with tide's error naming the
-dead rank), then SIGTERM, then SIGKILL 5 s later; the launcher exits non-zero naming the rank.
+per process and CPU collective group, from JAX's CPU collectives) are dropped. If a process exits non-zero, dies, or raises an exception it does not
+catch (a process that imported `tide_jax` reports it through `TIDE_LAUNCH_DIR` before printing it: it
+may not exit, JAX's shutdown barrier waiting for its peers), the others get `--grace` seconds to
+finish on their own (they usually fail fast with tide's error naming the dead rank), then SIGTERM,
+then SIGKILL 5 s later; the launcher exits non-zero naming the rank and what it did.
 Multi-host clusters (SLURM, mpirun): see docs/multiprocess.md.
 """
 
@@ -19,10 +21,12 @@ import argparse
 import glob
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -95,9 +99,19 @@ def _cleanup_shm(job: int) -> None:
             pass
 
 
-def build_env(rank: int, n: int, port: int, job: int, args, gpus: list[str]) -> dict[str, str]:
+def _raised(where: str, rank: int) -> str | None:
+    """What rank `rank` raised and did not catch (written by `tide_jax` on import's excepthook), or None."""
+    try:
+        with open(os.path.join(where, f"raised-{rank}")) as f:
+            return f.read().strip() or "an exception"
+    except OSError:
+        return None
+
+
+def build_env(rank: int, n: int, port: int, job: int, args, gpus: list[str], where: str = "") -> dict[str, str]:
     env = dict(os.environ)
     env.update(
+        TIDE_LAUNCH_DIR=where,
         JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
         JAX_NUM_PROCESSES=str(n),
         JAX_PROCESS_ID=str(rank),
@@ -146,13 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     job = int(os.environ.get("TIDE_JOB_ID", "0"), 0) or (secrets.randbits(62) | 1)
     gpus = [] if args.cpu_devices is not None else local_gpus()
 
+    where = tempfile.mkdtemp(prefix="tide-launch-")  # raised-<rank>: uncaught exceptions (tide_jax's excepthook)
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     for rank in range(n):
         proc = subprocess.Popen(
             cmd,
-            env=build_env(rank, n, port, job, args, gpus),
+            env=build_env(rank, n, port, job, args, gpus, where),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -173,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
 
-    first_failure: tuple[int, int] | None = None
+    first_failure: tuple[int, str, int] | None = None  # rank, what it did, exit code to return
     stopped: set[int] = set()  # ranks this launcher terminated
     deadline = None
     terminated_at = None
@@ -181,21 +196,25 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             codes = [proc.poll() for proc in procs]
             if first_failure is None:
-                # Seen together, a rank killed by a signal is the likelier root cause than the ranks
-                # that failed because of it (tide fails them within milliseconds).
+                # An uncaught exception first: its process may live on (JAX's shutdown barrier waits
+                # for the peers, which wait in a collective for it) while a peer times out and
+                # exits. Then, seen together, a rank killed by a signal is the likelier root cause
+                # than the ranks that failed because of it (tide fails them within milliseconds).
+                raised = [(r, _raised(where, r)) for r in range(n)]
+                raised = [(r, what) for r, what in raised if what is not None]
                 order = sorted(range(n), key=lambda r: (not (codes[r] is not None and codes[r] < 0), r))
-                for rank in order:
-                    code = codes[rank]
-                    if code not in (None, 0):
-                        first_failure = (rank, code)
-                        deadline = time.monotonic() + args.grace
-                        with lock:
-                            running = [r for r, c in enumerate(codes) if c is None]
-                            sys.stderr.write(
-                                f"tide.launch: rank {rank} (pid {procs[rank].pid}) {_describe(code)}; "
-                                f"ranks {running} get {args.grace:g} s to finish\n"
-                            )
-                        break
+                failed = [(r, _describe(codes[r]), codes[r]) for r in order if codes[r] not in (None, 0)]
+                found = [(r, f"raised {what}", 1) for r, what in raised] + failed
+                if found:
+                    first_failure = found[0]
+                    rank, what, _ = first_failure
+                    deadline = time.monotonic() + args.grace
+                    with lock:
+                        running = [r for r, c in enumerate(codes) if c is None]
+                        sys.stderr.write(
+                            f"tide.launch: rank {rank} (pid {procs[rank].pid}) {what}; "
+                            f"ranks {running} get {args.grace:g} s to finish\n"
+                        )
             if all(c is not None for c in codes):
                 break
             now = time.monotonic()
@@ -218,15 +237,16 @@ def main(argv: list[str] | None = None) -> int:
         for t in pumps:
             t.join(timeout=5)
         _cleanup_shm(job)
+        shutil.rmtree(where, ignore_errors=True)
     if first_failure is not None:
-        rank, code = first_failure
+        rank, what, code = first_failure
         others = [
             f"rank {r} {_describe(p.returncode)}"
             for r, p in enumerate(procs)
             if r != rank and r not in stopped and p.returncode not in (None, 0)
         ]
         also = f" (also: {', '.join(others)})" if others else ""
-        sys.stderr.write(f"tide.launch: failed: rank {rank} (pid {procs[rank].pid}) {_describe(code)}{also}\n")
+        sys.stderr.write(f"tide.launch: failed: rank {rank} (pid {procs[rank].pid}) {what}{also}\n")
         return code if 0 < code < 256 else 1
     return 0
 

@@ -417,7 +417,9 @@ impl ProcessGroup {
                 };
                 return Err(self.fail_with(format!(
                     "rank {} of group {} waited {:.1?} for ranks {} to join{site} (no control block \
-                     {}): did every process start, with the same TIDE job id, and trace the same tide calls?",
+                     {}): did every process start, with the same TIDE job id, and trace the same tide calls? \
+                     (A process that failed before reaching this call, an uncaught exception say, never \
+                     joins: its own output says why, and `python -m tide_jax.launch` names it.)",
                     self.rank,
                     self.group,
                     self.timing.timeout,

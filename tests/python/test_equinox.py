@@ -159,3 +159,8 @@ def test_apply_remat_bf16_and_errors(tide_backend):
         teqx.shard(ref, mesh, AXIS, layers="layer")
     with pytest.raises(ValueError, match="structure differs"):
         fsdp.filter_value_and_grad(loss_fn)(eqx.tree_at(lambda m: m.mask, model, None), x, y, k)
+    # a complex array: inexact, so Equinox trains it, but float32 master shards cannot hold it
+    cplx = eqx.tree_at(lambda m: m.head.bias, ref, ref.head.bias.astype(jnp.complex64))
+    with pytest.raises(TypeError, match=r"parameter head\.bias has dtype complex64: the front doors keep float32 "
+                                        r"master shards and cannot train complex parameters"):
+        teqx.shard(cplx, mesh, AXIS, layers="layers")

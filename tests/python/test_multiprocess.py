@@ -364,6 +364,42 @@ def test_launcher_reports_failing_rank(tmp_path):
     assert time.monotonic() - t0 < 30
 
 
+RAISES = """
+import jax, jax.numpy as jnp, numpy as np
+import tide_jax
+tide_jax.initialize()
+mesh = jax.make_mesh((jax.device_count(),), ("fsdp",))
+lay = tide_jax.layout({"w": np.ones((5, 3), np.float32)}, mesh, "fsdp")
+shards = lay.shard({"w": np.ones((5, 3), np.float32)})
+if jax.process_index() == 1:
+    raise RuntimeError("boom on rank 1")
+f = jax.jit(tide_jax.shard_map(lambda s: tide_jax.all_gather(s, lay)["w"][None], mesh=mesh,
+                               in_specs=(lay.spec,), out_specs=jax.sharding.PartitionSpec("fsdp")))
+print("NO_ERROR", jax.block_until_ready(f(shards)).shape, flush=True)
+"""
+
+
+def test_launcher_names_a_rank_that_raised(tmp_path):
+    """A rank raises an exception it does not catch, before its first tide call: its process lives
+    on in JAX's shutdown barrier and its peer waits in tide for it, so neither exits soon. The
+    launcher learns of the exception from tide_jax's excepthook, names rank 1 and what it raised as
+    the root cause, and ends the job after --grace (not after TIDE_TIMEOUT_S)."""
+    script = tmp_path / "raises.py"
+    script.write_text(RAISES)
+    cmd = [sys.executable, "-m", "tide_jax.launch", "-n", "2", "--cpu-devices", "1", "--grace", "3", "--",
+           sys.executable, str(script)]
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, env=_env(TIDE_TIMEOUT_S="300"), capture_output=True, text=True, timeout=200)
+    took = time.monotonic() - t0
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "tide.launch: rank 1 (pid" in r.stderr and "raised RuntimeError: boom on rank 1; ranks" in r.stderr, out
+    assert r.stderr.rstrip().splitlines()[-1].startswith("tide.launch: failed: rank 1 (pid"), out
+    assert "raised RuntimeError: boom on rank 1" in r.stderr.rstrip().splitlines()[-1], out
+    assert "NO_ERROR" not in out
+    assert took < 120, f"took {took:.0f}s"  # TIDE_TIMEOUT_S is 300 s: the launcher ended it
+
+
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "worker":
     import argparse
 
