@@ -42,11 +42,15 @@ __all__ = [
     "setup_rail",
     "setup_nccl",
     "nccl_roles",
-    "KV_TIMEOUT_MS",
+    "kv_timeout_ms",
 ]
 
-#: How long a process waits for its peers' keys (TIDE_KV_TIMEOUT_S, default 300 s).
-KV_TIMEOUT_MS = int(float(os.environ.get("TIDE_KV_TIMEOUT_S", "300")) * 1000)
+def kv_timeout_ms() -> int:
+    """How long a process waits for its peers' keys in the key-value store (TIDE_KV_TIMEOUT_S,
+    default 300 s, at most a day), read when a job is set up."""
+    from . import _lib
+
+    return int(_lib.env_seconds("TIDE_KV_TIMEOUT_S", 300.0, 0.001, 86400.0) * 1000)
 
 _lock = threading.Lock()
 _job_id: int | None = None
@@ -99,7 +103,7 @@ def initialize(**kwargs: Any) -> None:
 
 def report_uncaught_to_launcher() -> None:
     """Under `python -m tide_jax.launch` (`TIDE_LAUNCH_DIR` set): an exception nobody catches is
-    written to `<dir>/raised-<rank>` (its last line, "RuntimeError: ...") before Python prints it, so
+    written to `<dir>/raised-<rank>` (its line "RuntimeError: ...") before Python prints it, so
     the launcher names this rank as the root cause at once. Without it the launcher saw only the
     peer that timed out first: the raising process waits in JAX's shutdown barrier for its peers,
     and they wait in their next collective for it, until TIDE_TIMEOUT_S. Installed once, at import;
@@ -115,8 +119,10 @@ def report_uncaught_to_launcher() -> None:
         try:
             import traceback
 
+            # "Type: first line of the message" (not the notes JAX appends, nor a SyntaxError's source)
             text = "".join(traceback.format_exception_only(kind, value)).strip().splitlines()
-            line = (text[-1] if text else kind.__name__)[:500]
+            line = next((t for t in text if t.split(":")[0].split(".")[-1] == kind.__name__), text[0] if text else "")
+            line = (line or kind.__name__)[:500]
             tmp = os.path.join(where, f".raised-{rank}.{os.getpid()}")
             with open(tmp, "w") as f:
                 f.write(line)
@@ -163,7 +169,7 @@ def job_id(mesh=None) -> int:
                 client.key_value_set("tide/job_id", str(value), allow_overwrite=False)
             except Exception:  # another process wrote it first
                 pass
-            _job_id = int(client.blocking_key_value_get("tide/job_id", KV_TIMEOUT_MS))
+            _job_id = int(client.blocking_key_value_get("tide/job_id", kv_timeout_ms()))
         return _job_id
 
 
@@ -190,7 +196,7 @@ def process_hosts() -> dict[int, str]:
             else:
                 client = _client()
                 client.key_value_set(f"tide/host/{jax.process_index()}", _host_identity(), allow_overwrite=True)
-                _hosts = {p: client.blocking_key_value_get(f"tide/host/{p}", KV_TIMEOUT_MS) for p in range(n)}
+                _hosts = {p: client.blocking_key_value_get(f"tide/host/{p}", kv_timeout_ms()) for p in range(n)}
         return dict(_hosts)
 
 
@@ -317,7 +323,7 @@ def _rail_addresses(job: int) -> dict[int, str]:
     client = _client()
     me = jax.process_index()
     client.key_value_set(f"tide/rail/{job}/{me}", f"{host}:{port}", allow_overwrite=True)
-    addrs = {p: client.blocking_key_value_get(f"tide/rail/{job}/{p}", KV_TIMEOUT_MS) for p in range(jax.process_count())}
+    addrs = {p: client.blocking_key_value_get(f"tide/rail/{job}/{p}", kv_timeout_ms()) for p in range(jax.process_count())}
     _rail_addrs[job] = addrs
     return addrs
 
@@ -388,7 +394,9 @@ def setup_nccl(lay, job: int) -> None:
     hosts = process_hosts()
     procs = {int(d.process_index) for d in np.asarray(lay.mesh.devices).flat}
     spans_hosts = len({hosts[p] for p in procs}) > 1
-    if not (spans_hosts or os.environ.get("TIDE_NODE_LOCAL", "").strip() == "1"):
+    from . import _lib
+
+    if not (spans_hosts or _lib.env_flag("TIDE_NODE_LOCAL", False)):
         return
     names = list(lay.mesh.axis_names)
     devices = np.moveaxis(np.asarray(lay.mesh.devices), names.index(lay.axis), -1).reshape(-1, lay.world)
@@ -408,5 +416,5 @@ def setup_nccl(lay, job: int) -> None:
                 raise RuntimeError(f"tide: ncclGetUniqueId failed for rail {rail} of group {group} (is libnccl.so.2 loadable?)")
             client.key_value_set(f"tide/nccl/{job}/{group}/{rail}", buf.raw.hex(), allow_overwrite=True)
         for group, rail in need:
-            value = client.blocking_key_value_get(f"tide/nccl/{job}/{group}/{rail}", KV_TIMEOUT_MS)
+            value = client.blocking_key_value_get(f"tide/nccl/{job}/{group}/{rail}", kv_timeout_ms())
             lib.tide_nccl_set_unique_id(job, group, rail, bytes.fromhex(value))

@@ -70,6 +70,12 @@ def info() -> str:
     lines.append(_python_line())
     settings = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("TIDE_"))
     lines.append("settings: " + (" ".join(settings) if settings else "none (TIDE_* unset: defaults)"))
+    bad = _guard(_lib.python_setting_problems)
+    problems += [f"invalid setting: {e}" for e in (bad if isinstance(bad, list) else [f"cannot check: {bad}"])]
+    if lib is not None:
+        native = _guard(lambda: _lib._check_settings(lib))
+        if isinstance(native, Exception):
+            problems.append(f"invalid setting: {native}")
     lines += [f"!! {p}" for p in problems]
     return "\n".join(lines)
 

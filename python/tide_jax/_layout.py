@@ -122,7 +122,11 @@ def parse_topology(spec, world: int, source: str = "topology") -> tuple[int, int
         except ValueError:
             raise ValueError(f"tide: {source}={spec!r}: expected NODESxGPUS, e.g. 2x4") from None
     else:
-        nodes, gpus = (int(v) for v in spec)
+        ok = isinstance(spec, (tuple, list)) and len(spec) == 2 and all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in spec)
+        if not ok:
+            raise ValueError(f"tide: {source}={spec!r}: expected (nodes, gpus_per_node), two integers, or 'NxG'")
+        nodes, gpus = int(spec[0]), int(spec[1])
     if nodes < 1 or gpus < 1:
         raise ValueError(f"tide: {source}={spec!r}: nodes and gpus_per_node must be at least 1")
     if nodes * gpus != world:

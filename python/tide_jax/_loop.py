@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat, _ops
+from . import _compat, _lib, _ops
 from ._layout import Layout
 
 __all__ = ["scan_layers", "remat_policy", "REMAT_NAMES"]
@@ -361,7 +361,7 @@ class _Group:
         """`urgent`: the step waits on this reduce-scatter next (the backward's last ones): its sums
         take the whole GPU, as nothing runs beside them (src/call.rs `CallInfo::urgent`)."""
         dp = jax.tree_util.tree_leaves(dp)
-        dp = [_compat.mark_varying(t, c) if c else t for t, c in zip(dp, self.ct_axes)]
+        dp = [_ops._widened(_compat.mark_varying(t, c) if c else t) for t, c in zip(dp, self.ct_axes)]
         return _ops._start("reduce_scatter", list(dp), self.lay, self.backend, urgent)
 
     def into_ok(self) -> bool:
@@ -375,7 +375,7 @@ class _Group:
 
     def start_scatter_into(self, dp, gbuf, index, urgent: bool = False):
         dp = jax.tree_util.tree_leaves(dp)
-        dp = [_compat.mark_varying(t, c) if c else t for t, c in zip(dp, self.ct_axes)]
+        dp = [_ops._widened(_compat.mark_varying(t, c) if c else t) for t, c in zip(dp, self.ct_axes)]
         return _ops._start_into(list(dp), list(gbuf), index, self.lay, self.backend, urgent)
 
     def done_scatter_into(self, h):
@@ -405,8 +405,8 @@ def _scan_unroll() -> int:
     value = os.environ.get("TIDE_SCAN_UNROLL", "").strip()
     if not value:
         return 2
-    if not value.isdigit() or not 1 <= int(value) <= 64:
-        raise ValueError(f"tide: TIDE_SCAN_UNROLL={value!r}: expected an integer in [1, 64]")
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= 64:
+        raise _lib.SettingError(f"tide: TIDE_SCAN_UNROLL={value!r}: expected an integer in [1, 64]")
     return int(value)
 
 
@@ -531,9 +531,7 @@ def scan_layers(layer_fn, carry, shards, lay: Layout, *, xs=None, prefetch: int 
     leaves, num = _check_stacked(shards, lay)
     if xs is not None:
         _check_xs(xs, num)
-    backend = backend or _ops.get_backend()
-    if backend not in _ops.BACKENDS:
-        raise ValueError(f"tide: unknown backend {backend!r}: expected one of {_ops.BACKENDS}")
+    backend = _ops._chosen(backend)
     pro = _end(prologue, "prologue", "prologue")
     epi = _end(epilogue, "epilogue", "epilogue")
     loop = _Loop(layer_fn, lay, leaves, num, xs is not None, prefetch, remat, bool(reshard_after_forward),

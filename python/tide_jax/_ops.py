@@ -57,14 +57,34 @@ BACKENDS = ("tide", "jax")
 REDUCIBLE = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
 
 
+def _widened(ct):
+    """A cotangent as the reduce-scatter takes it: float8 variants (parameters gathered in fp8) are
+    widened to float32 first, exactly; bf16/f16/f32 and everything else as they are."""
+    narrow = jnp.issubdtype(ct.dtype, jnp.floating) and np.dtype(ct.dtype).itemsize < 2
+    return ct.astype(jnp.float32) if narrow and np.dtype(ct.dtype) not in REDUCIBLE else ct
+
+
 def _backend_from_env() -> str:
     name = os.environ.get("TIDE_BACKEND", "tide").strip().lower() or "tide"
     if name not in BACKENDS:
-        raise ValueError(f"tide: TIDE_BACKEND={name!r}: expected one of {BACKENDS}")
+        raise _lib.SettingError(f"tide: TIDE_BACKEND={name!r}: expected one of {BACKENDS}")
     return name
 
 
-_backend = _backend_from_env()
+# Settings read at import that have invalid values: raised by the first op traced (as the native
+# library's are, `_lib._check_settings`), so `import tide_jax` and `tide_jax.info` still work.
+_setting_errors: list[str] = []
+
+
+def _at_import(read, fallback):
+    try:
+        return read()
+    except _lib.SettingError as e:
+        _setting_errors.append(str(e))
+        return fallback
+
+
+_backend = _at_import(_backend_from_env, "tide")
 
 
 def _world1_native_from_env():
@@ -77,14 +97,14 @@ def _world1_native_from_env():
     # local but scan_layers' pipeline (starts, barriers, dones) as with native calls
     if value in ("all_gather", "reduce_scatter", "pipeline"):
         return frozenset({value})
-    raise ValueError(f"tide: TIDE_WORLD1_NATIVE={value!r}: expected 0/1 (false/true, off/on, no/yes), "
-                     "all_gather, reduce_scatter or pipeline")
+    raise _lib.SettingError(f"tide: TIDE_WORLD1_NATIVE={value!r}: expected 0/1 (false/true, off/on, "
+                            "no/yes), all_gather, reduce_scatter or pipeline")
 
 
 # At world size 1 the collectives are local (no native call) unless TIDE_WORLD1_NATIVE=1: a test
 # knob, so one GPU can still run the native start/done path through XLA (tests/python/test_gpu.py).
 # True: both ops native; a frozenset: the ops named in it (TIDE_WORLD1_NATIVE=all_gather, ...).
-_world1_native = _world1_native_from_env()
+_world1_native = _at_import(_world1_native_from_env, False)
 
 
 def _is_local(lay: Layout, op: str | None = None) -> bool:
@@ -98,16 +118,25 @@ def _is_local(lay: Layout, op: str | None = None) -> bool:
     return op is not None and op not in _world1_native
 
 
+def _backend_name(name, what: str = "backend") -> str:
+    """A backend name as every entry point takes it: "tide" or "jax", any case, spaces ignored."""
+    if not isinstance(name, str) or name.strip().lower() not in BACKENDS:
+        raise ValueError(f"tide: unknown {what} {name!r}: expected one of {BACKENDS}")
+    return name.strip().lower()
+
+
+def _chosen(backend) -> str:
+    """A per-call `backend=`: None is the current default (`set_backend`, TIDE_BACKEND)."""
+    return _backend if backend is None else _backend_name(backend)
+
+
 def set_backend(name: str) -> str:
     """Selects the backend used when a tide op is traced: "tide" (native) or "jax" (pure JAX).
 
     Returns the previous backend. Functions already compiled keep the backend they were traced with.
     """
     global _backend
-    name = str(name).lower()
-    if name not in BACKENDS:
-        raise ValueError(f"tide: unknown backend {name!r}: expected one of {BACKENDS}")
-    previous, _backend = _backend, name
+    previous, _backend = _backend, _backend_name(name)
     return previous
 
 
@@ -135,6 +164,8 @@ def _check_context(lay: Layout, op: str) -> None:
     """The op must run inside shard_map over the layout's mesh (its axis manual, same axis sizes)."""
     if not isinstance(lay, Layout):
         raise TypeError(f"tide: {op}: expected a tide_jax Layout, got {type(lay).__name__}")
+    if _setting_errors:
+        raise _lib.SettingError("; ".join(_setting_errors))
     mesh = _compat.enclosing_mesh()
     manual = _compat.manual_axes(mesh)
     if not manual:
@@ -654,17 +685,7 @@ def _cast_ok(lay: Layout, shard_dtypes, dtype, backend: str) -> bool:
             and all(np.dtype(d) == np.dtype(np.float32) for d in shard_dtypes))
 
 
-def _env_flag(name: str, default: bool = True) -> bool:
-    """A tide_jax switch from the environment: 0/1, false/true, off/on, no/yes; unset or empty is
-    `default`; anything else raises, naming the variable and its value."""
-    value = os.environ.get(name, "").strip().lower()
-    if value in ("0", "false", "off", "no"):
-        return False
-    if value in ("1", "true", "on", "yes"):
-        return True
-    if value == "":
-        return default
-    raise ValueError(f"tide: {name}={value!r}: expected 0/1 (false/true, off/on, no/yes)")
+_env_flag = _lib.env_flag
 
 
 def _ag_cast_enabled() -> bool:
@@ -729,7 +750,7 @@ def all_gather_start(shards, lay: Layout, dtype=None, *, backend: str | None = N
     compute with `ordered` (or `scan_layers`, which does it for a layer loop)."""
     _check_context(lay, "all_gather_start")
     leaves = [_maybe_cast(x, dtype) for x in _check_shards(shards, lay, "all_gather_start")]
-    return _start("all_gather", leaves, lay, backend or _backend)
+    return _start("all_gather", leaves, lay, _chosen(backend))
 
 
 def all_gather_done(handle: Handle):
@@ -744,7 +765,7 @@ def reduce_scatter_start(grads, lay: Layout, *, backend: str | None = None) -> H
     `reduce_scatter_done(handle, dtype)` returns this rank's shards."""
     _check_context(lay, "reduce_scatter_start")
     leaves = _check_grads(grads, lay, "reduce_scatter_start")
-    return _start("reduce_scatter", leaves, lay, backend or _backend)
+    return _start("reduce_scatter", leaves, lay, _chosen(backend))
 
 
 def reduce_scatter_done(handle: Handle, dtype=jnp.float32):
@@ -767,9 +788,7 @@ def ordered(*xs):
 
 
 def _impl(backend: str | None):
-    backend = backend or _backend
-    if backend not in BACKENDS:
-        raise ValueError(f"tide: unknown backend {backend!r}: expected one of {BACKENDS}")
+    backend = _chosen(backend)
     if backend == "tide":
         return _tide_all_gather, _tide_reduce_scatter
     from . import _twins
@@ -811,7 +830,7 @@ def all_gather(shards, lay: Layout, dtype=None, *, backend: str | None = None):
     """
     _check_context(lay, "all_gather")
     leaves = _check_shards(shards, lay, "all_gather")
-    backend = backend or _backend
+    backend = _chosen(backend)
     if backend == "jax" or not any(jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves):
         return _all_gather(shards, lay, dtype, backend)  # jax.lax's own autodiff / nothing to differentiate
     shard_vmas = [_compat.vma_of(x) for x in leaves]
@@ -824,8 +843,8 @@ def all_gather(shards, lay: Layout, dtype=None, *, backend: str | None = None):
             if not jnp.issubdtype(x.dtype, jnp.inexact) or not needed[i]:
                 continue  # no tangent space, or nobody asks for this shard's gradient: no collective
             ct = _compat.mark_varying(ct, sorted(s | {lay.axis}))  # a no-op under check_vma=False
-            if np.dtype(ct.dtype) in REDUCIBLE or (jnp.issubdtype(ct.dtype, jnp.floating) and ct.dtype.itemsize < 4):
-                native.append((i, ct.astype(jnp.float32) if np.dtype(ct.dtype) not in REDUCIBLE else ct))
+            if np.dtype(_widened(ct).dtype) in REDUCIBLE:
+                native.append((i, _widened(ct)))
             else:
                 own.append((i, ct))
         if native:
@@ -859,7 +878,7 @@ def reduce_scatter(grads, lay: Layout, dtype=jnp.float32, *, backend: str | None
     dtypes = [None if dtype is None else np.dtype(dtype)] * n
     _check_context(lay, "reduce_scatter")
     leaves = _check_grads(grads, lay, "reduce_scatter")
-    backend = backend or _backend
+    backend = _chosen(backend)
     if backend == "jax":
         return _reduce_scatter(grads, lay, dtypes, backend)  # jax.lax's own autodiff
     grad_vmas = [_compat.vma_of(x) for x in leaves]
@@ -942,7 +961,7 @@ def gather_params(shards, lay: Layout, dtype=jnp.bfloat16, *, backend: str | Non
                 "floating type; only floating parameters can be differentiated"
             )
     shard_dtypes = [np.dtype(x.dtype) for x in leaves]
-    backend = backend or _backend
+    backend = _chosen(backend)
     shard_vmas, replicas = replica_axes(leaves, lay)
 
     def gather(shards):
@@ -960,7 +979,8 @@ def gather_params(shards, lay: Layout, dtype=jnp.bfloat16, *, backend: str | Non
         # its values are still per device, so type it as such before summing it over devices.
         idx = [i for i, n in enumerate(needed) if n]
         flat = lay.treedef.flatten_up_to(cotangent)
-        flat = [_compat.mark_varying(flat[i], sorted(shard_vmas[i] | set(replicas[i]) | {lay.axis})) for i in idx]
+        flat = [_widened(_compat.mark_varying(flat[i], sorted(shard_vmas[i] | set(replicas[i]) | {lay.axis})))
+                for i in idx]
         # The public reduce_scatter (float32 sums), itself differentiable: forward over reverse (a
         # Hessian-vector product) differentiates this backward too. Replicas summed in float32, then
         # the cast to each shard's dtype, as `_reduce_scatter(..., psum_axes)` does.

@@ -175,9 +175,53 @@ def _run_python(code, **env):
     return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=300)
 
 
-def test_bad_backend_env():
-    r = _run_python("import tide_jax", TIDE_BACKEND="nccl", PYTHONPATH=os.path.dirname(tide_jax.__path__[0]))
-    assert r.returncode != 0 and "TIDE_BACKEND" in r.stderr
+@pytest.mark.parametrize("name,value,first_op", [
+    ("TIDE_BACKEND", "nccl", True), ("TIDE_WORLD1_NATIVE", "7", True), ("TIDE_SCAN_UNROLL", "\u00b2", False),
+    ("TIDE_KV_TIMEOUT_S", "-1", False), ("TIDE_NODE_LOCAL", "maybe", False), ("TIDE_RS_INTO", "perhaps", False)])
+def test_invalid_python_settings_are_setting_errors(name, value, first_op):
+    """Settings tide_jax reads in Python: `import tide_jax` and `tide_jax.info()` still work, info
+    flags the bad value (`!! invalid setting: ...` naming the variable), and a setting read at import
+    fails the first op traced with SettingError, as the native library's settings do."""
+    code = (
+        "import jax, numpy as np, tide_jax\n"
+        "from jax.sharding import PartitionSpec as P\n"
+        "print('INFO', [l for l in tide_jax.info().splitlines() if l.startswith('!! invalid setting')])\n"
+        "mesh = jax.make_mesh((2,), ('x',), devices=jax.devices()[:2])\n"
+        "lay = tide_jax.layout({'w': np.ones(3, np.float32)}, mesh, 'x')\n"
+        "f = jax.jit(tide_jax.shard_map(lambda s: tide_jax.all_gather(s, lay)['w'][None], mesh=mesh,"
+        " in_specs=(lay.spec,), out_specs=P('x')))\n"
+        "try:\n"
+        "    f(lay.shard({'w': np.ones(3, np.float32)}))\n"
+        "    print('RAN')\n"
+        "except tide_jax.SettingError as e:\n"
+        "    print('MSG', e)\n"
+    )
+    r = _run_python(code, **{name: value}, PYTHONPATH=os.path.dirname(tide_jax.__path__[0]))
+    assert r.returncode == 0, r.stderr[-2000:]
+    info = next(line for line in r.stdout.splitlines() if line.startswith("INFO"))
+    assert f"tide: {name}=" in info and repr(value.strip().lower()) in info, info
+    if first_op:
+        assert f"MSG tide: {name}=" in r.stdout, r.stdout
+    else:
+        assert "RAN" in r.stdout, r.stdout
+
+
+def test_backend_names_are_taken_alike_everywhere(setup):
+    """"tide"/"jax" in any case, spaces ignored, by set_backend and by every op's backend=; anything
+    else (an empty string, a number) is refused, not taken as the default."""
+    mesh, params, lay = setup
+    previous = tide_jax.set_backend(" JAX ")
+    try:
+        assert tide_jax.get_backend() == "jax"
+        f = smap(lambda s: tide_jax.all_gather(s, lay, backend=" Tide ")["w"], mesh, (lay.spec,))
+        assert np.asarray(f(lay.shard(params))).shape == (56, 5)
+        for bad in ["", 0, "nccl"]:
+            with pytest.raises(ValueError, match="unknown backend"):
+                smap(lambda s: tide_jax.all_gather(s, lay, backend=bad)["w"], mesh, (lay.spec,))(lay.shard(params))
+        with pytest.raises(ValueError, match="unknown backend"):
+            tide_jax.set_backend("")
+    finally:
+        tide_jax.set_backend(previous)
 
 
 def test_missing_library_is_a_clear_error():

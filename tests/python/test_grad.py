@@ -315,3 +315,41 @@ def test_frozen_parameters_with_hsdp_replicas():
     for k in ("a", "b"):
         assert np.asarray(want[k]).any(), k
         np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_gather_params_and_scan_layers_in_float8(world):
+    """fp32 master shards gathered in float8 (gather_params' and scan_layers' dtype): the float8
+    cotangents are widened (exactly) to float32 before the reduce-scatter, as all_gather's backward
+    does; before, gather_params refused them at trace time and scan_layers failed at run time on the
+    native backend only. Bitwise equal to the jax backend."""
+    mesh = make_mesh((world,), (AXIS,))
+    rng = np.random.default_rng(4 + world)
+    params = {"w": exact(rng, (7, 2)), "b": exact(rng, (3,))}
+    lay = tide_jax.layout(params, mesh, AXIS)
+    stacked = {k: np.stack([v, 2 * v]) for k, v in params.items()}
+    x = exact(rng, (world, 2))
+    f8 = jnp.float8_e4m3fn
+
+    def run(backend):
+        def grads(shards, st, x):
+            def loss(s):
+                p = tide_jax.gather_params(s, lay, f8, backend=backend)
+                return jax.lax.psum(jnp.sum((p["w"].astype(jnp.float32) @ x[0]) ** 2) + jnp.sum(p["b"].astype(jnp.float32)), AXIS)
+
+            def layer(p, c):
+                return c + jnp.sum(jnp.tanh(p["w"].astype(jnp.float32) @ x[0])) * p["b"].astype(jnp.float32).sum()
+
+            def loss_scan(st):
+                return jax.lax.psum(tide_jax.scan_layers(layer, jnp.float32(0), st, lay, dtype=f8, backend=backend), AXIS)
+
+            return jax.grad(loss)(shards), jax.grad(loss_scan)(st)
+
+        f = smap(grads, mesh, (lay.spec, lay.stacked_spec, P(AXIS)), (lay.spec, lay.stacked_spec), True)
+        return f(lay.shard(params), lay.shard_stacked(stacked), x)
+
+    got, want = run("tide"), run("jax")
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.asarray(a).dtype == np.float32
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert all(np.asarray(a).any() for a in jax.tree.leaves(got))

@@ -135,6 +135,10 @@ def test_topology_env(monkeypatch):
         tide_jax.layout(params, mesh, "fsdp")
     monkeypatch.delenv("TIDE_TOPOLOGY")
     assert tide_jax.layout(params, mesh, "fsdp", topology=(4, 2)).nodes == 4
+    assert tide_jax.layout(params, mesh, "fsdp", topology=[np.int64(2), 4]).nodes == 2
+    for bad in [(1.5, 2), (4,), (True, 8), (2, 4, 1), "2x4x1", None.__class__]:
+        with pytest.raises(ValueError, match=r"topology=.*(two integers|NODESxGPUS)"):
+            tide_jax.layout(params, mesh, "fsdp", topology=bad)
 
 
 def test_layout_errors():

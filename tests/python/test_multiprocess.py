@@ -372,7 +372,9 @@ mesh = jax.make_mesh((jax.device_count(),), ("fsdp",))
 lay = tide_jax.layout({"w": np.ones((5, 3), np.float32)}, mesh, "fsdp")
 shards = lay.shard({"w": np.ones((5, 3), np.float32)})
 if jax.process_index() == 1:
-    raise RuntimeError("boom on rank 1")
+    e = RuntimeError("boom on rank 1\\nsecond line")
+    e.add_note("For simplicity, JAX has removed its internal frames (a note, as JAX adds)")
+    raise e
 f = jax.jit(tide_jax.shard_map(lambda s: tide_jax.all_gather(s, lay)["w"][None], mesh=mesh,
                                in_specs=(lay.spec,), out_specs=jax.sharding.PartitionSpec("fsdp")))
 print("NO_ERROR", jax.block_until_ready(f(shards)).shape, flush=True)
