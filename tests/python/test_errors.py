@@ -170,6 +170,25 @@ def test_backend_switch():
         tide_jax.set_backend(previous)
 
 
+def _first_op(exc: str, before: str = "", after: str = "") -> str:
+    """A fresh process's first tide op (an all_gather on 2 CPU devices), printing `MSG <error>` when
+    it raises `tide_jax.<exc>`; `before` runs after the import, `after` once the op ran."""
+    return (
+        "import jax, numpy as np, tide_jax\n"
+        "from jax.sharding import PartitionSpec as P\n"
+        f"{before}"
+        "mesh = jax.make_mesh((2,), ('x',), devices=jax.devices()[:2])\n"
+        "lay = tide_jax.layout({'w': np.ones(3, np.float32)}, mesh, 'x')\n"
+        "f = jax.jit(tide_jax.shard_map(lambda s: tide_jax.all_gather(s, lay)['w'][None], mesh=mesh,"
+        " in_specs=(lay.spec,), out_specs=P('x')))\n"
+        "try:\n"
+        "    f(lay.shard({'w': np.ones(3, np.float32)}))\n"
+        f"{after}"
+        f"except tide_jax.{exc} as e:\n"
+        "    print('MSG', e)\n"
+    )
+
+
 def _run_python(code, **env):
     full_env = dict(os.environ, **env)
     return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=300)
@@ -182,20 +201,9 @@ def test_invalid_python_settings_are_setting_errors(name, value, first_op):
     """Settings tide_jax reads in Python: `import tide_jax` and `tide_jax.info()` still work, info
     flags the bad value (`!! invalid setting: ...` naming the variable), and a setting read at import
     fails the first op traced with SettingError, as the native library's settings do."""
-    code = (
-        "import jax, numpy as np, tide_jax\n"
-        "from jax.sharding import PartitionSpec as P\n"
-        "print('INFO', [l for l in tide_jax.info().splitlines() if l.startswith('!! invalid setting')])\n"
-        "mesh = jax.make_mesh((2,), ('x',), devices=jax.devices()[:2])\n"
-        "lay = tide_jax.layout({'w': np.ones(3, np.float32)}, mesh, 'x')\n"
-        "f = jax.jit(tide_jax.shard_map(lambda s: tide_jax.all_gather(s, lay)['w'][None], mesh=mesh,"
-        " in_specs=(lay.spec,), out_specs=P('x')))\n"
-        "try:\n"
-        "    f(lay.shard({'w': np.ones(3, np.float32)}))\n"
-        "    print('RAN')\n"
-        "except tide_jax.SettingError as e:\n"
-        "    print('MSG', e)\n"
-    )
+    code = _first_op("SettingError",
+                     before="print('INFO', [l for l in tide_jax.info().splitlines() if l.startswith('!! invalid setting')])\n",
+                     after="    print('RAN')\n")
     r = _run_python(code, **{name: value}, PYTHONPATH=os.path.dirname(tide_jax.__path__[0]))
     assert r.returncode == 0, r.stderr[-2000:]
     info = next(line for line in r.stdout.splitlines() if line.startswith("INFO"))
@@ -225,18 +233,7 @@ def test_backend_names_are_taken_alike_everywhere(setup):
 
 
 def test_missing_library_is_a_clear_error():
-    code = (
-        "import jax, numpy as np, tide_jax\n"
-        "from jax.sharding import PartitionSpec as P\n"
-        "mesh = jax.make_mesh((2,), ('x',), devices=jax.devices()[:2])\n"
-        "lay = tide_jax.layout({'w': np.ones(3, np.float32)}, mesh, 'x')\n"
-        "f = jax.jit(tide_jax.shard_map(lambda s: tide_jax.all_gather(s, lay)['w'][None], mesh=mesh,"
-        " in_specs=(lay.spec,), out_specs=P('x')))\n"
-        "try:\n"
-        "    f(lay.shard({'w': np.ones(3, np.float32)}))\n"
-        "except tide_jax.LibraryNotFoundError as e:\n"
-        "    print('MSG', e)\n"
-    )
+    code = _first_op("LibraryNotFoundError")
     r = _run_python(code, TIDE_LIBRARY="/nonexistent/libtide.so", PYTHONPATH=os.path.dirname(tide_jax.__path__[0]))
     assert r.returncode == 0, r.stderr
     assert "MSG" in r.stdout and "/nonexistent/libtide.so" in r.stdout and "pip install ." in r.stdout
@@ -326,18 +323,7 @@ def test_adversarial_attributes_fail_fast_and_clearly(tide_backend, override, ma
 
 @pytest.mark.parametrize("value", ["inf", "1e30", "0", "nan", "-1", "abc"])
 def test_invalid_timeout_setting_is_a_clear_error(value):
-    code = (
-        "import jax, numpy as np, tide_jax\n"
-        "from jax.sharding import PartitionSpec as P\n"
-        "mesh = jax.make_mesh((2,), ('x',), devices=jax.devices()[:2])\n"
-        "lay = tide_jax.layout({'w': np.ones(3, np.float32)}, mesh, 'x')\n"
-        "f = jax.jit(tide_jax.shard_map(lambda s: tide_jax.all_gather(s, lay)['w'][None], mesh=mesh,"
-        " in_specs=(lay.spec,), out_specs=P('x')))\n"
-        "try:\n"
-        "    f(lay.shard({'w': np.ones(3, np.float32)}))\n"
-        "except tide_jax.SettingError as e:\n"
-        "    print('MSG', e)\n"
-    )
+    code = _first_op("SettingError")
     r = _run_python(code, TIDE_TIMEOUT_S=value, PYTHONPATH=os.path.dirname(tide_jax.__path__[0]))
     assert r.returncode == 0, r.stderr[-2000:]
     assert f'MSG tide setting: TIDE_TIMEOUT_S="{value}" is not a valid setting' in r.stdout, r.stdout
