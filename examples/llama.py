@@ -82,7 +82,12 @@ def make_mesh(devices, spec: str | None = None) -> Mesh:
         sizes.append(int(size))
     if AXIS not in names:
         raise ValueError(f"--mesh {spec!r}: needs the {AXIS!r} axis (tide's FSDP axis)")
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"--mesh {spec!r}: sizes must be positive, and at most one of them -1 (the rest)")
     known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes and len(devices) % known:
+        raise ValueError(f"--mesh {spec!r}: the {len(devices)} devices used do not divide by {known} (the sizes "
+                         "given), so -1 has no size")
     sizes = [len(devices) // known if s == -1 else s for s in sizes]
     if math.prod(sizes) != len(devices):
         raise ValueError(f"--mesh {spec!r}: {math.prod(sizes)} devices, but {len(devices)} are used")

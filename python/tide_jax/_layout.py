@@ -282,6 +282,15 @@ def spec_leaves(specs, tree, count: int, what: str) -> list:
     if specs is None:
         return [None] * count
     is_spec = lambda x: x is None or isinstance(x, PartitionSpec)  # noqa: E731
+    # A plain tuple or list of axis names where a spec belongs (`(None, "tensor")`) is a pytree node
+    # to JAX, so it would fail the match below with a message naming no parameter: name it here.
+    looks_like_spec = lambda x: (isinstance(x, (tuple, list)) and not hasattr(x, "_fields") and len(x) > 0  # noqa: E731
+                                 and all(e is None or isinstance(e, str) for e in x) and any(isinstance(e, str) for e in x))
+    for kp, x in jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: is_spec(x) or looks_like_spec(x))[0]:
+        if looks_like_spec(x):
+            raise ValueError(
+                f"tide: {what}: the spec at {jax.tree_util.keystr(kp) or '<root>'} is a {type(x).__name__} {x!r}, not a "
+                f"PartitionSpec: write jax.sharding.PartitionSpec{tuple(x)!r}")
     spec_leaves_, spec_tree = jax.tree_util.tree_flatten(specs, is_leaf=is_spec)
     try:
         subtrees = spec_tree.flatten_up_to(tree)

@@ -400,6 +400,12 @@ class Plan:
                 raise ValueError(
                     f"tide: {what}: batch_axes names {a!r}, but parameter {model_axes[a]}'s spec splits it over "
                     f"{a!r}: the devices along an axis that splits the parameters must see the same batch")
+        if self.axis not in batch_axes:
+            raise ValueError(
+                f"tide: {what}: batch_axes={batch_axes} leaves out the FSDP axis {self.axis!r}: every rank along "
+                f"it holds a shard of every parameter and trains on its own part of the batch (FSDP is data "
+                f"parallel), so the batch must be split over {self.axis!r} too, e.g. batch_axes="
+                f"{tuple(dict.fromkeys((*batch_axes, self.axis)))}")
         self.batch_axes = batch_axes
         self.replicas = tuple(a for a in batch_axes if a != self.axis)
         self.n_batch = int(np.prod([mesh.shape[a] for a in batch_axes])) if batch_axes else 1
@@ -412,7 +418,19 @@ class Plan:
     def _group_layout(self, abstract: dict, idx: list) -> Layout:
         """The layout of one parameter group (a stack's ONE layer, or the rest), keyed by path."""
         specs = {self.params[i].path: self.specs[i] or P() for i in idx}
-        return _layout(abstract, self.mesh, self.axis, specs=specs, replicas=self.replicas)
+        try:
+            return _layout(abstract, self.mesh, self.axis, specs=specs, replicas=self.replicas)
+        except ValueError as e:
+            # A stack's spec shorter than the stacked rank is read as one layer's (`_layer_specs`): a
+            # spec meant for the stack with its trailing Nones left out splits the wrong dims.
+            short = [self.params[i].path for i in idx if self.params[i].sid is not None and self.specs[i] is not None
+                     and 0 < len(tuple(self.specs[i])) < len(self.params[i].shape)]
+            if not short:
+                raise
+            raise ValueError(
+                f"{e} (the specs of stacked layers' parameters {', '.join(short)} were read as ONE layer's: "
+                "a spec is the stack's only with one entry per stacked dimension, the layer axis first, "
+                "e.g. P(None, 'expert', None, None) for an (L, E, F, D) stack)") from None
 
     def _info(self, i: int):
         """Parameter i's `ParamInfo` in its group's layout (one layer's, for a stack)."""

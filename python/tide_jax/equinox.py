@@ -199,7 +199,9 @@ def shard(model, mesh, axis: str, *, layers, specs=None, dtype=None, remat=None,
     specs: how the floating arrays are split over the mesh's axes other than `axis`: a pytree of
       PartitionSpecs (None: not split) matching the model or a prefix of it (e.g.
       `eqx.tree_at(lambda m: m.layers.mlp.w1, jax.tree.map(lambda _: None, model), P(None, "tensor"))`);
-      a stacked array's spec is one layer's (or the stack's, its layer axis first and not split).
+      a stacked array's spec is one layer's, or the stack's when it has one entry per stacked
+      dimension (its layer axis first and not split: `P(None, "expert", None, None)` for an (L, E, F,
+      D) stack; a shorter spec is read as one layer's).
       The model's own code runs the psums a split needs (Megatron-style); tide shards dim 0 of each
       local block over `axis` (`tide_jax.layout`), and the batch is split over the axes no array is
       split over (`batch_axes`). Default: nothing split (pure FSDP).
@@ -209,7 +211,8 @@ def shard(model, mesh, axis: str, *, layers, specs=None, dtype=None, remat=None,
       `call_layers` is given, default no recompute).
     backend: "tide" or "jax" (default: `tide_jax.get_backend()`).
     batch_axes: the mesh axes the batch is split over (default: every axis no array is split over);
-      the shards are replicated over those other than `axis` (HSDP).
+      the shards are replicated over those other than `axis` (HSDP). They must include `axis`
+      (every FSDP rank trains on its own part of the batch) and no axis a spec splits.
     """
     stacks = _layer_paths(model, layers)
     named, tree, kinds = _classify(model)

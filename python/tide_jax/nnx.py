@@ -238,7 +238,8 @@ def shard(model, mesh, axis: str, *, layers, params=_nnx.Param, rules=None, dtyp
       `call_layers` is given, default no recompute).
     backend: "tide" or "jax" (default: `tide_jax.get_backend()`).
     batch_axes: the mesh axes the batch is split over (default: every axis no parameter is split
-      over); the shards are replicated over those other than `axis` (HSDP).
+      over); the shards are replicated over those other than `axis` (HSDP). They must include `axis`
+      (every FSDP rank trains on its own part of the batch) and no axis a spec splits.
     """
     if not isinstance(model, _nnx.Module):
         raise TypeError(f"tide: tide_jax.nnx.shard: expected an nnx.Module, got {type(model).__name__}")

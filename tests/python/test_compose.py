@@ -298,6 +298,9 @@ def test_refusals_name_parameter_and_axis():
         tide_jax.layout(w, mesh, "fsdp", specs={"w": P("tensor"), "v": P()}, replicas=("tensor",))
     with pytest.raises(ValueError, match=r"specs must be a pytree of PartitionSpecs matching it or a prefix"):
         tide_jax.layout(w, mesh, "fsdp", specs={"w": P()})
+    with pytest.raises(ValueError, match=r"the spec at \['w'\] is a tuple \(None, 'tensor'\), not a PartitionSpec: "
+                                         r"write jax\.sharding\.PartitionSpec\(None, 'tensor'\)"):
+        tide_jax.layout(w, mesh, "fsdp", specs={"w": (None, "tensor"), "v": P()})
     carried = jax.ShapeDtypeStruct((6, 5), jnp.float32, sharding=NamedSharding(mesh, P(None, "tensor")))
     with pytest.raises(ValueError, match=r"parameter \['w'\] \(shape \(6, 5\)\): dim 1 \(5\) does not divide.*"
                                          r"its NamedSharding's spec"):
@@ -450,3 +453,14 @@ def test_equinox_specs_pytree_on_data_x_fsdp_x_tensor(tide_backend):
     for g, r in zip(full, want):
         g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
         assert g.shape == r.shape and np.linalg.norm(g - r) <= 1e-4 * np.linalg.norm(r), (g.shape, np.linalg.norm(g - r))
+    # batch_axes must split the batch over the FSDP axis too (it used to be taken, and the first
+    # step failed inside shard_map with JAX's out_specs error naming neither tide nor batch_axes)
+    for bad in [("data",), (), "data"]:
+        with pytest.raises(ValueError, match=r"tide_jax\.equinox\.shard: batch_axes=.* leaves out the FSDP axis "
+                                             r"'fsdp'.*batch_axes=\(('data', )?'fsdp',?\)"):
+            teqx.shard(ref, mesh, "fsdp", layers="layers", specs=specs, batch_axes=bad)
+    # a stacked parameter's short spec is one layer's; when that does not divide, the error says so
+    odd = eqx.tree_at(lambda s: s.layers.down.weight, specs, P("tensor"))  # one layer's (11, 12): 11 / 2
+    with pytest.raises(ValueError, match=r"dim 0 \(11\) does not divide.*were read as ONE layer's: a spec is the "
+                                         r"stack's only with one entry per stacked dimension"):
+        teqx.shard(ref, mesh, "fsdp", layers="layers", specs=odd)
