@@ -414,14 +414,14 @@ def _rs_urgent_enabled() -> bool:
     """TIDE_RS_URGENT (default on): the backward's last reduce-scatters (layer 0's and the
     prologue's, which the update waits on) are urgent, their sums taking the whole GPU; 0 sums them
     as every other (the A/B switch)."""
-    return _ops._env_flag("TIDE_RS_URGENT")
+    return _lib.env_flag("TIDE_RS_URGENT")
 
 
 def _rs_into_enabled() -> bool:
     """TIDE_RS_INTO (default on): scan_layers reduce-scatters layer gradients into their slice of the
     gradient buffers in place; 0 restores a separate fp32 result and an update (the A/B switch of
     bench/train_bench.py)."""
-    return _ops._env_flag("TIDE_RS_INTO")
+    return _lib.env_flag("TIDE_RS_INTO")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -118,10 +118,10 @@ def _is_local(lay: Layout, op: str | None = None) -> bool:
     return op is not None and op not in _world1_native
 
 
-def _backend_name(name, what: str = "backend") -> str:
+def _backend_name(name) -> str:
     """A backend name as every entry point takes it: "tide" or "jax", any case, spaces ignored."""
     if not isinstance(name, str) or name.strip().lower() not in BACKENDS:
-        raise ValueError(f"tide: unknown {what} {name!r}: expected one of {BACKENDS}")
+        raise ValueError(f"tide: unknown backend {name!r}: expected one of {BACKENDS}")
     return name.strip().lower()
 
 
@@ -685,13 +685,10 @@ def _cast_ok(lay: Layout, shard_dtypes, dtype, backend: str) -> bool:
             and all(np.dtype(d) == np.dtype(np.float32) for d in shard_dtypes))
 
 
-_env_flag = _lib.env_flag
-
-
 def _ag_cast_enabled() -> bool:
     """TIDE_AG_CAST (default on): the layer loop gathers float32 shards as bfloat16 with the casting
     all-gather; 0 restores XLA's convert then the plain all-gather (the A/B switch)."""
-    return _env_flag("TIDE_AG_CAST")
+    return _lib.env_flag("TIDE_AG_CAST")
 
 
 def _start_cast(stacked: list, index, lay: Layout, backend: str) -> Handle:

@@ -137,6 +137,18 @@ def test_layout_axis_not_manual(backend):
         f(lay.shard(params))
 
 
+def test_grad_through_start_done_says_it_cannot_be_differentiated(tide_backend, setup):
+    """The README's row for start/done: not differentiable, and JAX says so for the FFI call (the
+    mesh guard in front of it passes tangents through rather than failing with a message of its own)."""
+    mesh, params, lay = setup
+
+    def loss(s):
+        return jnp.sum(tide_jax.all_gather_done(tide_jax.all_gather_start(s, lay))["w"] ** 2)
+
+    with pytest.raises(ValueError, match="The FFI call to `tide_all_gather_start` cannot be differentiated"):
+        smap(jax.grad(loss), mesh, (lay.spec,), lay.spec)(lay.shard(params))
+
+
 def test_outside_shard_map(backend, setup):
     mesh, params, lay = setup
     sharded = lay.shard(params)
