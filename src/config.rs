@@ -398,13 +398,13 @@ pub fn current() -> Arc<Config> {
 /// CTAs of one reduction launch of an *urgent* call (`CallInfo::urgent`): the whole GPU (grid-stride).
 pub const URGENT_MAX_CTAS: u32 = 1024;
 
-/// The configuration `call` runs under: `current()`, except that an urgent call (its caller's next
-/// step waits on its done: nothing runs beside it to protect, docs/design.md "Stealing nothing")
-/// sums with the whole GPU in one grid-stride launch per reduction (TIDE_RS_MAX_CTAS and
-/// TIDE_RS_CTA_BYTES do not apply to it).
-pub fn for_call(call: &crate::call::CallInfo) -> Arc<Config> {
+/// The configuration a call runs under, given its `urgent` attribute (`CallInfo::urgent`):
+/// `current()`, except that an urgent call (its caller's next step waits on its done: nothing runs
+/// beside it to protect, docs/design.md "Stealing nothing") sums with the whole GPU in one
+/// grid-stride launch per reduction (TIDE_RS_MAX_CTAS and TIDE_RS_CTA_BYTES do not apply to it).
+pub fn for_call(urgent: bool) -> Arc<Config> {
     let c = current();
-    if !call.urgent {
+    if !urgent {
         return c;
     }
     Arc::new(Config {
@@ -430,29 +430,9 @@ mod tests {
 
     #[test]
     fn urgent_calls_sum_with_the_whole_gpu_and_others_as_configured() {
-        let mut call = crate::call::CallInfo {
-            op: crate::plan::Op::ReduceScatter,
-            site: 1,
-            run_id: 0,
-            rank_devices: Vec::new().into(),
-            job: 0,
-            device_ordinal: 0,
-            rank: 0,
-            group: 0,
-            world: 1,
-            topology: crate::topology::Topology::single_node(1),
-            names: Vec::new(),
-            inputs: Vec::new(),
-            outputs: Vec::new(),
-            stream: 0,
-            at: None,
-            cast: None,
-            urgent: false,
-        };
         let base = current();
-        assert_eq!(*for_call(&call), *base, "a call the step hides keeps the configuration");
-        call.urgent = true;
-        let u = for_call(&call);
+        assert_eq!(*for_call(false), *base, "a call the step hides keeps the configuration");
+        let u = for_call(true);
         assert_eq!((u.rs_max_ctas, u.rs_cta_bytes), (URGENT_MAX_CTAS, 0));
         assert_eq!(Config { rs_max_ctas: base.rs_max_ctas, rs_cta_bytes: base.rs_cta_bytes, ..(*u).clone() }, *base);
     }

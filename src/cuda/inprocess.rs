@@ -128,7 +128,7 @@ pub(crate) fn on_slot<M: Meeting>(
     fail_early: &dyn Fn(&TideError),
     meet: impl FnOnce(&Local, &Config) -> Result<M>,
 ) -> Result<SlotLease> {
-    let cfg = crate::config::for_call(call);
+    let cfg = crate::config::for_call(call.urgent);
     let cfg = &*cfg;
     let fail_early = |err: TideError| -> Result<SlotLease> {
         fail_early(&err);

@@ -387,7 +387,7 @@ pub(crate) fn start(call: &CallInfo) -> Result<Option<SlotLease>> {
         if call.stream == 0 {
             return Err(TideError::InvalidArgument(format!("device {ord}: XLA passed no CUDA stream")));
         }
-        let cfg = crate::config::for_call(call);
+        let cfg = crate::config::for_call(call.urgent);
         driver::init()?;
         let dev = device::get(ord)?;
         let mut st = dev
@@ -553,7 +553,7 @@ fn run_call(rs: &mut RankState, call: &CallInfo, job: u64, seq: u64, what: &str)
     })?;
     let _ctx = driver::CtxGuard::set(st.ctx, ord)?;
     ensure_dev(rs, ord)?;
-    let cfg = crate::config::for_call(call);
+    let cfg = crate::config::for_call(call.urgent);
     let local = prepare(call, &mut st, &cfg, true)?;
     let prepared = local.prepared.clone();
     let plan = &prepared.plan;
