@@ -358,6 +358,17 @@ impl CallInfo {
     pub fn layout(&self) -> Result<GroupLayout> {
         build_layout(self)
     }
+
+    /// The operands a start's in-flight record holds (`crate::inflight`; done passes them again, so
+    /// XLA keeps them alive until then): all of them, except for the casting all-gather, which
+    /// reads its operands before the start returns and holds none.
+    pub fn held_operands(&self) -> Vec<usize> {
+        if self.cast.is_some() {
+            Vec::new()
+        } else {
+            self.inputs.iter().map(|b| b.ptr).collect()
+        }
+    }
 }
 
 fn op_name(op: Op) -> &'static str {
@@ -461,15 +472,25 @@ fn build_layout(call: &CallInfo) -> Result<GroupLayout> {
         Op::AllGather => (&call.outputs, &call.inputs),
         Op::ReduceScatter => (&call.inputs, &call.outputs),
     };
+    let lead = usize::from(call.at.is_some()); // the slices' dim before a slice's own
     let specs: Vec<ParamSpec> = (0..n)
-        .map(|i| ParamSpec::new(name(i), &full[i].dims, full[i].dtype))
+        .map(|i| {
+            let axis = sharded_axis(&full[i].dims, shard[i].dims.get(lead..).unwrap_or(&[]));
+            ParamSpec::new(name(i), &full[i].dims, full[i].dtype).along(axis)
+        })
         .collect();
     let layout = GroupLayout::new(&specs, call.world)
         .map_err(|e| crate::error::TideError::InvalidArgument(format!("{what} on {who}: {e}")))?;
     check_plan_size(&what, &who, call, &layout)?;
     for (i, p) in layout.params.iter().enumerate() {
-        let mut want = vec![p.shard_rows];
-        want.extend(p.shape.iter().skip(1));
+        if p.axis > 0 && (call.at.is_some() || call.cast.is_some()) {
+            return invalid!(
+                "{what} on {who}: {}: slices of stacked buffers and the casting all-gather shard \
+                 dim 0 only",
+                p.describe()
+            );
+        }
+        let mut want = p.shard_shape();
         if let (Op::ReduceScatter, Some(at)) = (call.op, call.at) {
             want.insert(0, at.count);
         }
@@ -516,6 +537,21 @@ fn build_layout(call: &CallInfo) -> Result<GroupLayout> {
         }
     }
     Ok(layout)
+}
+
+/// The sharded dimension of a parameter whose full shape is `full` and whose shard is `shard`:
+/// the one dimension whose size differs (docs/design.md "FFI contract"), 0 when none does (world
+/// 1, or rows that fit one rank) or when the shapes differ in some other way (then the shape
+/// check that follows names the mismatch against the dim-0 layout).
+pub(crate) fn sharded_axis(full: &[usize], shard: &[usize]) -> usize {
+    if full.len() != shard.len() {
+        return 0;
+    }
+    let mut differ = full.iter().zip(shard).enumerate().filter(|(_, (a, b))| a != b).map(|(d, _)| d);
+    match (differ.next(), differ.next()) {
+        (Some(d), None) => d,
+        _ => 0,
+    }
 }
 
 /// At most `MAX_NAME_CHARS` characters of a parameter name, for messages.
@@ -594,7 +630,13 @@ pub fn plan_steps_bound(
             let level2 = world
                 .checked_mul(nodes.checked_add(2)?)?
                 .checked_mul(params.checked_add(3)?.checked_mul(3)?)?;
-            level1.checked_add(level2)
+            // A strided parameter's chunk is up to three copies per local rank, and alone on its
+            // node an executor widens it block by block (`plan::build`, Level1::emit_strided).
+            let strided = layout.params.iter().filter(|p| p.is_strided()).try_fold(0usize, |acc, p| {
+                acc.checked_add(p.outer.checked_add(3)?.checked_mul(gpus.checked_add(1)?)?)
+            })?;
+            let strided = world.checked_mul(nodes)?.checked_mul(strided)?;
+            level1.checked_add(level2)?.checked_add(strided)
         }
     }
 }

@@ -1,8 +1,20 @@
-//! Layout core: how a parameter group is sharded over `world` ranks, FSDP2's dim-0 rule.
+//! Layout core: how a parameter group is sharded over `world` ranks, FSDP2's dim-0 rule, or along
+//! any other dimension (`jax.lax.all_gather(..., axis=k, tiled=True)`).
 //!
-//! With world size P, `shard_rows = ceil(rows / P)`; rank r owns rows
-//! `[r * shard_rows, min((r + 1) * shard_rows, rows))`, zero-padded to `shard_rows`. A 0-d parameter
-//! counts as one row of one element; when rows < P some ranks hold only padding.
+//! A parameter is sharded along its dim `axis` (0 unless `ParamSpec::along` says otherwise). Its
+//! shape reads as `outer x rows x row_elems`: `outer` the product of the dims before `axis` (1 for
+//! axis 0), `rows` dim `axis`, `row_elems` the product of the dims after it. With world size P,
+//! `shard_rows = ceil(rows / P)`; rank r owns rows `[r * shard_rows, min((r + 1) * shard_rows,
+//! rows))` of every one of the `outer` blocks, zero-padded to `shard_rows`; its shard is
+//! `outer x shard_rows x row_elems`, contiguous. A 0-d parameter counts as one row of one element;
+//! when rows < P some ranks hold only padding.
+//!
+//! [Note: strided parameters] With `outer > 1` a rank's rows are `outer` pieces of the full
+//! parameter, `full_pitch()` bytes apart (`shard_pitch()` apart in the shard): plans move them as
+//! one 2-D copy (`Action::CopyBlocks`), never through a transpose. Such a parameter must divide
+//! evenly (`rows % world == 0`, as `jax.lax` requires): no padding rows inside the blocks, so a
+//! rank's fp32 reduce-scatter result is contiguous. At world 1 a strided parameter is contiguous
+//! (its one rank owns every row), so plans treat it as any other.
 //!
 //! Byte offsets: a rank's *packed shard* is the concatenation of its shards of every parameter in
 //! group order; `prefix_offset` is where parameter i starts in it. The *unsharded group* is the
@@ -151,6 +163,9 @@ pub struct ParamSpec {
     pub name: String,
     pub shape: Vec<usize>,
     pub dtype: DType,
+    /// The dimension sharded over the ranks (0: FSDP2's rule). Must be a dimension of the shape
+    /// (or 0 for a 0-d parameter).
+    pub axis: usize,
 }
 
 impl ParamSpec {
@@ -159,7 +174,14 @@ impl ParamSpec {
             name: name.into(),
             shape: shape.to_vec(),
             dtype,
+            axis: 0,
         }
+    }
+
+    /// The same parameter sharded along dimension `axis` ([Note: strided parameters]).
+    pub fn along(mut self, axis: usize) -> ParamSpec {
+        self.axis = axis;
+        self
     }
 }
 
@@ -170,13 +192,17 @@ pub struct ParamLayout {
     pub name: String,
     pub shape: Vec<usize>,
     pub dtype: DType,
-    /// dim 0 of the shape (1 for a 0-d parameter).
+    /// The sharded dimension (0 for a 0-d parameter).
+    pub axis: usize,
+    /// product of the dims before `axis` (1 for axis 0): the blocks a rank's rows come in.
+    pub outer: usize,
+    /// dim `axis` of the shape (1 for a 0-d parameter).
     pub rows: usize,
-    /// product of the other dims (1 for 0-d and 1-d parameters).
+    /// product of the dims after `axis` (1 for 0-d and 1-d parameters).
     pub row_elems: usize,
     /// ceil(rows / world): rows of every rank's padded shard.
     pub shard_rows: usize,
-    /// shard_rows * row_elems * dtype size.
+    /// outer * shard_rows * row_elems * dtype size.
     pub shard_bytes: usize,
     /// byte offset of this parameter's shard in a rank's packed shard.
     pub prefix_offset: usize,
@@ -189,7 +215,39 @@ impl ParamLayout {
         self.row_elems * self.dtype.size_bytes()
     }
     pub fn full_bytes(&self) -> usize {
+        self.outer * self.rows * self.row_bytes()
+    }
+    /// Bytes from one block of the full parameter to the next (`rows` rows).
+    pub fn full_pitch(&self) -> usize {
         self.rows * self.row_bytes()
+    }
+    /// Bytes from one block of a shard to the next (`shard_rows` rows).
+    pub fn shard_pitch(&self) -> usize {
+        self.shard_rows * self.row_bytes()
+    }
+    /// Elements of a shard, padding included (`outer * shard_rows * row_elems`): the fp32
+    /// reduce-scatter result.
+    pub fn shard_elems(&self) -> usize {
+        self.outer * self.shard_rows * self.row_elems
+    }
+    /// Real (non-padding) elements of `rank`'s shard, all blocks.
+    pub fn valid_elems(&self, rank: usize) -> usize {
+        self.outer * self.valid_rows(rank) * self.row_elems
+    }
+    /// The shape of every rank's shard: the shape with dim `axis` cut to `shard_rows` (`[1]` for
+    /// a 0-d parameter).
+    pub fn shard_shape(&self) -> Vec<usize> {
+        let mut shape = self.shape.clone();
+        match shape.get_mut(self.axis) {
+            Some(d) => *d = self.shard_rows,
+            None => shape = vec![self.shard_rows],
+        }
+        shape
+    }
+    /// Whether a rank's rows are several pieces of the full parameter ([Note: strided
+    /// parameters]): `outer > 1` and more than one rank.
+    pub fn is_strided(&self) -> bool {
+        self.outer > 1 && self.shard_rows < self.rows
     }
     /// Rows `[start, end)` of the full parameter owned by `rank` (end may equal start: padding only).
     pub fn owned_rows(&self, rank: usize) -> (usize, usize) {
@@ -202,18 +260,20 @@ impl ParamLayout {
         let (s, e) = self.owned_rows(rank);
         e - s
     }
-    /// "param 3 'layers.0.wq' (shape [7, 5], bfloat16)": how errors name a parameter.
+    /// "param 3 'layers.0.wq' (shape [7, 5], bfloat16)": how errors name a parameter (", along
+    /// dim 1" when sharded along another dimension than 0).
     pub fn describe(&self) -> String {
+        let along = if self.axis > 0 { format!(", along dim {}", self.axis) } else { String::new() };
         if self.name.is_empty() {
             format!(
-                "param {} (shape {:?}, {})",
+                "param {} (shape {:?}, {}{along})",
                 self.index,
                 self.shape,
                 self.dtype.name()
             )
         } else {
             format!(
-                "param {} '{}' (shape {:?}, {})",
+                "param {} '{}' (shape {:?}, {}{along})",
                 self.index,
                 self.name,
                 self.shape,
@@ -265,15 +325,36 @@ impl GroupLayout {
                     what()
                 );
             }
-            let rows = p.shape.first().copied().unwrap_or(1);
+            if p.axis > 0 && p.axis >= p.shape.len() {
+                return invalid!(
+                    "{}: cannot shard along dim {} of a {}-d parameter",
+                    what(),
+                    p.axis,
+                    p.shape.len()
+                );
+            }
+            let rows = p.shape.get(p.axis).copied().unwrap_or(1);
+            let mut outer = 1usize;
+            for &d in p.shape.iter().take(p.axis) {
+                outer = checked_mul(outer, d, &what)?;
+            }
             let mut row_elems = 1usize;
-            for &d in p.shape.iter().skip(1) {
+            for &d in p.shape.iter().skip(p.axis + 1) {
                 row_elems = checked_mul(row_elems, d, &what)?;
             }
             let shard_rows = rows.div_ceil(world);
+            if outer > 1 && world > 1 && rows % world != 0 {
+                return invalid!(
+                    "{}: dim {} (size {rows}) is not divisible by the {world} ranks; a parameter \
+                     sharded along a dimension other than its first must divide evenly",
+                    what(),
+                    p.axis
+                );
+            }
             let row_bytes = checked_mul(row_elems, p.dtype.size_bytes(), &what)?;
-            let shard_bytes = checked_mul(shard_rows, row_bytes, &what)?;
-            let full_bytes = checked_mul(rows, row_bytes, &what)?;
+            let block_bytes = checked_mul(shard_rows, row_bytes, &what)?;
+            let shard_bytes = checked_mul(outer, block_bytes, &what)?;
+            let full_bytes = checked_mul(checked_mul(rows, row_bytes, &what)?, outer, &what)?;
             // The padded global buffer (world * shard_rows rows) must be addressable too.
             checked_mul(shard_bytes, world, &what)?;
             out.push(ParamLayout {
@@ -281,6 +362,8 @@ impl GroupLayout {
                 name: p.name.clone(),
                 shape: p.shape.clone(),
                 dtype: p.dtype,
+                axis: p.axis,
+                outer,
                 rows,
                 row_elems,
                 shard_rows,

@@ -111,6 +111,8 @@ fn build(call: &CallInfo, cfg: &Config, settings: PlanSettings) -> Result<Prepar
         )?,
     };
     plan.validate()?;
+    // The scheduler moves contiguous byte ranges: 2-D copies as their pieces (`Plan::flattened`).
+    let plan = plan.flattened();
     let schedule = schedule::build(
         &plan,
         call.rank,
@@ -194,8 +196,7 @@ fn same_shapes(layout: &GroupLayout, call: &CallInfo) -> bool {
         full.dims == p.shape
             && full.dtype == p.dtype
             && shard.dtype == shard_dtype
-            && shard_dims.first() == Some(&p.shard_rows)
-            && shard_dims.iter().skip(1).eq(p.shape.iter().skip(1))
+            && shard_dims == p.shard_shape().as_slice()
     })
 }
 
@@ -203,6 +204,14 @@ fn same_shapes(layout: &GroupLayout, call: &CallInfo) -> bool {
 /// device attribute query last. No multicast call is made here.
 pub(crate) fn multicast_grant(call: &CallInfo, dev: CUdevice, plan: &Plan, cfg: &Config) -> Option<multicast::Granted> {
     if call.op != Op::AllGather || !cfg.multicast {
+        return None;
+    }
+    if plan.layout.params.iter().any(|p| p.is_strided()) {
+        log::info!(
+            "tide: multicast declined for all_gather site {}: a parameter is gathered along a dimension \
+             other than its first (2-D copies; the multicast fan-out lands contiguous shards)",
+            call.site
+        );
         return None;
     }
     let shard_bytes: Vec<usize> = plan.layout.params.iter().map(|p| p.shard_bytes).collect();

@@ -232,6 +232,16 @@ pub fn accesses(action: &Action) -> Result<Vec<Access>> {
             vec![access(src, *bytes, false)?, access(dst, *bytes, true)?]
         }
         Action::Zero { dst, bytes } => vec![access(dst, *bytes, true)?],
+        Action::CopyBlocks { .. } => {
+            let mut v = Vec::new();
+            for (r, n) in action.reads() {
+                v.push(access(&r, n, false)?);
+            }
+            for (r, n) in action.writes() {
+                v.push(access(&r, n, true)?);
+            }
+            v
+        }
         Action::Reduce { dst, srcs, elems } => {
             let mut v = Vec::with_capacity(srcs.len() + 1);
             for s in srcs {
@@ -463,6 +473,12 @@ fn my_steps(phase: &crate::plan::Phase, p: usize, rank: usize, world: usize) -> 
         }
         let empty = match &step.action {
             Action::Copy { bytes, .. } | Action::Zero { bytes, .. } => *bytes == 0,
+            Action::CopyBlocks { .. } => {
+                return Err(TideError::Internal(format!(
+                    "rank {rank}: phase {p} step {k}: a 2-D copy reached the scheduler; it schedules \
+                     `Plan::flattened` plans"
+                )))
+            }
             Action::Reduce { elems, srcs, .. } => {
                 if srcs.is_empty() && *elems > 0 {
                     return Err(TideError::Internal(format!(
@@ -578,7 +594,9 @@ fn assign_streams(mine: &[(usize, &Action)], rank: usize, opts: &SchedOptions, s
                     dst: *dst,
                     bytes: *bytes,
                 },
-                Action::Reduce { .. } => unreachable!("Reduce steps are split into sum pieces above"),
+                Action::Reduce { .. } | Action::CopyBlocks { .. } => {
+                    unreachable!("Reduce steps are split into sum pieces above, 2-D copies refused")
+                }
             };
             if matches!(cmd, Cmd::Copy { .. }) {
                 needs_kernels = true;
@@ -1000,6 +1018,11 @@ mod tests {
                 mem.get_mut(&(dst.rank, dst.kind, dst.index)).unwrap()
                     [dst.offset..dst.offset + bytes]
                     .copy_from_slice(&data);
+            }
+            Action::CopyBlocks { .. } => {
+                for (src, dst) in action_src.reads().into_iter().zip(action_src.writes()) {
+                    apply(mem, &Action::Copy { src: src.0, dst: dst.0, bytes: src.1 });
+                }
             }
             Action::Zero { dst, bytes } => {
                 mem.get_mut(&(dst.rank, dst.kind, dst.index)).unwrap()

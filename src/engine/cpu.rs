@@ -298,6 +298,15 @@ pub unsafe fn execute_rank_with(
                     // `copy` tolerates overlap.
                     unsafe { std::ptr::copy(s as *const u8, d, *bytes) };
                 }
+                Action::CopyBlocks { src, dst, bytes, blocks, src_pitch, dst_pitch } => {
+                    for j in 0..*blocks {
+                        let s = address(plan, bufs, &Region { offset: src.offset + j * src_pitch, ..*src })?;
+                        let d = address(plan, bufs, &Region { offset: dst.offset + j * dst_pitch, ..*dst })?;
+                        // SAFETY: every piece lies in a live buffer (caller contract + validated
+                        // plan: `validate` checks each piece); `copy` tolerates overlap.
+                        unsafe { std::ptr::copy(s as *const u8, d, *bytes) };
+                    }
+                }
                 Action::Zero { dst, bytes } => {
                     let d = address(plan, bufs, dst)?;
                     // SAFETY: as above.

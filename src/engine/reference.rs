@@ -1,6 +1,7 @@
 //! Naive reference collectives, written straight from the layout rule with no plan: the oracle the
 //! plans and engines are tested against.
-//! - all-gather: each rank's output is the concatenation of every rank's valid rows;
+//! - all-gather: each rank's output is the concatenation of every rank's valid rows (block by block
+//!   for a parameter sharded along a later dimension);
 //! - reduce-scatter: an f64 sum over ranks per element (bf16/f16/f32 inputs), padding rows 0.
 
 use super::cpu::{bf16_to_f32, f16_to_f32};
@@ -14,9 +15,14 @@ pub fn all_gather(layout: &GroupLayout, inputs: &[Vec<Vec<u8>>]) -> Vec<Vec<u8>>
         .params
         .iter()
         .map(|p| {
+            // Block by block (`outer` of them: the dims before the sharded one), every rank's
+            // valid rows of that block in rank order.
             let mut full = Vec::with_capacity(p.full_bytes());
-            for (q, ins) in inputs.iter().enumerate() {
-                full.extend_from_slice(&ins[p.index][..p.valid_rows(q) * p.row_bytes()]);
+            for o in 0..p.outer {
+                for (q, ins) in inputs.iter().enumerate() {
+                    let at = o * p.shard_rows * p.row_bytes();
+                    full.extend_from_slice(&ins[p.index][at..at + p.valid_rows(q) * p.row_bytes()]);
+                }
             }
             full
         })
@@ -53,16 +59,20 @@ pub fn reduce_scatter(layout: &GroupLayout, inputs: &[Vec<Vec<u8>>]) -> Result<V
     for r in 0..world {
         let mut per_param = Vec::with_capacity(layout.len());
         for p in &layout.params {
-            let n = p.shard_rows * p.row_elems;
+            let n = p.shard_elems();
+            let block = p.shard_rows * p.row_elems;
             let mut sum = vec![0.0f64; n];
             let mut abs_sum = vec![0.0f64; n];
             let (start, _) = p.owned_rows(r);
             let valid = p.valid_rows(r) * p.row_elems;
             for ins in inputs {
-                for e in 0..valid {
-                    let x = element_f64(&ins[p.index], p.dtype, start * p.row_elems + e)?;
-                    sum[e] += x;
-                    abs_sum[e] += x.abs();
+                for o in 0..p.outer {
+                    for e in 0..valid {
+                        let at = (o * p.rows + start) * p.row_elems + e;
+                        let x = element_f64(&ins[p.index], p.dtype, at)?;
+                        sum[o * block + e] += x;
+                        abs_sum[o * block + e] += x.abs();
+                    }
                 }
             }
             per_param.push(RsShard { sum, abs_sum });

@@ -106,6 +106,38 @@ fn copy(executor: usize, src: Region, dst: Region, bytes: usize) -> Step {
     }
 }
 
+/// `blocks` pieces of `bytes` at the given pitches: one `Copy` where they are adjacent on both
+/// sides (or there is one), else a 2-D `CopyBlocks`.
+fn copy_blocks(
+    executor: usize,
+    src: Region,
+    dst: Region,
+    bytes: usize,
+    blocks: usize,
+    src_pitch: usize,
+    dst_pitch: usize,
+) -> Step {
+    if blocks == 1 || (src_pitch == bytes && dst_pitch == bytes) {
+        return copy(executor, src, dst, bytes * blocks);
+    }
+    Step {
+        executor,
+        action: Action::CopyBlocks { src, dst, bytes, blocks, src_pitch, dst_pitch },
+    }
+}
+
+/// Copies one rank's shard rows of `p` (at `at`: its Input, or its copy in a packed stage block)
+/// to their final place in `Output(p)` of `exec`: one piece per block of the parameter
+/// ([Note: strided parameters] in `layout.rs`).
+fn land(exec: usize, at: Region, p: &crate::layout::ParamLayout, q: usize) -> Option<Step> {
+    let bytes = p.valid_rows(q) * p.row_bytes();
+    if bytes == 0 {
+        return None;
+    }
+    let dst = region(exec, BufKind::Output, p.index, q * p.shard_rows * p.row_bytes());
+    Some(copy_blocks(exec, at, dst, bytes, p.outer, p.shard_pitch(), p.full_pitch()))
+}
+
 pub fn all_gather(layout: &GroupLayout, topology: Topology) -> Result<Plan> {
     check_topology(layout, topology, "all_gather plan")?;
     let nodes = topology.nodes;
@@ -144,7 +176,7 @@ pub fn all_gather(layout: &GroupLayout, topology: Topology) -> Result<Plan> {
                     let dst_slot = d + t - 1;
                     if t == 0 {
                         for p in &layout.params {
-                            let bytes = p.valid_rows(src_rank) * p.row_bytes();
+                            let bytes = p.valid_elems(src_rank) * p.dtype.size_bytes();
                             if bytes > 0 {
                                 steps.push(copy(
                                     exec,
@@ -183,16 +215,7 @@ pub fn all_gather(layout: &GroupLayout, topology: Topology) -> Result<Plan> {
                 }
                 sources.sort_by_key(|&(q, _)| q);
                 for (q, at) in sources {
-                    let bytes = p.valid_rows(q) * p.row_bytes();
-                    if bytes > 0 {
-                        let dst = region(
-                            exec,
-                            BufKind::Output,
-                            p.index,
-                            q * p.shard_rows * p.row_bytes(),
-                        );
-                        steps.push(copy(exec, at, dst, bytes));
-                    }
+                    steps.extend(land(exec, at, p, q));
                 }
             }
         }
@@ -219,7 +242,7 @@ pub fn all_gather(layout: &GroupLayout, topology: Topology) -> Result<Plan> {
 pub fn fp32_prefix(layout: &GroupLayout, index: usize) -> usize {
     layout.params[..index]
         .iter()
-        .map(|p| p.shard_rows * p.row_elems * 4)
+        .map(|p| p.shard_elems() * 4)
         .sum()
 }
 
@@ -282,9 +305,13 @@ impl Level1<'_> {
         let gpus = self.topology.gpus_per_node;
         let layout = self.layout;
         for p in &layout.params {
+            if p.is_strided() {
+                self.emit_strided(exec, q, p, dst_of, steps);
+                continue;
+            }
             let elem = p.dtype.size_bytes();
             let (row_start, _) = p.owned_rows(q);
-            let total = p.valid_rows(q) * p.row_elems;
+            let total = p.valid_elems(q); // outer > 1 only at world 1: the whole gradient
             let base = row_start * p.row_elems;
             let cap = match &self.chunking {
                 Some(c) => c.cap_elems(elem),
@@ -344,6 +371,94 @@ impl Level1<'_> {
     }
 }
 
+impl Level1<'_> {
+    /// Level 1 of a strided parameter ([Note: strided parameters] in `layout.rs`): q's slice is
+    /// `outer` blocks of `shard_rows` rows, `full_pitch` apart in every rank's gradient. With local
+    /// peers, every local rank's slice, the executor's own included, is staged chunk by chunk by
+    /// (2-D) copies into one contiguous piece of the slot each, then summed in local rank order
+    /// as a contiguous Reduce; alone on its node, the executor widens its own slice block by block.
+    fn emit_strided(
+        &mut self,
+        exec: usize,
+        q: usize,
+        p: &crate::layout::ParamLayout,
+        dst_of: &dyn Fn(usize, usize) -> Region,
+        steps: &mut Vec<Step>,
+    ) {
+        let elem = p.dtype.size_bytes();
+        let block = p.shard_rows * p.row_elems; // elements of one block of q's slice
+        let pitch = p.rows * p.row_elems; // elements from one block of the gradient to the next
+        let base = p.owned_rows(q).0 * p.row_elems;
+        let total = p.outer * block;
+        let Some(c) = &self.chunking else {
+            for o in 0..p.outer {
+                steps.push(Step {
+                    executor: exec,
+                    action: Action::Reduce {
+                        dst: dst_of(p.index, o * block),
+                        srcs: vec![Operand {
+                            region: region(exec, BufKind::Input, p.index, (o * pitch + base) * elem),
+                            dtype: p.dtype,
+                        }],
+                        elems: block,
+                    },
+                });
+            }
+            return;
+        };
+        let cap = c.cap_elems(elem);
+        let node = self.topology.node_of(exec);
+        let mut off = 0;
+        while off < total {
+            let elems = cap.min(total - off);
+            let slot = self.next_slot[exec] % self.slots;
+            self.next_slot[exec] += 1;
+            self.chunks_per_exec[exec] += 1;
+            let stride = c.stride(elems, elem);
+            self.max_slot_used = self.max_slot_used.max(stride * c.peers);
+            // The chunk's runs in the gradient: (element offset, elements per block, blocks).
+            let mut runs = Vec::new();
+            let (mut pos, end) = (off, off + elems);
+            while pos < end {
+                let (b, within) = (pos / block, pos % block);
+                if within == 0 && end - pos >= block {
+                    let nb = (end - pos) / block;
+                    runs.push((b * pitch + base, block, nb));
+                    pos += nb * block;
+                } else {
+                    let len = (block - within).min(end - pos);
+                    runs.push((b * pitch + base + within, len, 1));
+                    pos += len;
+                }
+            }
+            let mut srcs = Vec::with_capacity(self.topology.gpus_per_node);
+            for l in 0..self.topology.gpus_per_node {
+                let peer = self.topology.rank(node, l);
+                let at = region(exec, BufKind::Stage, slot, l * stride);
+                let mut into = 0;
+                for &(in_off, len, nb) in &runs {
+                    steps.push(copy_blocks(
+                        exec,
+                        region(peer, BufKind::Input, p.index, in_off * elem),
+                        region(exec, BufKind::Stage, slot, l * stride + into * elem),
+                        len * elem,
+                        nb,
+                        pitch * elem,
+                        len * elem,
+                    ));
+                    into += len * nb;
+                }
+                srcs.push(Operand { region: at, dtype: p.dtype });
+            }
+            steps.push(Step {
+                executor: exec,
+                action: Action::Reduce { dst: dst_of(p.index, off), srcs, elems },
+            });
+            off += elems;
+        }
+    }
+}
+
 // Ranks are indices into several per-rank tables at once; index loops read clearest here.
 #[allow(clippy::needless_range_loop)]
 pub fn reduce_scatter(layout: &GroupLayout, topology: Topology, opts: RsOptions) -> Result<Plan> {
@@ -363,9 +478,12 @@ pub fn reduce_scatter(layout: &GroupLayout, topology: Topology, opts: RsOptions)
         if opts.stage_slots == 0 {
             return crate::invalid!("reduce_scatter plan: stage_slots must be at least 1");
         }
+        // A strided parameter stages every local rank's slice, its own too ([Note: strided
+        // parameters] in `layout.rs`): one more piece per chunk.
+        let pieces = if layout.params.iter().any(|p| p.is_strided()) { gpus } else { gpus - 1 };
         let c = Chunking {
-            peers: gpus - 1,
-            per_piece: opts.slot_bytes / (gpus - 1),
+            peers: pieces,
+            per_piece: opts.slot_bytes / pieces,
         };
         let widest = layout
             .params
@@ -377,7 +495,7 @@ pub fn reduce_scatter(layout: &GroupLayout, topology: Topology, opts: RsOptions)
             return crate::invalid!(
                 "reduce_scatter plan: slot_bytes {} cannot hold one element from each of {} local peers ({} bytes each)",
                 opts.slot_bytes,
-                gpus - 1,
+                pieces,
                 widest
             );
         }
@@ -425,8 +543,8 @@ pub fn reduce_scatter(layout: &GroupLayout, topology: Topology, opts: RsOptions)
                     &mut steps,
                 );
                 for p in &layout.params {
-                    let valid = p.valid_rows(q) * p.row_elems * 4;
-                    let padded = p.shard_rows * p.row_elems * 4;
+                    let valid = p.valid_elems(q) * 4;
+                    let padded = p.shard_elems() * 4;
                     if padded > valid {
                         steps.push(Step {
                             executor: exec,
@@ -463,7 +581,7 @@ pub fn reduce_scatter(layout: &GroupLayout, topology: Topology, opts: RsOptions)
             // Merge contiguous valid ranges of the packed partial into one rail copy each.
             let mut ranges: Vec<(usize, usize)> = Vec::new();
             for p in &layout.params {
-                let bytes = p.valid_rows(q) * p.row_elems * 4;
+                let bytes = p.valid_elems(q) * 4;
                 if bytes == 0 {
                     continue;
                 }
@@ -482,7 +600,7 @@ pub fn reduce_scatter(layout: &GroupLayout, topology: Topology, opts: RsOptions)
                 ));
             }
             for p in &layout.params {
-                let elems = p.valid_rows(q) * p.row_elems;
+                let elems = p.valid_elems(q);
                 if elems == 0 {
                     continue;
                 }
@@ -540,7 +658,7 @@ pub fn reduce_scatter(layout: &GroupLayout, topology: Topology, opts: RsOptions)
             {
                 let mut s = s;
                 match &mut s.action {
-                    Action::Copy { src, dst, .. } => {
+                    Action::Copy { src, dst, .. } | Action::CopyBlocks { src, dst, .. } => {
                         fix(src);
                         fix(dst);
                     }

@@ -60,6 +60,18 @@ pub enum Action {
         dst: Region,
         bytes: usize,
     },
+    /// A 2-D copy ([Note: strided parameters] in `layout.rs`): `blocks` pieces of `bytes` bytes,
+    /// piece j from `src.offset + j * src_pitch` to `dst.offset + j * dst_pitch`. Every piece is
+    /// exactly `Copy` of it; engines without 2-D copies run `Plan::flattened`. Never crosses nodes
+    /// (the rail moves packed, contiguous buffers).
+    CopyBlocks {
+        src: Region,
+        dst: Region,
+        bytes: usize,
+        blocks: usize,
+        src_pitch: usize,
+        dst_pitch: usize,
+    },
     /// Write `bytes` zero bytes at dst (padding rows).
     Zero { dst: Region, bytes: usize },
     /// `dst[e] = (((f32(srcs[0][e]) + f32(srcs[1][e])) + ...)` for e in 0..elems, in fp32, in exactly
@@ -69,6 +81,33 @@ pub enum Action {
         srcs: Vec<Operand>,
         elems: usize,
     },
+}
+
+impl Action {
+    /// The byte ranges the action reads, one per contiguous piece: (where, bytes).
+    pub fn reads(&self) -> Vec<(Region, usize)> {
+        match self {
+            Action::Copy { src, bytes, .. } => vec![(*src, *bytes)],
+            Action::CopyBlocks { src, bytes, blocks, src_pitch, .. } => (0..*blocks)
+                .map(|j| (Region { offset: src.offset + j * src_pitch, ..*src }, *bytes))
+                .collect(),
+            Action::Zero { .. } => vec![],
+            Action::Reduce { srcs, elems, .. } => {
+                srcs.iter().map(|o| (o.region, elems * o.dtype.size_bytes())).collect()
+            }
+        }
+    }
+
+    /// The byte ranges the action writes, one per contiguous piece: (where, bytes).
+    pub fn writes(&self) -> Vec<(Region, usize)> {
+        match self {
+            Action::Copy { dst, bytes, .. } | Action::Zero { dst, bytes } => vec![(*dst, *bytes)],
+            Action::CopyBlocks { dst, bytes, blocks, dst_pitch, .. } => (0..*blocks)
+                .map(|j| (Region { offset: dst.offset + j * dst_pitch, ..*dst }, *bytes))
+                .collect(),
+            Action::Reduce { dst, elems, .. } => vec![(*dst, elems * 4)],
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -126,7 +165,7 @@ impl Plan {
         let p = &self.layout.params[index];
         match self.op {
             Op::AllGather => p.full_bytes(),
-            Op::ReduceScatter => p.shard_rows * p.row_elems * 4,
+            Op::ReduceScatter => p.shard_elems() * 4,
         }
     }
 
@@ -225,6 +264,25 @@ impl Plan {
                         check(src, *bytes, false)?;
                         check(dst, *bytes, true)?;
                     }
+                    Action::CopyBlocks { src, dst, bytes, blocks, src_pitch, dst_pitch } => {
+                        if *blocks == 0 || (*blocks > 1 && (*src_pitch < *bytes || *dst_pitch < *bytes)) {
+                            return Err(bad(k, s, "2-D copy whose pieces overlap (pitch below the piece)".into()));
+                        }
+                        if self.topology.node_of(src.rank) != self.topology.node_of(s.executor) {
+                            return Err(bad(k, s, "2-D copy from another node".into()));
+                        }
+                        for j in 0..*blocks {
+                            let at = |r: &Region, pitch: usize| -> Result<Region> {
+                                let off = j
+                                    .checked_mul(pitch)
+                                    .and_then(|o| o.checked_add(r.offset))
+                                    .ok_or_else(|| bad(k, s, "region overflows".into()))?;
+                                Ok(Region { offset: off, ..*r })
+                            };
+                            check(&at(src, *src_pitch)?, *bytes, false)?;
+                            check(&at(dst, *dst_pitch)?, *bytes, true)?;
+                        }
+                    }
                     Action::Zero { dst, bytes } => check(dst, *bytes, true)?,
                     Action::Reduce { dst, srcs, elems } => {
                         if srcs.is_empty() {
@@ -316,6 +374,45 @@ impl Plan {
         Ok(())
     }
 
+    /// The same plan with every `CopyBlocks` as the `Copy` steps of its pieces, in order (one
+    /// `Copy` where the pieces are adjacent on both sides): what an engine without 2-D copies
+    /// executes. Bitwise the same results; a plan without 2-D copies comes back unchanged.
+    pub fn flattened(&self) -> Plan {
+        let mut plan = self.clone();
+        for phase in &mut plan.phases {
+            if !phase.steps.iter().any(|s| matches!(s.action, Action::CopyBlocks { .. })) {
+                continue;
+            }
+            let mut steps = Vec::with_capacity(phase.steps.len());
+            for s in phase.steps.drain(..) {
+                match s.action {
+                    Action::CopyBlocks { src, dst, bytes, blocks, src_pitch, dst_pitch } => {
+                        if src_pitch == bytes && dst_pitch == bytes {
+                            steps.push(Step {
+                                executor: s.executor,
+                                action: Action::Copy { src, dst, bytes: bytes * blocks },
+                            });
+                            continue;
+                        }
+                        for j in 0..blocks {
+                            steps.push(Step {
+                                executor: s.executor,
+                                action: Action::Copy {
+                                    src: Region { offset: src.offset + j * src_pitch, ..src },
+                                    dst: Region { offset: dst.offset + j * dst_pitch, ..dst },
+                                    bytes,
+                                },
+                            });
+                        }
+                    }
+                    action => steps.push(Step { executor: s.executor, action }),
+                }
+            }
+            phase.steps = steps;
+        }
+        plan
+    }
+
     /// What the plan moves and sums, from its steps.
     pub fn stats(&self) -> PlanStats {
         let world = self.layout.world;
@@ -337,6 +434,14 @@ impl Plan {
                             if self.topology.node_of(src.rank) != self.topology.node_of(dst.rank) {
                                 st.cross_node_recv_bytes_per_rank[dst.rank] += bytes;
                             }
+                        }
+                    }
+                    Action::CopyBlocks { src, dst, bytes, blocks, .. } => {
+                        let total = bytes * blocks;
+                        if src.rank == dst.rank {
+                            st.local_copy_bytes += total;
+                        } else {
+                            st.recv_bytes_per_rank[dst.rank] += total;
                         }
                     }
                     Action::Zero { .. } => {}
@@ -377,6 +482,13 @@ impl fmt::Display for StepDisplay<'_> {
                     RegionDisplay(dst)
                 )
             }
+            Action::CopyBlocks { src, dst, bytes, blocks, src_pitch, dst_pitch } => write!(
+                f,
+                "rank {}: copy {blocks} x {bytes} B {} (pitch {src_pitch}) -> {} (pitch {dst_pitch})",
+                s.executor,
+                RegionDisplay(src),
+                RegionDisplay(dst)
+            ),
             Action::Zero { dst, bytes } => write!(
                 f,
                 "rank {}: zero {} ({bytes} B)",

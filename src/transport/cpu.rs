@@ -94,6 +94,11 @@ pub fn shared_input_ranges(plan: &Plan, rank: usize) -> Vec<Vec<(usize, usize)>>
         for s in &phase.steps {
             match &s.action {
                 Action::Copy { src, bytes, .. } => note(s.executor, src, *bytes),
+                Action::CopyBlocks { .. } => {
+                    for (src, bytes) in s.action.reads() {
+                        note(s.executor, &src, bytes);
+                    }
+                }
                 Action::Zero { .. } => {}
                 Action::Reduce { srcs, elems, .. } => {
                     for o in srcs {
@@ -122,7 +127,7 @@ fn check_pull_only(plan: &Plan) -> Result<()> {
     for (k, phase) in plan.phases.iter().enumerate() {
         for s in &phase.steps {
             let reads: Vec<&crate::plan::Region> = match &s.action {
-                Action::Copy { src, .. } => vec![src],
+                Action::Copy { src, .. } | Action::CopyBlocks { src, .. } => vec![src],
                 Action::Zero { .. } => vec![],
                 Action::Reduce { srcs, .. } => srcs.iter().map(|o| &o.region).collect(),
             };

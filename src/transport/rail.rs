@@ -358,14 +358,14 @@ pub fn transfers(plan: &Plan) -> Result<Vec<Transfer>> {
         for t in out.iter().filter(|t| t.phase == k) {
             let (a0, a1) = (t.src.offset, t.src.offset + t.bytes);
             for s in phase.steps.iter().filter(|s| s.executor == t.src.rank) {
-                let (dst, n) = match &s.action {
-                    Action::Copy { dst, bytes, .. } => (dst, *bytes),
-                    Action::Zero { dst, bytes } => (dst, *bytes),
-                    Action::Reduce { dst, elems, .. } => (dst, elems * 4),
-                };
-                let same =
-                    dst.rank == t.src.rank && dst.kind == t.src.kind && dst.index == t.src.index;
-                if same && dst.offset < a1 && a0 < dst.offset + n {
+                let hit = s.action.writes().into_iter().any(|(dst, n)| {
+                    dst.rank == t.src.rank
+                        && dst.kind == t.src.kind
+                        && dst.index == t.src.index
+                        && dst.offset < a1
+                        && a0 < dst.offset + n
+                });
+                if hit {
                     return Err(TideError::Internal(format!(
                         "tide rail: phase {k}: rank {} writes the source of its rail copy to rank {} in the \
                          same phase ({s})",

@@ -98,6 +98,7 @@ pub(super) fn check_plan(plan: &Plan, g: usize) -> Result<()> {
             let (reads, writes): (Vec<Span>, Vec<Span>) = match &s.action {
                 Action::Copy { src, dst, bytes } => (vec![(*src, *bytes)], vec![(*dst, *bytes)]),
                 Action::Zero { dst, bytes } => (vec![], vec![(*dst, *bytes)]),
+                Action::CopyBlocks { .. } => (s.action.reads(), s.action.writes()),
                 Action::Reduce { dst, srcs, elems } => (
                     srcs.iter()
                         .map(|o| (o.region, elems * o.dtype.size_bytes()))
