@@ -26,7 +26,7 @@ own `__call__` under FSDP (README "Your own model"); imported on first use, so `
 never imports flax or equinox.
 """
 
-from . import reference
+from . import lax, reference
 from ._layout import Layout, ParamInfo, layout, shard_map
 from ._lib import LibraryNotFoundError, SettingError, library_path
 from ._ops import (
@@ -87,6 +87,7 @@ __all__ = [
     "gather_params",
     "initialize",
     "get_backend",
+    "lax",
     "info",
     "layout",
     "library_path",

@@ -29,3 +29,19 @@ def reduce_scatter(grads, lay: Layout, dtype=jnp.float32):
 def gather_params(shards, lay: Layout, dtype=jnp.bfloat16):
     """Pure-JAX `tide_jax.gather_params`."""
     return _ops.gather_params(shards, lay, dtype, backend="jax")
+
+
+def lax_all_gather(x, axes: tuple, *, axis: int, to: str = "varying"):
+    """`tide_jax.lax.all_gather`'s twin (one leaf, tiled): jax.lax.all_gather itself."""
+    import jax
+
+    return jax.lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=axis, tiled=True, to=to)
+
+
+def lax_psum_scatter(x, axes: tuple, *, scatter_dimension: int):
+    """`tide_jax.lax.psum_scatter`'s twin (one leaf, tiled): float32 sums, as tide's, by
+    jax.lax.psum_scatter of the operand widened to float32 (the result stays float32)."""
+    import jax
+
+    return jax.lax.psum_scatter(x.astype(jnp.float32), axes if len(axes) > 1 else axes[0],
+                                scatter_dimension=scatter_dimension, tiled=True)
