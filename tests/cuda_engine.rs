@@ -326,6 +326,19 @@ fn emulated_peers(case: &common::gpu::Case, world: usize, rank: usize) -> Vec<ti
 /// inputs (`tide::cuda::execute_emulated`, what examples/interference.rs measures at P = 2..8),
 /// against the CPU engine's output of that rank, bitwise; twice back to back.
 fn emulated_rank_matches(gpu: &common::gpu::Gpu, op: Op, site: i64, world: usize, rank: usize, seed: u64) {
+    emulated_group_matches(gpu, op, site, world, rank, seed, &specs());
+}
+
+fn emulated_group_matches(
+    gpu: &common::gpu::Gpu,
+    op: Op,
+    site: i64,
+    world: usize,
+    rank: usize,
+    seed: u64,
+    group: &[ParamSpec],
+) {
+    let specs = || group.to_vec();
     let stream = gpu.stream();
     // Every rank's buffers (inputs uploaded, outputs 0xa5) and the CPU engine's outputs.
     let ranks: Vec<(usize, usize)> = (0..world).map(|r| (r, stream)).collect();
@@ -485,4 +498,81 @@ fn emulated_ranks_match_the_cpu_engine() {
         say(&format!("cuda_engine: emulated ranks (TIDE_RS_CTA_BYTES={cta}, TIDE_CE_PIECE_BYTES={piece}, TIDE_RS_SLOT_BYTES={slot}): bitwise equal to the CPU engine"));
     }
     tide::config::set_override(None);
+}
+
+/// Parameters sharded along dims 1 and 2 ([Note: strided parameters]: what `tide_jax.lax` gathers
+/// with `axis=k`), beside dim-0 ones, for `world` ranks: 2-D copies on the copy engines.
+fn strided_specs(world: usize) -> Vec<ParamSpec> {
+    vec![
+        ParamSpec::new("experts.up", &[4, 2 * world, 33], DType::BF16).along(1),
+        ParamSpec::new("w_cols", &[64, 3 * world], DType::F32).along(1),
+        ParamSpec::new("w7x5", &[7, 5], DType::BF16),
+        ParamSpec::new("experts.down", &[3, 5, 4 * world], DType::F16).along(2),
+        ParamSpec::new("big_cols", &[512, 8 * world], DType::BF16).along(1),
+    ]
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+fn strided_emulated_ranks_match_the_cpu_engine() {
+    std::env::set_var("TIDE_TIMEOUT_S", "60");
+    let gpu = common::gpu::Gpu::open();
+    let mut site = 9000;
+    for slot in [65536usize, 32 << 20] {
+        let mut c = tide::config::Config::from_env();
+        c.rs_slot_bytes = slot;
+        tide::config::set_override(Some(c));
+        for world in [1usize, 2, 3, 8] {
+            for op in [Op::AllGather, Op::ReduceScatter] {
+                for rank in [0, world - 1].into_iter().collect::<std::collections::BTreeSet<_>>() {
+                    site += 1;
+                    emulated_group_matches(&gpu, op, site, world, rank, site as u64, &strided_specs(world));
+                }
+            }
+        }
+        say(&format!("cuda_engine: strided parameters (dims 1 and 2), emulated ranks 1/2/3/8 (TIDE_RS_SLOT_BYTES={slot}): bitwise equal to the CPU engine"));
+    }
+    tide::config::set_override(None);
+}
+
+/// A benchmark run with the GPU tests (it asserts only that both gathers ran): one rank of an
+/// emulated world-8 all-gather of one bf16 weight, gathered along dim 1 (2-D copies) and along dim
+/// 0 (contiguous) with the same bytes; the median of 15 timed calls each after 3 warm-ups, as
+/// GB/s of the full parameter landed. Lines start with `strided_bench:` (bench/RESULTS.md).
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+fn strided_gather_bandwidth() {
+    std::env::set_var("TIDE_TIMEOUT_S", "60");
+    let gpu = common::gpu::Gpu::open();
+    let world = 8;
+    let mut site = 9500;
+    for (rows, cols) in [(4096usize, 14336usize), (8 * 1024, 2048), (64, 65536)] {
+        let mut line = format!("strided_bench: bf16 [{rows}, {cols}] world {world} (emulated):");
+        let mut rates = Vec::new();
+        for (name, spec) in [
+            ("dim 1", ParamSpec::new("w", &[rows, cols], DType::BF16).along(1)),
+            ("dim 0", ParamSpec::new("w", &[cols, rows], DType::BF16)),
+        ] {
+            site += 1;
+            let stream = gpu.stream();
+            let ranks: Vec<(usize, usize)> = (0..world).map(|r| (r, stream)).collect();
+            let case = common::gpu::make_case(&gpu, Op::AllGather, site, 0, world, &ranks, &[spec], 1, &mut |b| gpu.upload(b));
+            let peers = emulated_peers(&case, world, 0);
+            let mut times = Vec::new();
+            for rep in 0..18 {
+                let t = std::time::Instant::now();
+                tide::cuda::execute_emulated(&case.calls[0], &peers).unwrap_or_else(|e| panic!("{name}: {e}"));
+                gpu.sync(stream);
+                if rep >= 3 {
+                    times.push(t.elapsed().as_secs_f64());
+                }
+            }
+            times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            let med = times[times.len() / 2];
+            let bytes = (rows * cols * 2) as f64;
+            rates.push(bytes / med / 1e9);
+            line += &format!(" {name} {:.1} us {:.0} GB/s;", med * 1e6, bytes / med / 1e9);
+        }
+        say(&format!("{line} dim 1 / dim 0 = {:.2}", rates[0] / rates[1]));
+    }
 }

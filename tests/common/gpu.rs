@@ -239,8 +239,7 @@ pub fn make_case(
         let (mut ins, mut os, mut optrs) = (Vec::new(), Vec::new(), Vec::new());
         for i in 0..n {
             let p = &layout.params[i];
-            let mut shard = vec![p.shard_rows];
-            shard.extend(p.shape.iter().skip(1));
+            let shard = p.shard_shape();
             let (idims, odims, odt) = match op {
                 Op::AllGather => (shard, p.shape.clone(), p.dtype),
                 Op::ReduceScatter => (p.shape.clone(), shard, DType::F32),
