@@ -75,6 +75,12 @@ pub struct Config {
     /// On: 1.2-1.6x faster all-gathers on 2 H200s (bench/results/2026-11-30-cuda-bench.md); the engine
     /// falls back to single copies where the driver lacks the symbol.
     pub copy_batch: bool,
+    /// TIDE_COPY2D (default 1; a flag as TIDE_MULTICAST): when on, the in-process CUDA engine
+    /// issues a 2-D copy of a plan (a parameter sharded along a dimension other than its first:
+    /// each peer's rows landing in the gathered result, a strided gradient slice staged) as
+    /// cuMemcpy2DAsync on the copy engines; 0 = as its blocks, one 1-D copy each (`Plan::flattened`,
+    /// batched), as before. The multi-process path always runs the 1-D copies.
+    pub copy2d: bool,
     /// TIDE_CE_PIECE_BYTES (default 33554432; an integer in [4096, 2^32]): the largest piece of a
     /// copy-engine batch: each batch's copies go in pieces of at most this many bytes, and at least
     /// two pieces (`cuda::fuse::ce_pieces`). One H200 copies a 256 MiB piece on the same device with
@@ -303,6 +309,7 @@ impl Config {
             rs_copy_streams: r.int("TIDE_RS_COPY_STREAMS", 1, 1, 16) as usize,
             local_copy: r.choice("TIDE_LOCAL_COPY", LocalCopy::CopyEnginePeers, "ce, ce-peers or sm"),
             copy_batch: r.flag("TIDE_COPY_BATCH", true),
+            copy2d: r.flag("TIDE_COPY2D", true),
             high_priority: r.flag("TIDE_HIGH_PRIORITY", false),
             ce_piece_bytes: r.int("TIDE_CE_PIECE_BYTES", 32 << 20, 4096, 1 << 32) as usize,
             max_in_flight: r.int("TIDE_MAX_IN_FLIGHT", 4, 1, 16) as usize,
@@ -478,6 +485,7 @@ mod tests {
             ("TIDE_RS_COPY_STREAMS", "1.5", "[1, 16]"),
             ("TIDE_MULTICAST", "2", "0 or 1"),
             ("TIDE_COPY_BATCH", "maybe", "0 or 1"),
+            ("TIDE_COPY2D", "2d", "0 or 1"),
             ("TIDE_LOCAL_COPY", "dma", "ce, ce-peers or sm"),
             ("TIDE_RS_KERNEL", "fast", "TIDE_RS_KERNEL was removed"),
             ("TIDE_RS_KERNEL", "bulk", "TIDE_RS_KERNEL was removed"),

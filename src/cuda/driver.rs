@@ -347,6 +347,58 @@ pub unsafe fn memcpy_async(dst: u64, src: u64, bytes: usize, stream: CUstream, w
     check(unsafe { sys::cuMemcpyAsync(dst, src, bytes, stream) }, "cuMemcpyAsync", what)
 }
 
+/// A 2-D copy on `stream` (copy engines): `height` rows of `width` bytes, row j from `src + j *
+/// src_pitch` to `dst + j * dst_pitch`. Both ends are unified addresses (CU_MEMORYTYPE_UNIFIED),
+/// so either may be a peer's memory, as for `memcpy_async`. The driver refuses a pitch above the
+/// device's CU_DEVICE_ATTRIBUTE_MAX_PITCH (`max_pitch`) or below `width`.
+///
+/// # Safety
+/// Every row of both ends is valid device memory (local, or peer memory with access enabled or
+/// mapped) until the copy completes, ordered by the caller's stream rules; no row of `dst`
+/// overlaps a row of `src`.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub unsafe fn memcpy_2d_async(
+    dst: u64,
+    dst_pitch: usize,
+    src: u64,
+    src_pitch: usize,
+    width: usize,
+    height: usize,
+    stream: CUstream,
+    what: impl FnOnce() -> String,
+) -> Result<()> {
+    let copy = sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+        srcHost: std::ptr::null(),
+        srcDevice: src,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: src_pitch,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: dst,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: dst_pitch,
+        WidthInBytes: width,
+        Height: height,
+    };
+    // SAFETY: the descriptor is a valid local (the driver reads it during the call); ranges per
+    // the caller.
+    check(unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream) }, "cuMemcpy2DAsync", what)
+}
+
+/// The largest pitch `memcpy_2d_async` may be given on device `ordinal`
+/// (CU_DEVICE_ATTRIBUTE_MAX_PITCH; 2^31 - 1 on current GPUs).
+pub fn max_pitch(ordinal: i64) -> Result<usize> {
+    let dev = device_get(ordinal as i32)?;
+    let v = device_attribute(dev, ordinal, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_PITCH, "max pitch")?;
+    Ok(v.max(0) as usize)
+}
+
 /// Sets `bytes` at `dst` to zero on `stream`.
 ///
 /// # Safety

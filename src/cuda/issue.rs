@@ -1,8 +1,9 @@
 //! Issuing a prepared plan's schedule on the streams, for both paths: the one phase loop and end
 //! of call (`run_phases`, rules 3-5 / A2-A3 of the `cuda` module header), each command
 //! (`Issuer::issue`), the batching of one stream's consecutive copies and small sums
-//! (TIDE_COPY_BATCH, TIDE_FUSE_BYTES: `fuse`) and the NVLink multicast all-gather
-//! (`issue_multicast`, `multicast` module header).
+//! (TIDE_COPY_BATCH, TIDE_FUSE_BYTES: `fuse`), 2-D copies (`Issuer::copy_2d`: cuMemcpy2DAsync on
+//! the copy engines, TIDE_COPY2D) and the NVLink multicast all-gather (`issue_multicast`,
+//! `multicast` module header).
 //!
 //! What it is handed (`Issue`): MAIN and its side streams, the local, phase and `done` events
 //! (an in-flight slot's, in-process; the device's, multi-process), whether small work is fused,
@@ -98,6 +99,7 @@ pub(crate) fn run_phases(call: &CallInfo, io: &Issue, meeting: &dyn Meeting, pre
         fusing,
         batching: fusing || (cfg.copy_batch && driver::init().map(|v| v >= 13000).unwrap_or(false)),
         peer_hints: io.peer_hints,
+        max_pitch: std::cell::OnceCell::new(),
     };
     let phases_ok = issuer.all_phases(io, meeting);
     let ended = meeting.phases_ended(io.res.main);
@@ -120,6 +122,8 @@ struct Issuer<'a> {
     /// Consecutive copies of one stream collected (TIDE_COPY_BATCH, or `fusing`).
     batching: bool,
     peer_hints: bool,
+    /// The device's largest 2-D copy pitch (`driver::max_pitch`), asked at the call's first 2-D copy.
+    max_pitch: std::cell::OnceCell<usize>,
 }
 
 /// Work collected per stream, issued before any other command on its stream (`fuse` header).
@@ -191,7 +195,7 @@ impl Issuer<'_> {
             }
         }
         if self.call.at.is_some() {
-            if let Cmd::Copy { src, dst, .. } = cmd {
+            if let Cmd::Copy { src, dst, .. } | Cmd::Copy2D { src, dst, .. } = cmd {
                 if src.kind == BufKind::Output || dst.kind == BufKind::Output {
                     // Reduce-scatter plans write results with Reduce and Zero only (plan::build);
                     // a copy would need a host address of a slice chosen on the device.
@@ -201,6 +205,10 @@ impl Issuer<'_> {
                     )));
                 }
             }
+        }
+        if let Cmd::Copy2D { .. } = cmd {
+            // Never between nodes (`Action::CopyBlocks`): no rail event stands for it.
+            return self.copy_2d(pending, p, cmd);
         }
         let rail = meeting.rail_event(p, cmd);
         if self.fusing && s == MAIN && rail.is_none() {
@@ -362,6 +370,112 @@ impl Issuer<'_> {
         unsafe { driver::memcpy_batch_async(&pieces, stream, what) }
     }
 
+    /// A 2-D copy (`Cmd::Copy2D`), after the copies pending on its stream (stream order): one
+    /// cuMemcpy2DAsync per piece of at most TIDE_CE_PIECE_BYTES (`fuse::copy2d_pieces`), on the
+    /// copy engines. One onto itself moves nothing (as a `Copy`'s). Where the driver would refuse
+    /// its pitches (above CU_DEVICE_ATTRIBUTE_MAX_PITCH: a block row of more than 2 GiB), its
+    /// blocks go as 1-D copies instead, collected and batched as any other (logged once).
+    fn copy_2d(&self, pending: &mut Pending, p: usize, cmd: &Cmd) -> Result<()> {
+        let Cmd::Copy2D { stream: si, step, src, dst, bytes, blocks, src_pitch, dst_pitch } = *cmd else {
+            return Err(TideError::Internal("copy_2d given another command".into()));
+        };
+        let sa = address_2d(self.infos, &src, bytes, blocks, src_pitch)?;
+        let da = address_2d(self.infos, &dst, bytes, blocks, dst_pitch)?;
+        if sa == da && (blocks == 1 || src_pitch == dst_pitch) {
+            return Ok(());
+        }
+        let ord = self.call.device_ordinal;
+        // One block: the pitches are never stepped over, the driver still wants them >= the width.
+        let (sp, dp) = if blocks == 1 { (bytes, bytes) } else { (src_pitch, dst_pitch) };
+        let max = match self.max_pitch.get() {
+            Some(m) => *m,
+            None => *self.max_pitch.get_or_init(|| driver::max_pitch(ord).unwrap_or(i32::MAX as usize)),
+        };
+        if sp.max(dp) > max || sp.min(dp) < bytes {
+            static LOGGED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+            if !LOGGED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                log::warn!(
+                    "tide: {}: a 2-D copy of {blocks} x {bytes} bytes has pitches {src_pitch} / {dst_pitch}, which                      cuMemcpy2DAsync refuses (device's largest: {max}): its blocks go as 1-D copies (logged once)",
+                    self.step_ctx(p, step, &src)
+                );
+            }
+            return self.copy_blocks_1d(pending, si, p, step, (sa, src_pitch, src.rank), (da, dst_pitch, dst.rank), bytes, blocks);
+        }
+        if self.batching {
+            self.flush_copies(si, &mut pending.copies)?;
+        }
+        let s = self.res.stream(si)?;
+        for (first, n) in fuse::copy2d_pieces(blocks, bytes, self.cfg.ce_piece_bytes) {
+            let (so, d_o) = ((first * src_pitch) as u64, (first * dst_pitch) as u64);
+            // SAFETY: every block of both ends bounds-checked by `address_2d` against the buffers
+            // their ranks published (peer access enabled); the plan's 2-D copies read and write
+            // different buffers (Input -> Output / Stage); ordering per the module header.
+            unsafe {
+                driver::memcpy_2d_async(da + d_o, dp, sa + so, sp, bytes, n, s, || {
+                    format!(
+                        "{} -> {:?} of rank {}, blocks {first}..{} of {bytes} bytes, pitches {src_pitch} / {dst_pitch}",
+                        self.step_ctx(p, step, &src),
+                        dst.kind,
+                        dst.rank,
+                        first + n
+                    )
+                })?
+            };
+        }
+        Ok(())
+    }
+
+    /// The blocks of a 2-D copy as 1-D copies on stream `si` (the fallback of `copy_2d`): collected
+    /// into the stream's pending batch where copies are batched, else one cuMemcpyAsync each.
+    /// `src` and `dst`: (address of block 0, pitch, rank), bounds-checked by the caller.
+    #[allow(clippy::too_many_arguments)]
+    fn copy_blocks_1d(
+        &self,
+        pending: &mut Pending,
+        si: usize,
+        p: usize,
+        step: usize,
+        src: (u64, usize, usize),
+        dst: (u64, usize, usize),
+        bytes: usize,
+        blocks: usize,
+    ) -> Result<()> {
+        let ord = self.call.device_ordinal;
+        let dev = |r: usize| if self.peer_hints { self.infos[r].device } else { ord };
+        let block = |j: usize| fuse::PendingCopy {
+            dst: dst.0 + (j * dst.1) as u64,
+            src: src.0 + (j * src.1) as u64,
+            bytes,
+            dst_dev: dev(dst.2),
+            src_dev: dev(src.2),
+        };
+        if self.batching {
+            for j in 0..blocks {
+                let c = block(j);
+                let list = pending
+                    .copies
+                    .get(si)
+                    .ok_or_else(|| TideError::Internal(format!("stream {si} out of range")))?;
+                if !fuse::copy_joins(list, &c) {
+                    self.flush_copies(si, &mut pending.copies)?;
+                }
+                pending.copies[si].push(c);
+            }
+            return Ok(());
+        }
+        let s = self.res.stream(si)?;
+        for j in 0..blocks {
+            let c = block(j);
+            // SAFETY: as `copy_2d`: each block bounds-checked by `address_2d`.
+            unsafe {
+                driver::memcpy_async(c.dst, c.src, bytes, s, || {
+                    format!("rank {} device {ord}: phase {p} step {step}, block {j} of a 2-D copy", self.call.rank)
+                })?
+            };
+        }
+        Ok(())
+    }
+
     /// A Reduce as one batched-sum segment, if it qualifies (TIDE_FUSE_BYTES): one launch's worth
     /// of sources (at most `kernels::MAX_SRCS` of one dtype), output smaller than TIDE_FUSE_BYTES,
     /// at most TIDE_RS_CTA_BYTES read and written.
@@ -434,6 +548,7 @@ impl Issuer<'_> {
                 unsafe { driver::stream_wait_event(s, ev, || format!("rank {rank} device {ord}: local event {event}")) }
             }
             Cmd::Copy { step, src, dst, bytes, via, .. } => self.copy(s, p, *step, src, dst, *bytes, *via),
+            Cmd::Copy2D { .. } => Err(TideError::Internal("a 2-D copy goes through `copy_2d`".into())),
             Cmd::Zero { step, dst, bytes, .. } => {
                 let da = address(self.infos, dst, *bytes)?;
                 if let Some((at, count, stride)) = self.at_of(p, *step, dst)? {
@@ -673,6 +788,18 @@ pub(crate) fn address(infos: &[RankInfo], r: &Region, len: usize) -> Result<u64>
             r.rank
         ))),
     }
+}
+
+/// The device address of block 0 of `blocks` blocks of `bytes` bytes, `pitch` apart, at `r`: every
+/// block bounds-checked against what its rank published (`address` of the span from block 0 to
+/// the end of the last block).
+pub(crate) fn address_2d(infos: &[RankInfo], r: &Region, bytes: usize, blocks: usize, pitch: usize) -> Result<u64> {
+    let span = blocks
+        .checked_sub(1)
+        .and_then(|b| b.checked_mul(pitch))
+        .and_then(|o| o.checked_add(bytes))
+        .ok_or_else(|| TideError::Internal(format!("region {r:?}: {blocks} blocks of {bytes} bytes, pitch {pitch}: empty or overflowing")))?;
+    address(infos, r, span)
 }
 
 /// The NVLink multicast all-gather (see the `multicast` module header): set up the (site, group)

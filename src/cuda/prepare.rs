@@ -39,11 +39,18 @@ pub struct PlanSettings {
     pub local_copy: crate::config::LocalCopy,
     /// Bytes of one reduction launch (`schedule::sum_pieces`): TIDE_RS_MAX_CTAS x TIDE_RS_CTA_BYTES.
     pub sum_piece_bytes: usize,
+    /// 2-D copies scheduled as such (`Cmd::Copy2D`), not flattened into their blocks: TIDE_COPY2D,
+    /// in-process. The multi-process path keeps the 1-D copies (its peers' buffers are VMM
+    /// mappings of other processes' memory: 2-D copies there are not yet measured, and they never
+    /// cross nodes, so the rail is the same either way).
+    pub copy2d: bool,
 }
 
 impl PlanSettings {
-    pub fn of(op: Op, c: &Config) -> PlanSettings {
+    pub fn of(call: &CallInfo, c: &Config) -> PlanSettings {
+        let op = call.op;
         PlanSettings {
+            copy2d: c.copy2d && call.job == 0,
             stage_slots: c.rs_stage_slots,
             slot_bytes: c.rs_slot_bytes,
             streams: match op {
@@ -69,7 +76,7 @@ impl PlanCache {
     pub fn get(&mut self, call: &CallInfo, cfg: &Config) -> Result<Arc<Prepared>> {
         // Hot path: the site's prepared plan, if the call's buffers still have its shapes (checked
         // against the cached layout without building a new one).
-        let settings = PlanSettings::of(call.op, cfg);
+        let settings = PlanSettings::of(call, cfg);
         let cached = self
             .entries
             .get(&(call.site, call.op, call.rank))
@@ -111,8 +118,9 @@ fn build(call: &CallInfo, cfg: &Config, settings: PlanSettings) -> Result<Prepar
         )?,
     };
     plan.validate()?;
-    // The scheduler moves contiguous byte ranges: 2-D copies as their pieces (`Plan::flattened`).
-    let plan = plan.flattened();
+    // 2-D copies go as cuMemcpy2DAsync (`Cmd::Copy2D`), or, under TIDE_COPY2D=0 and on the
+    // multi-process path, as their blocks (`Plan::flattened`: one 1-D copy each, batched).
+    let plan = if settings.copy2d { plan } else { plan.flattened() };
     let schedule = schedule::build(
         &plan,
         call.rank,
