@@ -387,15 +387,15 @@ impl Issuer<'_> {
         let ord = self.call.device_ordinal;
         // One block: the pitches are never stepped over, the driver still wants them >= the width.
         let (sp, dp) = if blocks == 1 { (bytes, bytes) } else { (src_pitch, dst_pitch) };
-        let max = match self.max_pitch.get() {
-            Some(m) => *m,
-            None => *self.max_pitch.get_or_init(|| driver::max_pitch(ord).unwrap_or(i32::MAX as usize)),
-        };
+        // (A failed query leaves the limit to the driver: the copy then fails naming itself.)
+        let max = *self.max_pitch.get_or_init(|| driver::max_pitch(ord).unwrap_or(usize::MAX));
         if sp.max(dp) > max || sp.min(dp) < bytes {
             static LOGGED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
             if !LOGGED.swap(true, std::sync::atomic::Ordering::Relaxed) {
                 log::warn!(
-                    "tide: {}: a 2-D copy of {blocks} x {bytes} bytes has pitches {src_pitch} / {dst_pitch}, which                      cuMemcpy2DAsync refuses (device's largest: {max}): its blocks go as 1-D copies (logged once)",
+                    "tide: {}: a 2-D copy of {blocks} x {bytes} bytes has pitches {src_pitch} / {dst_pitch}, \
+                     which cuMemcpy2DAsync refuses (the device's largest: {max}): its blocks go as 1-D \
+                     copies (logged once)",
                     self.step_ctx(p, step, &src)
                 );
             }
