@@ -1610,7 +1610,17 @@ fn green(g: &Gpu, samples: usize, json: &mut String) {
 // ----- engine mode: tide's calls as the engine issues them -----
 
 /// A Llama-3-8B layer (d 4096, ffn 14336, 8 KV heads of 128): 218 M bf16 parameters, 436 MB.
-fn layer_specs() -> Vec<ParamSpec> {
+/// `strided`: every matrix sharded along its dim 1 instead (what `tide_jax.lax.all_gather(w,
+/// axis=1, tiled=True)` gathers: 2-D copies, [Note: strided parameters]).
+fn layer_specs(strided: bool) -> Vec<ParamSpec> {
+    let specs = dim0_layer_specs();
+    if !strided {
+        return specs;
+    }
+    specs.into_iter().map(|s| if s.shape.len() == 2 { s.along(1) } else { s }).collect()
+}
+
+fn dim0_layer_specs() -> Vec<ParamSpec> {
     let (h, f, kv) = (4096, 14336, 1024);
     let b = DType::BF16;
     vec![
@@ -1636,15 +1646,18 @@ struct EngineCall {
 }
 
 fn engine_call(op: Op, world: usize, site: i64) -> EngineCall {
-    let layout = GroupLayout::new(&layer_specs(), world).unwrap();
+    engine_call_of(op, world, site, false)
+}
+
+fn engine_call_of(op: Op, world: usize, site: i64, strided: bool) -> EngineCall {
+    let layout = GroupLayout::new(&layer_specs(strided), world).unwrap();
     let (mut ins, mut outs) = (Vec::new(), Vec::new());
     let mut peers = vec![EmulatedPeer::default(); world - 1];
     let mut bytes = 0f64;
     for (i, p) in layout.params.iter().enumerate() {
-        let shard_elems = p.shard_rows * p.row_elems;
+        let shard_elems = p.shard_elems();
         let full_elems = p.full_bytes() / 2;
-        let mut shard_dims = vec![p.shard_rows];
-        shard_dims.extend(p.shape.iter().skip(1));
+        let shard_dims = p.shard_shape();
         let (in_elems, in_dims, out_bytes, out_dims, out_dt) = match op {
             Op::AllGather => (shard_elems, shard_dims, p.full_bytes(), p.shape.clone(), p.dtype),
             Op::ReduceScatter => (full_elems, p.shape.clone(), shard_elems * 4, shard_dims, DType::F32),
@@ -1664,7 +1677,7 @@ fn engine_call(op: Op, world: usize, site: i64) -> EngineCall {
             // Rank 0's rows: the world's slices read (peers' staged: read, written, read again),
             // the fp32 sum written.
             Op::ReduceScatter => {
-                let mine = (p.valid_rows(0) * p.row_elems) as f64;
+                let mine = p.valid_elems(0) as f64;
                 mine * (2.0 * world as f64 + 4.0 * (world as f64 - 1.0) + 4.0)
             }
         };
@@ -1746,6 +1759,8 @@ fn engine(g: &Gpu, samples: usize, json: &mut String) {
         .map(|(k, (op, world))| (op, world, engine_call(op, world, 9000 + k as i64)))
         .collect();
     let find = |op: Op, world: usize| &calls.iter().find(|c| c.0 == op && c.1 == world).unwrap().2;
+    let strided_ag8 = engine_call_of(Op::AllGather, 8, 9100, true);
+    let strided_rs8 = engine_call_of(Op::ReduceScatter, 8, 9101, true);
     let in_place_calls: Vec<(usize, EngineCall)> = [2usize, 8].iter().map(|&w| (w, in_place(find(Op::AllGather, w)))).collect();
     println!(
         "engine: Llama-3-8B layer, 9 bf16 parameters, 436 MB; rank 0 of world P, peers emulated by buffers of GPU 0 \
@@ -1795,6 +1810,9 @@ fn engine(g: &Gpu, samples: usize, json: &mut String) {
             with(&|c| c.local_copy = tide::config::LocalCopy::CopyEngine),
         ));
     }
+    // Every matrix gathered / reduce-scattered along dim 1 (tide_jax.lax with axis=1): 2-D copies.
+    aggs.push(engine_aggressor(ag_name(8, "strided (dim 1, 2-D copies)"), &strided_ag8, base.clone()));
+    aggs.push(engine_aggressor(rs_name(8, "strided (dim 1, staged by 2-D copies)"), &strided_rs8, base.clone()));
     // The casting all-gather's copies (scan_layers' gathers): the own rows are already in place.
     for (world, ec) in &in_place_calls {
         aggs.push(engine_aggressor(ag_name(*world, "in place (the casting all-gather's copies)"), ec, base.clone()));
