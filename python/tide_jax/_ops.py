@@ -34,7 +34,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _compat, _lib
+from . import _compat, _inflight, _lib
 from . import _linear as _linear_prim
 from ._layout import Layout
 
@@ -432,24 +432,27 @@ class Handle:
     operands), so it can go through `ordered`, `jax.lax.optimization_barrier` and scan carries; pass it
     to its done unchanged, exactly once."""
 
-    def __init__(self, results, operands, meta):
+    def __init__(self, results, operands, meta, tag=None):
         self.results = list(results)
         self.operands = list(operands)
         self.meta = meta  # (op, layout, backend, per parameter its result's vma axes): static, the
         # same for every start of one layout (so handles of different iterations fit one scan carry)
+        self.tag = tag  # a hand-written start's in-flight lane (`_inflight.Tag`, equal to every other)
 
     def tree_flatten(self):
-        return (self.results, self.operands), self.meta
+        return (self.results, self.operands), (self.meta, self.tag)
 
     @classmethod
-    def tree_unflatten(cls, meta, children):
-        return cls(children[0], children[1], meta)
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], children[1], *aux)
 
     def __repr__(self):
         return f"Handle({self.meta[0]}, {len(self.results)} arrays, backend {self.meta[2]})"
 
 
-def _start(op: str, leaves: list, lay: Layout, backend: str, urgent: bool = False) -> Handle:
+def _start(op: str, leaves: list, lay: Layout, backend: str, urgent: bool = False, after=()) -> Handle:
+    """The start of `op` on validated leaves. `after`: values the native call waits for (an in-flight
+    lane's previous done, [Note: in-flight lanes] in `_inflight`), tied in the barrier before it."""
     if backend == "jax" or _is_local(lay, op):  # XLA schedules its own collectives, or nothing moves:
         # the handle holds the results
         if backend == "jax":
@@ -463,7 +466,7 @@ def _start(op: str, leaves: list, lay: Layout, backend: str, urgent: bool = Fals
         empties = _empty_outs(op, leaves, lay)
         if sub is None:
             return Handle(empties, [], (op, lay, "local", ()))
-        inner = _start(op, [leaves[i] for i in idx], sub, backend, urgent)
+        inner = _start(op, [leaves[i] for i in idx], sub, backend, urgent, after)
         return _part_handle(op, lay, inner, idx, empties, ())
     _lib.ensure_registered(lay.platform)
     if op == "all_gather":
@@ -474,7 +477,8 @@ def _start(op: str, leaves: list, lay: Layout, backend: str, urgent: bool = Fals
     out_vmas = _out_vmas(leaves, lay.axis)
     # A barrier first: XLA:GPU's dynamic-slice fusion would otherwise fold a sliced operand (a layer
     # of stacked shards) into the custom call and not honor the aliasing below (seen on the H200).
-    leaves = list(jax.lax.optimization_barrier(tuple(leaves)))
+    # The values in `after` go through it too, so the call cannot be issued before they exist.
+    leaves = list(jax.lax.optimization_barrier((*leaves, *after)))[:n]
     # The operands come back as results N.. (aliased): done takes those, so XLA keeps the very
     # buffers tide reads alive until done, and cannot give done a recomputed copy.
     types = types + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
@@ -540,7 +544,9 @@ def _done_call(op: str, types: list, n: int, attrs: dict, vma):
     return done
 
 
-def _done(handle: Handle, op: str) -> list:
+def _done(handle: Handle, op: str, raw: list | None = None) -> list:
+    """The done of `handle`'s start. `raw`, if given, receives the native done's results as the call
+    returns them (typed varying over the layout's axis alone: what a later start may be tied to)."""
     if not isinstance(handle, Handle):
         raise TypeError(f"tide: {op}_done: expected the Handle its {op}_start returned, got {type(handle).__name__}")
     hop, lay, backend, out_vmas = handle.meta
@@ -549,7 +555,7 @@ def _done(handle: Handle, op: str) -> list:
     if backend == "local":
         return list(handle.results)
     if isinstance(backend, tuple):  # started on the non-empty parameters
-        return _part_done(handle, lambda inner: _done(inner, op))
+        return _part_done(handle, lambda inner: _done(inner, op, raw))
     n = len(handle.results)
     types = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in handle.results]
     tracked = any(out_vmas)
@@ -560,6 +566,8 @@ def _done(handle: Handle, op: str) -> list:
     # write a result straight into a slice of a larger buffer (a scan's stacked outputs), which
     # breaks the aliasing done relies on (seen on the H200).
     outs = jax.lax.optimization_barrier(tuple(outs))
+    if raw is not None:
+        raw.extend(outs)
     return [_compat.mark_varying(o, v) for o, v in zip(outs, out_vmas)]
 
 
@@ -747,13 +755,15 @@ def all_gather_start(shards, lay: Layout, dtype=None, *, backend: str | None = N
     compute with `ordered` (or `scan_layers`, which does it for a layer loop)."""
     _check_context(lay, "all_gather_start")
     leaves = [_maybe_cast(x, dtype) for x in _check_shards(shards, lay, "all_gather_start")]
-    return _start("all_gather", leaves, lay, _chosen(backend))
+    return _start_laned("all_gather", leaves, lay, _chosen(backend))
 
 
 def all_gather_done(handle: Handle):
     """The gathered parameters (local blocks) of the all-gather `handle` started (same as `all_gather`)."""
     lay = handle.meta[1] if isinstance(handle, Handle) else None
-    outs = _done(handle, "all_gather")
+    raw = []
+    outs = _done(handle, "all_gather", raw)
+    _inflight.release(handle.tag, raw)
     return jax.tree_util.tree_unflatten(lay.treedef, outs)
 
 
@@ -762,16 +772,38 @@ def reduce_scatter_start(grads, lay: Layout, *, backend: str | None = None) -> H
     `reduce_scatter_done(handle, dtype)` returns this rank's shards."""
     _check_context(lay, "reduce_scatter_start")
     leaves = _check_grads(grads, lay, "reduce_scatter_start")
-    return _start("reduce_scatter", leaves, lay, _chosen(backend))
+    return _start_laned("reduce_scatter", leaves, lay, _chosen(backend))
 
 
 def reduce_scatter_done(handle: Handle, dtype=jnp.float32):
     """This rank's shards of the sum `handle`'s start computes, cast to `dtype` (None: float32)."""
     lay = handle.meta[1] if isinstance(handle, Handle) else None
-    outs = _done(handle, "reduce_scatter")
+    raw = []
+    outs = _done(handle, "reduce_scatter", raw)
+    _inflight.release(handle.tag, raw)
     if dtype is not None:
         outs = [o if o.dtype == np.dtype(dtype) else o.astype(dtype) for o in outs]
     return jax.tree_util.tree_unflatten(lay.treedef, outs)
+
+
+def _start_laned(op: str, leaves: list, lay: Layout, backend: str) -> Handle:
+    """A hand-written start: on an in-flight lane of the traced program, tied after that lane's
+    previous done ([Note: in-flight lanes] in `_inflight`), or, with every lane busy, the synchronous
+    collective (its done passes the results on). Starts that make no native call are not laned."""
+    part = lay._nonempty()
+    if backend == "jax" or _is_local(lay, op) or (part is not None and part[1] is None) or _inflight.batched(leaves):
+        return _start(op, leaves, lay, backend)  # (batched: synchronous per element, [Note: start/done under vmap])
+    names = [p.path or "<root>" for p in lay.params[:2]]
+    lane = _inflight.acquire(op, f"{op}_start of {', '.join(names)}{', ...' if len(lay.params) > 2 else ''}")
+    if lane is None:  # not traced (no lanes to keep)
+        return _start(op, leaves, lay, backend)
+    tag, after = lane
+    if isinstance(tag, str):  # every lane busy
+        outs = (_tide_all_gather if op == "all_gather" else _tide_reduce_scatter)(leaves, lay)
+        return Handle(outs, [], (op, lay, "local", ()))
+    handle = _start(op, leaves, lay, backend, after=after)
+    handle.tag = tag
+    return handle
 
 
 def ordered(*xs):
