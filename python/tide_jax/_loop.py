@@ -389,22 +389,27 @@ class _Group:
         return [_compat.mark_varying(o, sorted(v)) if v else o for o, v in zip(outs, self.shard_vma)]
 
 
-def _scan_unroll() -> int:
-    """TIDE_SCAN_UNROLL (default 2): layers per iteration of the layer loop's `lax.scan` (its
-    `unroll`) where tide's calls are pipelined (`_Loop.scan_unroll`). With one, the gather
-    prefetched for the next layer is a new buffer while this layer still reads the loop's, so XLA
-    copies it into the loop's buffer at every iteration's end (a whole gathered layer, forward and
-    backward); with two, the second layer's prefetch lands in the buffer
-    the first one freed and the copy is gone. The forward scans a multiple of the unroll (the layers
-    left over run unrolled after it): a remainder would make lax.scan concatenate its stacked
-    residuals. The layers of one iteration are tied in order (`_Loop.after`, `_Loop.read_after`).
+def _scan_unroll(platform: str = "cpu") -> int:
+    """TIDE_SCAN_UNROLL (default: 2 on GPUs, 1 on other devices): layers per iteration of the layer
+    loop's `lax.scan` (its `unroll`) where tide's calls are pipelined (`_Loop.scan_unroll`). With one,
+    the gather prefetched for the next layer is a new buffer while this layer still reads the loop's,
+    so XLA copies it into the loop's buffer at every iteration's end (a whole gathered layer, forward
+    and backward); with two, the second layer's prefetch lands in the buffer the first one freed and
+    the copy is gone. The forward scans a multiple of the unroll (the layers left over run unrolled
+    after it): a remainder would make lax.scan concatenate its stacked residuals. The layers of one
+    iteration are tied in order (`_Loop.after`, `_Loop.read_after`) by optimization barriers.
     On one H200 with tide's calls real at world 1 (bench/RESULTS.md runs 18-27), against 1 (run
     26): 8b-layers (L = 4) 1.027x -> 0.997-1.000x plain JAX's step (remat dots), 1.000x -> 0.945x
     (none); 1b (L = 16) 1.010x -> 0.997-1.004x, 1.010x -> 0.990-0.997x; memory against plain JAX
-    (dots) 8b +0.33 GiB, 1b -0.32 GiB (one per iteration: +0.58 / +0.07)."""
+    (dots) 8b +0.33 GiB, 1b -0.32 GiB (one per iteration: +0.58 / +0.07): XLA:GPU keeps the barriers'
+    order, so an iteration holds the (prefetch + 1) gathered layers of one (run 26's liveness pass).
+    XLA:CPU removes optimization barriers before it schedules (OptimizationBarrierExpander), and with
+    two layers per iteration it starts both layers' gathers together: an 8-layer stack held 4
+    gathered layers, its temp memory with reshard_after_forward 0.50x of without (one per iteration:
+    0.25-0.28x; issue #39), hence 1 there: no copy to save on CPU devices worth that."""
     value = os.environ.get("TIDE_SCAN_UNROLL", "").strip()
     if not value:
-        return 2
+        return 2 if str(platform).lower() in ("cuda", "gpu", "rocm") else 1
     if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= 64:
         raise _lib.SettingError(f"tide: TIDE_SCAN_UNROLL={value!r}: expected an integer in [1, 64]")
     return int(value)
@@ -610,10 +615,11 @@ class _Loop:
 
     def scan_unroll(self) -> int:
         """Layers per `lax.scan` iteration: TIDE_SCAN_UNROLL for tide's pipelined loop (native calls,
-        whose prefetched gathers XLA would copy into the loop's buffer); 1 where nothing is carried
+        whose prefetched gathers XLA would copy into the loop's buffer; default 2 on GPUs, 1 on CPU
+        devices, `_scan_unroll`); 1 where nothing is carried
         from one layer's calls to the next (the local loop: world 1 without native calls), for the
         jax backend (no ties keep its layers apart) and for a Python loop (`unroll=True`)."""
-        return _scan_unroll() if self.use_barriers and not self.unroll else 1
+        return _scan_unroll(self.lay.platform) if self.use_barriers and not self.unroll else 1
 
     def ties_layers(self) -> bool:
         """Whether the layers of one scan iteration need tying (`after`): several per iteration."""
