@@ -305,14 +305,22 @@ impl DeviceState {
         // The bound counts calls in flight, not slots (more may exist from a larger setting).
         let busy = self.slots[list].iter().filter(|s| s.busy.load(Ordering::Acquire)).count();
         if busy >= max.max(1) {
+            // tide_jax keeps one traced program's hand-written starts below `max` (python/tide_jax/
+            // _inflight.py, [Note: in-flight lanes]): what is left is what tracing cannot see.
             return Err(TideError::InvalidArgument(format!(
                 "device {ord}: {busy} tide {} calls are already in flight (started, not done; \
                  TIDE_MAX_IN_FLIGHT={max}): every *_start needs its *_done before more than {max} \
-                 are outstanding; raise TIDE_MAX_IN_FLIGHT for deeper overlap",
+                 are outstanding. tide_jax keeps each traced program's own starts to {lanes} per op, \
+                 so these come from what tracing cannot see: starts of several programs in flight \
+                 on this device at once (let each program finish its starts before the next is \
+                 launched), a jitted helper with a start traced once and called several times, \
+                 the copies of a lax.scan(unroll=n) body, or scan_layers beside hand-written \
+                 starts; or raise TIDE_MAX_IN_FLIGHT",
                 match op {
                     Op::AllGather => "all_gather",
                     Op::ReduceScatter => "reduce_scatter",
-                }
+                },
+                lanes = max.max(1) - 1,
             )));
         }
         for (i, s) in self.slots[list].iter().enumerate() {
