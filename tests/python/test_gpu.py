@@ -615,21 +615,71 @@ def test_forward_mode_and_hessian_vector_products_on_gpus(tide, rng, n, monkeypa
     for k in params:
         got = np.asarray(jax.device_get(t_out[k]))
         assert got.tobytes() == np.stack([tangent[k]] * n).tobytes(), k
-    x = exact((n, 3))
+    # The Hessian-vector product compares two different programs (tide's calls vs jax.lax's), which
+    # XLA:GPU fuses and schedules differently, so it must be exact arithmetic to compare bitwise: a
+    # polynomial loss (no tanh: the second derivative of tanh^2 near saturation is 1 - tanh^2, cancels
+    # from ~1, and turns one ulp of a differently fused tanh into 1e-3 relative; an H100 run, seed
+    # 1693729270, differed by 7.5e-5 in 26 of 3093 elements that way, while fp32 itself is off the
+    # fp64 value by 6.4e-5 there) on quarters in [-1, 1], whose every intermediate is a multiple of
+    # 2^-12 below 2^12: exact in float32, in any order. Dots at "highest": XLA:GPU's default lets an f32
+    # dot run in TF32 (11 significant bits), chosen per program (cuBLAS, Triton or a fused multiply for
+    # the HVP's outer product, whose vector here needs up to 18 bits).
+    quarters = lambda shape: (rng.integers(-4, 5, shape) / 4).astype(np.float32)  # noqa: E731
+    params = {"w": quarters((1031, 3)), "b": quarters((5,))}
+    tangent = {"w": quarters((1031, 3)), "b": quarters((5,))}
+    x = quarters((n, 3))
 
     def hvp(backend):
         def loss(s, x):
             full = tide.all_gather(s, lay, backend=backend)
-            h = jnp.tanh(full["w"] @ x[0])
+            h = full["w"] @ x[0]
             rs = tide.reduce_scatter({"w": full["w"] * h[:, None], "b": full["b"]}, lay, backend=backend)
             return jax.lax.psum(jnp.sum(h ** 2) + jnp.sum(rs["w"] ** 2) + jnp.sum(full["b"] * x[0, 0]), AXIS)
 
         f = lambda s, x, v: jax.jvp(lambda s: jax.grad(loss)(s, x), (s,), (v,))[1]  # noqa: E731
-        return _smap(mesh, f, (lay.spec, P(AXIS), lay.spec), lay.spec)(
-            lay.shard(params), jax.device_put(x, NamedSharding(mesh, P(AXIS))), lay.shard(tangent))
+        with jax.default_matmul_precision("highest"):
+            return _smap(mesh, f, (lay.spec, P(AXIS), lay.spec), lay.spec)(
+                lay.shard(params), jax.device_put(x, NamedSharding(mesh, P(AXIS))), lay.shard(tangent))
 
     got, want = hvp("tide"), hvp("jax")
     for k in params:
-        np.testing.assert_allclose(np.asarray(jax.device_get(got[k])), np.asarray(jax.device_get(want[k])),
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(jax.device_get(got[k])), np.asarray(jax.device_get(want[k])))
     assert np.asarray(jax.device_get(got["w"])).any()
+
+
+# ----- hand-written start/done: in flight bounded while tracing (issue #39) -----
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("loop", ["python", "fori"])
+@pytest.mark.parametrize("pattern", ["prefetch", "backward", "ready"])
+def test_hand_written_loops_on_gpus(n, loop, pattern):
+    """The loops of tests/python/test_inflight.py on the CUDA engine (world 1: native calls): a
+    prefetching forward (two gathers ahead), backward-style reduce-scatters, and reduce-scatters of
+    gradients ready at entry (six per program, one start per done: before the in-flight lanes an
+    H100 failed this with '4 tide reduce_scatter calls are already in flight'), in a Python loop and
+    in lax.fori_loop. They run (no in-flight failure) and equal the jax backend bitwise."""
+    import test_inflight as T
+
+    T._inflight.reset()
+    T.check_loop(pattern, loop, n, seed=7 * n + len(pattern) + len(loop), devices=_need(n))
+
+
+# ----- scan_layers' memory at its defaults (issue #39) -----
+@pytest.mark.parametrize("n", [1, 2])
+def test_layer_loop_holds_prefetch_plus_one_gathered_layers_on_gpus(n, monkeypatch):
+    """XLA:GPU's memory analysis of scan_layers' step (an 8-layer stack, defaults: bf16, prefetch 1,
+    two layers per scan iteration on GPUs): with reshard_after_forward the temp memory is at most
+    0.4x of without (FSDP2 holds prefetch + 1 gathered layers); the CPU twin is in test_loop.py. The
+    ratio with one layer per iteration is printed beside it."""
+    from jax.sharding import Mesh
+
+    import test_loop as T
+
+    mesh = Mesh(np.array(_need(n)), (AXIS,))
+    ratios = {}
+    for unroll in ("", "1"):
+        monkeypatch.setenv("TIDE_SCAN_UNROLL", unroll)
+        on, off = T.scan_layers_temp_bytes(mesh, True), T.scan_layers_temp_bytes(mesh, False)
+        ratios[unroll or "default"] = (on, off, on / off)
+    print(f"scan_layers temp bytes (reshard on, off, ratio) on {n} GPU(s): {ratios}")
+    on, off, ratio = ratios["default"]
+    assert ratio <= 0.4, ratios
