@@ -440,7 +440,7 @@ fn cast_start_decodes_views_of_the_own_rows() {
     assert_eq!((info.inputs[0].ptr, info.inputs[1].ptr), (0x2000 + 3 * 6, 0x2100 + 2 * 2));
     assert_eq!(info.inputs[0].dims, vec![3, 3]);
     assert!(info.layout().is_ok());
-    assert!(tide::ffi::held_operands(&info).is_empty(), "a casting start holds no operand");
+    assert!(info.held_operands().is_empty(), "a casting start holds no operand");
     // done: start's results in and out, aliased; it holds nothing either
     let s = cast_start();
     let done = call(1, 2, 11, s.outputs.clone(), s.outputs.clone());

@@ -61,7 +61,7 @@ fn start(call: &CallInfo) -> Result<()> {
         ),
         call.device_ordinal,
         record_outputs(call, &call.outputs),
-        crate::ffi::held_operands(call),
+        call.held_operands(),
     );
     let seq = (call.job == 0).then(|| rendezvous::run_seq(call.site, call.group, call.rank, call.run_id));
     // The casting all-gather first rounds this rank's rows into its results on XLA's stream, so

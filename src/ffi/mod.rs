@@ -307,7 +307,7 @@ fn tide_call_cpu(op: u8, phase: u8, instance: u64, call: FfiCall, promise: usize
                 what,
                 info.device_ordinal,
                 info.outputs.iter().map(|b| b.ptr).collect(),
-                held_operands(&info),
+                info.held_operands(),
             );
             crate::inflight::register(op_code(op), record.clone())?;
             Some(record)
@@ -638,16 +638,6 @@ pub fn decode_done_cast(call: &FfiCall, site: i64) -> Result<CallInfo> {
     let mut info = decode_io(Op::AllGather, call, site, &call.inputs, &call.outputs)?;
     info.cast = Some(crate::call::CastFrom { srcs: Vec::new(), index_ptr: 0, count: 0 });
     Ok(info)
-}
-
-/// The operands a start's in-flight record holds (done passes them again, so XLA keeps them
-/// alive): all of them, except for the casting all-gather, which holds none.
-pub fn held_operands(info: &CallInfo) -> Vec<usize> {
-    if info.cast.is_some() {
-        Vec::new()
-    } else {
-        info.inputs.iter().map(|b| b.ptr).collect()
-    }
 }
 
 pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
