@@ -43,6 +43,7 @@ import itertools
 import os
 import threading
 import warnings
+import weakref
 
 import numpy as np
 
@@ -97,13 +98,16 @@ class Tag:
 
 
 class _Call:
-    """One laned start: the traces it was traced in (outermost first) and their kinds; its done's
-    result once that is traced, and when (`seq`, for least-recently-freed)."""
+    """One laned start: the traces it was traced in (outermost first) and their kinds; once its done
+    is traced, that done's result and when (`seq`, for least-recently-freed). Traces and the result
+    are held by weak references only: nothing of a finished trace is kept alive (JAX's tracer-leak
+    check), and a result that died was not used, so XLA removes that done and its start."""
 
     __slots__ = ("chain", "kinds", "anchor", "seq")
 
     def __init__(self, chain, kinds):
-        self.chain, self.kinds = chain, kinds
+        self.chain = tuple(weakref.ref(t) for t in chain)
+        self.kinds = kinds
         self.anchor, self.seq = None, 0
 
 
@@ -157,14 +161,16 @@ def _kind(trace) -> str:
 
 def _program(chain, create: bool):
     progs = _programs()
+    for key in [k for k, (root, _) in progs.items() if root() is None]:
+        del progs[key]  # a program whose trace is gone
     for key, (root, prog) in progs.items():
-        if root is chain[0]:
+        if root() is chain[0]:
             progs.move_to_end(key)
             return prog
     if not create:
         return None
     prog = _Program()
-    progs[id(chain[0])] = (chain[0], prog)
+    progs[id(chain[0])] = (weakref.ref(chain[0]), prog)
     while len(progs) > _KEEP_PROGRAMS:
         progs.popitem(last=False)
     return prog
@@ -180,11 +186,15 @@ def _status(calls: list, chain: tuple, kinds: tuple):
     for call in reversed(calls):
         common = 0
         for a, b in zip(call.chain, chain):
-            if a is not b:
+            if a() is not b:
                 break
             common += 1
         if common == len(call.chain):  # traced here or in a trace around this one: reachable
-            return _BUSY if call.anchor is None else call
+            if call.anchor is None:
+                return _BUSY
+            if call.anchor() is None:
+                continue  # its done's result was never used: XLA removes the call
+            return call
         if common == 0:  # another program (the lanes are per program: not reached)
             continue
         if common == len(chain):  # this start is in the trace that holds that sub-trace
@@ -211,17 +221,18 @@ def acquire(op: str, what: str):
     fresh, oldest = None, None
     for lane in range(n):
         st = _status(prog.lanes[op][lane], chain, kinds)
-        if st is _FRESH:
+        anchor = st.anchor() if isinstance(st, _Call) else None
+        if st is _FRESH or (isinstance(st, _Call) and anchor is None):
             fresh = lane
             break
         if isinstance(st, _Call) and (oldest is None or st.seq < oldest[1].seq):
-            oldest = (lane, st)
+            oldest = (lane, st, anchor)
     if fresh is None and oldest is None:
         _warn_sync(op, what, f"{n} {op} starts are outstanding in this program's order (or their lanes "
                              "were used by a loop body or checkpoint traced before it)")
         return "sync", None
     lane = fresh if fresh is not None else oldest[0]
-    after = [] if fresh is not None else [_small(oldest[1].anchor)]
+    after = [] if fresh is not None else [_small(oldest[2])]
     call = _Call(chain, kinds)
     prog.lanes[op][lane].append(call)
     return Tag(call), after
@@ -235,7 +246,7 @@ def release(tag, results: list) -> None:
         return
     chain = _trace_chain()
     call = tag.call
-    if chain is None or chain[-1] is not call.chain[-1]:
+    if chain is None or chain[-1] is not call.chain[-1]():
         return
     sized = [r for r in results if int(np.prod(r.shape)) > 0]
     if not sized:
@@ -243,7 +254,7 @@ def release(tag, results: list) -> None:
     prog = _program(chain, create=False)
     if prog is None:
         return
-    call.anchor = min(sized, key=lambda r: int(np.prod(r.shape)) * np.dtype(r.dtype).itemsize)
+    call.anchor = weakref.ref(min(sized, key=lambda r: int(np.prod(r.shape)) * np.dtype(r.dtype).itemsize))
     call.seq = next(prog.clock)
 
 
