@@ -58,8 +58,10 @@ def _exact(rng, shape):
 
 # ----- the loops -----
 def _layer(p, x):
-    """x: (2, 5); bounded values, so the chain of layers stays exact enough to compare bitwise."""
-    return jnp.tanh(x + p["w"][:2] * 0.5 + jnp.sum(p["b"]) * 0.25)
+    """x: (2, 5). Exact in float32 whatever XLA fuses: multiples of 1/32, bounded by the clip (tanh
+    was here: XLA:GPU compiled the two backends' programs with different roundings of it, so an H100
+    saw the last bits differ, which says nothing of the collectives compared)."""
+    return jnp.clip(x + p["w"][:2] * 0.5 + jnp.sum(p["b"]) * 0.25, -4.0, 4.0)
 
 
 def _prefetch_python(s, x, lay, backend, depth=2):
