@@ -32,7 +32,8 @@ buffers, and the done fails saying so); its lanes stay taken for the rest of the
 
 Not seen by tracing, so still bounded only at run time (the engine's error names the fix): starts of
 several programs in flight at once on a device, a jitted helper traced once and inlined several
-times, the copies of a loop body `lax.scan(unroll=n)` makes, and scan_layers' own calls beside
+times, the copies of a loop body `lax.scan(unroll=n)` makes, a `custom_vjp` function's body (JAX
+traces it apart from the program, as a program of its own), and scan_layers' own calls beside
 hand-written ones (scan_layers bounds its own: `prefetch` gathers and one reduce-scatter).
 """
 
