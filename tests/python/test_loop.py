@@ -401,9 +401,10 @@ def _wide_layer(p, x):
     return x + (y * p["s"] * p["g"]).astype(x.dtype)
 
 
-def scan_layers_temp_bytes(mesh, reshard, num_layers=8, d=256, f=512, **kwargs):
+def scan_layers_temp_bytes(mesh, reshard, num_layers=8, d=256, f=512, rows=8, **kwargs):
     """XLA's memory analysis (temp bytes) of a value_and_grad step through scan_layers at its defaults
-    (bf16 parameters, prefetch 1) on a stack of `_wide_layer`s, 8 rows of carry per device."""
+    (bf16 parameters, prefetch 1) on a stack of `_wide_layer`s, `rows` rows of carry per device (one
+    gathered layer: 2 * d * f + d + f + 1 bf16 values)."""
     rng = np.random.default_rng(0)
     stacked = {"w1": (rng.standard_normal((num_layers, d, f)) / np.sqrt(d)).astype(np.float32),
                "b": np.zeros((num_layers, f), np.float32),
@@ -411,7 +412,7 @@ def scan_layers_temp_bytes(mesh, reshard, num_layers=8, d=256, f=512, **kwargs):
                "s": np.ones((num_layers, d), np.float32), "g": np.ones((num_layers,), np.float32)}
     lay = tide_jax.layout(_one(stacked), mesh, AXIS)
     world = mesh.devices.size
-    x = jax.device_put(np.ones((8 * world, d), np.float32), NamedSharding(mesh, P(AXIS)))
+    x = jax.device_put(np.ones((rows * world, d), np.float32), NamedSharding(mesh, P(AXIS)))
 
     def per_device(s, x):
         loss = lambda s: jnp.sum(tide_jax.scan_layers(_wide_layer, x, s, lay, reshard_after_forward=reshard,  # noqa: E731
