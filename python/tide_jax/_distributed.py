@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from . import _settings
+
 __all__ = [
     "initialize",
     "is_multiprocess",
@@ -48,9 +50,7 @@ __all__ = [
 def kv_timeout_ms() -> int:
     """How long a process waits for its peers' keys in the key-value store (TIDE_KV_TIMEOUT_S,
     default 300 s, at most a day), read when a job is set up."""
-    from . import _lib
-
-    return int(_lib.env_seconds("TIDE_KV_TIMEOUT_S", 300.0, 0.001, 86400.0) * 1000)
+    return _settings.kv_timeout_ms()
 
 _lock = threading.Lock()
 _job_id: int | None = None
@@ -200,22 +200,6 @@ def process_hosts() -> dict[int, str]:
         return dict(_hosts)
 
 
-def _parse(spec: str, world: int) -> tuple[int, int]:
-    parts = spec.lower().split("x")
-    try:
-        if len(parts) != 2:
-            raise ValueError
-        nodes, gpus = int(parts[0]), int(parts[1])
-    except ValueError:
-        raise ValueError(f"tide: TIDE_TOPOLOGY={spec!r}: expected NODESxGPUS, e.g. 2x4") from None
-    if nodes < 1 or gpus < 1 or nodes * gpus != world:
-        raise ValueError(
-            f"tide: TIDE_TOPOLOGY={spec!r} does not describe the {world} devices of the mesh axis "
-            "(nodes and gpus_per_node at least 1, nodes * gpus_per_node == axis size)"
-        )
-    return nodes, gpus
-
-
 def topology(mesh, axis: str) -> tuple[int, int]:
     """(nodes, gpus_per_node) of `axis` of `mesh`: TIDE_TOPOLOGY if set, else from the hosts.
 
@@ -228,13 +212,13 @@ def topology(mesh, axis: str) -> tuple[int, int]:
     if axis not in names:
         raise ValueError(f"tide: mesh has axes {tuple(names)}, no axis {axis!r}")
     world = int(mesh.shape[axis])
-    spec = os.environ.get("TIDE_TOPOLOGY", "").strip()
     devices = np.moveaxis(np.asarray(mesh.devices), names.index(axis), -1).reshape(-1, world)
     multi = is_multiprocess(mesh)
     if multi:
         hosts = process_hosts()
-    if spec:
-        return _parse(spec, world)
+    given = _settings.topology(world)
+    if given is not None:
+        return given
     if not multi:
         return 1, world
     layouts = set()
@@ -270,7 +254,7 @@ def _advertised_host() -> str:
     """The address other processes reach this one's rail endpoint at: `TIDE_RAIL_HOST` if set, else
     the local address of the route to the JAX coordinator (loopback when it is local), else the
     host name's address."""
-    env = os.environ.get("TIDE_RAIL_HOST", "").strip()
+    env = _settings.rail_host()
     if env:
         return env
     coord = os.environ.get("JAX_COORDINATOR_ADDRESS", "")
@@ -318,7 +302,7 @@ def _rail_addresses(job: int) -> dict[int, str]:
     lib.tide_rail_listen.restype = ctypes.c_int
     lib.tide_rail_listen.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
     host = _advertised_host()
-    bind = os.environ.get("TIDE_RAIL_BIND", "127.0.0.1" if host.startswith("127.") else "0.0.0.0")
+    bind = _settings.rail_bind(host)
     port = _rail_call(lib.tide_rail_listen, bind.encode())
     client = _client()
     me = jax.process_index()
@@ -396,7 +380,7 @@ def setup_nccl(lay, job: int) -> None:
     spans_hosts = len({hosts[p] for p in procs}) > 1
     from . import _lib
 
-    if not (spans_hosts or _lib.env_flag("TIDE_NODE_LOCAL", False)):
+    if not (spans_hosts or _settings.node_local()):
         return
     names = list(lay.mesh.axis_names)
     devices = np.moveaxis(np.asarray(lay.mesh.devices), names.index(lay.axis), -1).reshape(-1, lay.world)

@@ -41,14 +41,13 @@ from __future__ import annotations
 
 import collections
 import itertools
-import os
 import threading
 import warnings
 import weakref
 
 import numpy as np
 
-from . import _lib
+from . import _settings
 
 # Traces whose bodies XLA executes as one instruction, never interleaved with other instructions of
 # the enclosing computation ("traced_for" of their DynamicJaxprTrace).
@@ -62,15 +61,8 @@ _local = threading.local()
 
 
 def max_in_flight() -> int:
-    """TIDE_MAX_IN_FLIGHT as the native library reads it (src/config.rs: default 4, an integer in
-    [1, 16], spaces ignored)."""
-    value = os.environ.get("TIDE_MAX_IN_FLIGHT", "").strip()
-    if not value:
-        return 4
-    digits = value[1:] if value.startswith("+") else value
-    if not (digits.isascii() and digits.isdigit()) or not 1 <= int(digits) <= 16:
-        raise _lib.SettingError(f"tide: TIDE_MAX_IN_FLIGHT={value!r}: expected an integer in [1, 16]")
-    return int(digits)
+    """TIDE_MAX_IN_FLIGHT as the native library reads it (`_settings.max_in_flight`)."""
+    return _settings.max_in_flight()
 
 
 def lanes() -> int:

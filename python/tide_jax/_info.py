@@ -18,7 +18,7 @@ import platform
 import re
 import sys
 
-from . import _lib
+from . import _lib, _settings
 
 
 def info() -> str:
@@ -70,10 +70,10 @@ def info() -> str:
     lines.append(_python_line())
     settings = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("TIDE_"))
     lines.append("settings: " + (" ".join(settings) if settings else "none (TIDE_* unset: defaults)"))
-    bad = _guard(_lib.python_setting_problems)
+    bad = _guard(_settings.problems)
     problems += [f"invalid setting: {e}" for e in (bad if isinstance(bad, list) else [f"cannot check: {bad}"])]
     if lib is not None:
-        native = _guard(lambda: _lib._check_settings(lib))
+        native = _guard(lambda: _lib.check_settings(lib))
         if isinstance(native, Exception):
             problems.append(f"invalid setting: {native}")
     lines += [f"!! {p}" for p in problems]

@@ -30,6 +30,10 @@ them and sum the fp32 gradient shards over them after the reduce-scatter, instea
 reduce the parameter cotangent there in the compute dtype. Default: with no spec given and none
 carried, every other mesh axis (pure FSDP and HSDP, unchanged); otherwise none (README "Meshes with
 several axes").
+
+Public API for the modules above (docs/design.md "Layers", item 4): `Layout`, `ParamInfo`, `layout`,
+`shard_map`, `topology_from_env`, `dtype_bits` (bits per element: the drop-in refuses sub-byte
+dtypes), and the front doors' `crop_blocks`, `pad_blocks`, `spec_leaves`.
 """
 
 from __future__ import annotations
@@ -37,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import weakref
 from typing import Any
 
@@ -46,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import _distributed
+from . import _distributed, _settings
 
 __all__ = ["Layout", "ParamInfo", "layout", "shard_map", "topology_from_env"]
 
@@ -106,34 +109,7 @@ class ParamInfo:
 
 def topology_from_env(world: int) -> tuple[int, int]:
     """(nodes, gpus_per_node): single node unless TIDE_TOPOLOGY=NxG says otherwise (validated)."""
-    spec = os.environ.get("TIDE_TOPOLOGY", "").strip()
-    if not spec:
-        return 1, world
-    return parse_topology(spec, world, source="TIDE_TOPOLOGY")
-
-
-def parse_topology(spec, world: int, source: str = "topology") -> tuple[int, int]:
-    if isinstance(spec, str):
-        parts = spec.lower().split("x")
-        try:
-            if len(parts) != 2:
-                raise ValueError
-            nodes, gpus = int(parts[0]), int(parts[1])
-        except ValueError:
-            raise ValueError(f"tide: {source}={spec!r}: expected NODESxGPUS, e.g. 2x4") from None
-    else:
-        ok = isinstance(spec, (tuple, list)) and len(spec) == 2 and all(
-            isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in spec)
-        if not ok:
-            raise ValueError(f"tide: {source}={spec!r}: expected (nodes, gpus_per_node), two integers, or 'NxG'")
-        nodes, gpus = int(spec[0]), int(spec[1])
-    if nodes < 1 or gpus < 1:
-        raise ValueError(f"tide: {source}={spec!r}: nodes and gpus_per_node must be at least 1")
-    if nodes * gpus != world:
-        raise ValueError(
-            f"tide: {source}={spec!r} has {nodes * gpus} ranks but the mesh axis has {world} devices"
-        )
-    return nodes, gpus
+    return _settings.topology(world) or (1, world)
 
 
 def _abstract(x) -> jax.ShapeDtypeStruct:
@@ -151,7 +127,7 @@ _STATE_HINT = (
 )
 
 
-def _bits(dtype: np.dtype) -> int:
+def dtype_bits(dtype: np.dtype) -> int:
     """Bits per element: fewer than 8 for the packed types (int4, uint4, int2, float4_e2m1fn, ...),
     whose NumPy itemsize (1) says nothing of how XLA stores them."""
     for info in (jnp.iinfo, jnp.finfo):
@@ -184,9 +160,9 @@ def _check_leaf(path: str, leaf) -> None:
             raise TypeError(f"tide: layout: leaf {name} has dtype {dtype}, which is not an array dtype; {_STATE_HINT}") from None
         if np_dtype != np.dtype(bool) and not jnp.issubdtype(np_dtype, jnp.number):
             raise TypeError(f"tide: layout: leaf {name} has dtype {np_dtype} (not numbers); {_STATE_HINT}")
-        if _bits(np_dtype) < 8:
+        if dtype_bits(np_dtype) < 8:
             raise TypeError(
-                f"tide: layout: leaf {name} has dtype {np_dtype}, {_bits(np_dtype)} bits per element: XLA may "
+                f"tide: layout: leaf {name} has dtype {np_dtype}, {dtype_bits(np_dtype)} bits per element: XLA may "
                 "pack such elements several to a byte, and tide moves whole bytes per element; store it as "
                 "int8 / uint8 / float8 and convert inside the step"
             )
@@ -325,7 +301,7 @@ class Layout:
         elif topology is None:
             self.nodes, self.gpus_per_node = topology_from_env(self.world)
         else:
-            self.nodes, self.gpus_per_node = parse_topology(topology, self.world)
+            self.nodes, self.gpus_per_node = _settings.parse_topology(topology, self.world)
         self._prefix = _prefix
         self._job: int | None = None
 

@@ -3,6 +3,11 @@
 Search order: `$TIDE_LIBRARY` (a path to the .so), the copy inside this package (installed by the
 wheel or `pip install .`), then `target/release/libtide.so` of the source checkout this package lives in.
 Registration of the XLA FFI targets happens once, lazily, on the first tide collective traced.
+
+Public API: `library_path`, `library_origin`, `load`, `ensure_registered(platform)`, `build_info`,
+`runtime_info`, `check_settings(lib)` (the native library's invalid settings as `SettingError`),
+the errors `LibraryNotFoundError` and `SettingError` (raised for every invalid TIDE_* setting; the
+Python side's are read by `_settings`).
 """
 
 from __future__ import annotations
@@ -114,51 +119,7 @@ class SettingError(ValueError):
     """A TIDE_* environment variable has a value the native library does not accept."""
 
 
-def env_flag(name: str, default: bool = True) -> bool:
-    """A tide_jax switch from the environment: 0/1, false/true, off/on, no/yes (any case, spaces
-    ignored); unset or empty is `default`; anything else raises SettingError naming the variable."""
-    value = os.environ.get(name, "").strip().lower()
-    if value in ("0", "false", "off", "no"):
-        return False
-    if value in ("1", "true", "on", "yes"):
-        return True
-    if value == "":
-        return default
-    raise SettingError(f"tide: {name}={value!r}: expected 0/1 (false/true, off/on, no/yes)")
-
-
-def env_seconds(name: str, default: float, lo: float, hi: float) -> float:
-    """A duration in seconds from the environment, in [lo, hi]; unset or empty is `default`."""
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        x = float(value)
-    except ValueError:
-        x = float("nan")
-    if not lo <= x <= hi:  # also nan and inf
-        raise SettingError(f"tide: {name}={value!r}: expected seconds in [{lo:g}, {hi:g}]")
-    return x
-
-
-def python_setting_problems() -> list[str]:
-    """The TIDE_* settings tide_jax reads in Python that have invalid values, each as its error
-    (the native library's own are `_check_settings`'): what `tide_jax.info` reports."""
-    from . import _distributed, _loop, _ops
-
-    checks = [_ops._backend_from_env, _ops._world1_native_from_env, _loop._scan_unroll,
-              _distributed.kv_timeout_ms, lambda: env_flag("TIDE_NODE_LOCAL", False)]
-    checks += [lambda n=n: env_flag(n) for n in ("TIDE_RS_INTO", "TIDE_AG_CAST", "TIDE_RS_URGENT")]
-    problems = []
-    for check in checks:
-        try:
-            check()
-        except SettingError as e:
-            problems.append(str(e))
-    return problems
-
-
-def _check_settings(lib) -> None:
+def check_settings(lib) -> None:
     """Raises SettingError naming each invalid TIDE_* setting, its value and accepted range.
 
     The library reads its settings once (src/config.rs) and would fail every call with the same
@@ -234,7 +195,7 @@ def ensure_registered(platform: str = "cpu") -> None:
     with _lock:
         if platform in _registered:
             return
-        _check_settings(lib)
+        check_settings(lib)
         suffix = "_cuda" if platform == "CUDA" else "_cpu"
 
         def symbol(name: str):

@@ -49,19 +49,17 @@ reduce-scatter are unrolled around it (`unroll=True`: everything in Python). A s
 are always in one iteration (a handle never crosses a loop boundary); what is carried are finished
 values. Gradients of the stacked shards are written in place into one (L, ...) buffer per leaf: on
 the native backend the reduce-scatter itself writes slice i, the index read on the device
-([Note: reduce-scatter into slices] in `_ops`; TIDE_RS_INTO=0: a separate result, then an update).
-At world size 1 the collectives are local identities (no native call; `_ops`).
+([Note: reduce-scatter into slices] in `_native`; TIDE_RS_INTO=0: a separate result, then an update).
+At world size 1 the collectives are local identities (no native call; `_native`).
 """
 
 from __future__ import annotations
-
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat, _lib, _ops
+from . import _compat, _native, _ops, _settings
 from ._layout import Layout
 
 __all__ = ["scan_layers", "remat_policy", "REMAT_NAMES"]
@@ -333,25 +331,25 @@ class _Group:
 
     def cast_ok(self) -> bool:
         """Whether this group gathers with the casting all-gather ([Note: the casting all-gather] in
-        `_ops`): the native backend (not local), float32 shards, bfloat16 parameters, TIDE_AG_CAST."""
+        `_native`): the native backend (not local), float32 shards, bfloat16 parameters, TIDE_AG_CAST."""
         return (len(set(self.param_dtypes)) == 1
-                and _ops._cast_ok(self.lay, self.shard_dtypes, self.param_dtypes[0], self.backend))
+                and _native.cast_ok(self.lay, self.shard_dtypes, self.param_dtypes[0], self.backend))
 
     def start_gather(self, leaves):
         if self.cast_ok():  # one layer's shards: a stack of one (a free reshape)
-            return _ops._start_cast([x[None] for x in leaves], 0, self.lay, self.backend)
-        cast = [_ops._maybe_cast(s, d) for s, d in zip(leaves, self.param_dtypes)]
-        return _ops._start("all_gather", cast, self.lay, self.backend)
+            return _native.start_cast([x[None] for x in leaves], 0, self.lay, self.backend)
+        cast = [_ops.maybe_cast(s, d) for s, d in zip(leaves, self.param_dtypes)]
+        return _native.start("all_gather", cast, self.lay, self.backend)
 
     def start_gather_at(self, stacked, i):
         """`start_gather` of layer `i` of the stacked shards: the casting all-gather reads the slice
         in place (no fp32 slice is cut out of the stack)."""
         if self.cast_ok():
-            return _ops._start_cast(list(stacked), i, self.lay, self.backend)
+            return _native.start_cast(list(stacked), i, self.lay, self.backend)
         return self.start_gather([jax.lax.dynamic_index_in_dim(s, i, 0, keepdims=False) for s in stacked])
 
     def done_gather(self, h):
-        outs = _ops._done(h, "all_gather")
+        outs = _native.done(h, "all_gather")
         return [_compat.mark_varying(o, list(r)) if r else o for o, r in zip(outs, self.replica_axes)]
 
     def gather_now(self, leaves):
@@ -361,29 +359,29 @@ class _Group:
         """`urgent`: the step waits on this reduce-scatter next (the backward's last ones): its sums
         take the whole GPU, as nothing runs beside them (src/call.rs `CallInfo::urgent`)."""
         dp = jax.tree_util.tree_leaves(dp)
-        dp = [_ops._widened(_compat.mark_varying(t, c) if c else t) for t, c in zip(dp, self.ct_axes)]
-        return _ops._start("reduce_scatter", list(dp), self.lay, self.backend, urgent)
+        dp = [_native.widened(_compat.mark_varying(t, c) if c else t) for t, c in zip(dp, self.ct_axes)]
+        return _native.start("reduce_scatter", list(dp), self.lay, self.backend, urgent)
 
     def into_ok(self) -> bool:
         """Whether this group's layer gradients can be reduce-scattered straight into their slice of
-        the (L, ...) gradient buffers ([Note: reduce-scatter into slices] in `_ops`): the native
+        the (L, ...) gradient buffers ([Note: reduce-scatter into slices] in `_native`): the native
         backend at world size > 1 (or with TIDE_WORLD1_NATIVE=1), float32 shards, no replica axes
         (HSDP's psum follows the reduce-scatter), and TIDE_RS_INTO not 0."""
-        return (_rs_into_enabled() and self.backend == "tide" and not _ops._is_local(self.lay, "reduce_scatter")
+        return (_rs_into_enabled() and self.backend == "tide" and not _native.is_local(self.lay, "reduce_scatter")
                 and all(d == np.dtype(np.float32) for d in self.shard_dtypes)
                 and not any(self.replica_axes))
 
     def start_scatter_into(self, dp, gbuf, index, urgent: bool = False):
         dp = jax.tree_util.tree_leaves(dp)
-        dp = [_ops._widened(_compat.mark_varying(t, c) if c else t) for t, c in zip(dp, self.ct_axes)]
-        return _ops._start_into(list(dp), list(gbuf), index, self.lay, self.backend, urgent)
+        dp = [_native.widened(_compat.mark_varying(t, c) if c else t) for t, c in zip(dp, self.ct_axes)]
+        return _native.start_into(list(dp), list(gbuf), index, self.lay, self.backend, urgent)
 
     def done_scatter_into(self, h):
-        outs = _ops._done_into(h)
+        outs = _native.done_into(h)
         return [_compat.mark_varying(o, sorted(v)) if v else o for o, v in zip(outs, self.shard_vma)]
 
     def done_scatter(self, h):
-        outs = _ops._done(h, "reduce_scatter")
+        outs = _native.done(h, "reduce_scatter")
         outs = [jax.lax.psum(o, r) if r else o for o, r in zip(outs, self.replica_axes)]
         outs = [o if o.dtype == d else o.astype(d) for o, d in zip(outs, self.shard_dtypes)]
         return [_compat.mark_varying(o, sorted(v)) if v else o for o, v in zip(outs, self.shard_vma)]
@@ -407,26 +405,21 @@ def _scan_unroll(platform: str = "cpu") -> int:
     two layers per iteration it starts both layers' gathers together: an 8-layer stack held 4
     gathered layers, its temp memory with reshard_after_forward 0.50x of without (one per iteration:
     0.25-0.28x; issue #39), hence 1 there: no copy to save on CPU devices worth that."""
-    value = os.environ.get("TIDE_SCAN_UNROLL", "").strip()
-    if not value:
-        return 2 if str(platform).lower() in ("cuda", "gpu", "rocm") else 1
-    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= 64:
-        raise _lib.SettingError(f"tide: TIDE_SCAN_UNROLL={value!r}: expected an integer in [1, 64]")
-    return int(value)
+    return _settings.scan_unroll(platform)
 
 
 def _rs_urgent_enabled() -> bool:
     """TIDE_RS_URGENT (default on): the backward's last reduce-scatters (layer 0's and the
     prologue's, which the update waits on) are urgent, their sums taking the whole GPU; 0 sums them
     as every other (the A/B switch)."""
-    return _lib.env_flag("TIDE_RS_URGENT")
+    return _settings.rs_urgent()
 
 
 def _rs_into_enabled() -> bool:
     """TIDE_RS_INTO (default on): scan_layers reduce-scatters layer gradients into their slice of the
     gradient buffers in place; 0 restores a separate fp32 result and an update (the A/B switch of
     bench/train_bench.py)."""
-    return _lib.env_flag("TIDE_RS_INTO")
+    return _settings.rs_into()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -480,8 +473,8 @@ def _end(spec, what: str, op_name: str):
         return spec, [], None
     if isinstance(spec, (tuple, list)) and len(spec) == 3 and callable(spec[0]) and isinstance(spec[2], Layout):
         fn, shards, lay = spec
-        _ops._check_context(lay, f"scan_layers {what}")
-        leaves = _ops._check_shards(shards, lay, f"scan_layers {what}")
+        _native.check_context(lay, f"scan_layers {what}")
+        leaves = _ops.check_shards(shards, lay, f"scan_layers {what}")
         return fn, leaves, lay
     raise TypeError(
         f"tide: scan_layers: {what} must be a function or a tuple (fn, shards, layout), got "
@@ -527,7 +520,7 @@ def scan_layers(layer_fn, carry, shards, lay: Layout, *, xs=None, prefetch: int 
     the layers, scheduled with them (module docstring). `unroll`: a Python loop instead of
     `lax.scan`. Memory of each combination: module docstring and README "The layer loop".
     """
-    _ops._check_context(lay, "scan_layers")
+    _native.check_context(lay, "scan_layers")
     if not isinstance(prefetch, (int, np.integer)) or isinstance(prefetch, bool) or prefetch < 0:
         raise ValueError(f"tide: scan_layers: prefetch must be an int >= 0, got {prefetch!r}")
     if not isinstance(reshard_after_forward, (bool, np.bool_)):
@@ -536,7 +529,7 @@ def scan_layers(layer_fn, carry, shards, lay: Layout, *, xs=None, prefetch: int 
     leaves, num = _check_stacked(shards, lay)
     if xs is not None:
         _check_xs(xs, num)
-    backend = _ops._chosen(backend)
+    backend = _native.chosen(backend)
     pro = _end(prologue, "prologue", "prologue")
     epi = _end(epilogue, "epilogue", "epilogue")
     loop = _Loop(layer_fn, lay, leaves, num, xs is not None, prefetch, remat, bool(reshard_after_forward),
@@ -552,7 +545,7 @@ class _Loop:
         self.lay, self.num, self.has_xs = lay, num, has_xs
         # Nothing moves when the collectives are local (world size 1): no prefetch, no ordering,
         # which would only keep buffers alive and constrain XLA's fusion.
-        self.local = backend == "tide" and _ops._is_local(lay)
+        self.local = backend == "tide" and _native.is_local(lay)
         self.k = 0 if self.local else min(int(prefetch), num)
         self.reshard, self.unroll, self.backend = reshard, unroll, backend
         self.layer = _Group(lay, leaves, dtype, backend, "layers")

@@ -41,7 +41,7 @@ import numpy as np
 from . import _compat
 from . import _layout
 from . import _linear
-from . import _ops
+from . import _native
 from . import reference
 from ._dropin import tide_dropin_p
 
@@ -91,7 +91,7 @@ def _dim(d, ndim: int, name: str, arg: str, fn: str) -> int:
 
 
 def _check_bytes(leaf, name: str, fn: str):
-    bits = _layout._bits(np.dtype(leaf.dtype))
+    bits = _layout.dtype_bits(np.dtype(leaf.dtype))
     if bits < 8:
         raise TypeError(f"tide: tide_jax.lax.{fn}: leaf {name} has dtype {np.dtype(leaf.dtype).name} of {bits} "
                         "bits; tide moves whole bytes per element")
@@ -108,14 +108,13 @@ def _native_or_local(op: str, leaves: list, dims: list, axes: tuple, world: int,
             shape = list(x.shape)
             shape[dims[i]] = shape[dims[i]] * world if op == "all_gather" else shape[dims[i]] // world
             outs[i] = jnp.zeros(shape, x.dtype if op == "all_gather" else jnp.float32)
-    local = world == 1 and not (_ops._world1_native is True or
-                                (isinstance(_ops._world1_native, frozenset) and op in _ops._world1_native))
+    local = _native.is_local_at(world, op)
     if idx and local:
         for i in idx:
             outs[i] = leaves[i] if op == "all_gather" else leaves[i].astype(jnp.float32)
     elif idx:
         got = tide_dropin_p.bind(*[leaves[i] for i in idx], op=op, axes=axes, along=tuple(dims[i] for i in idx),
-                                 world=world, site=_ops._new_site(), names=tuple(names[i] for i in idx),
+                                 world=world, site=_native.new_site(), names=tuple(names[i] for i in idx),
                                  invariant=invariant)
         for i, o in zip(idx, got):
             outs[i] = o
@@ -148,7 +147,7 @@ def _gather_leaves(leaves: list, dims: list, axes: tuple, world: int, names: lis
         if not idx:
             return res
         if varying:
-            sums = _scatter_leaves([_ops._widened(cts[i]) for i in idx], [dims[i] for i in idx], axes, world,
+            sums = _scatter_leaves([_native.widened(cts[i]) for i in idx], [dims[i] for i in idx], axes, world,
                                    [names[i] for i in idx])
             for i, s in zip(idx, sums):
                 res[i] = s.astype(leaves[i].dtype)
@@ -219,7 +218,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
             dims.append(_dim(axis, leaf.ndim + 1, name, "axis", fn))
     if not tiled:  # stack: a new dimension of size 1 at `axis`, gathered tiled
         leaves = [jnp.expand_dims(x, d) for x, d in zip(leaves, dims)]
-    if _ops._chosen(None) == "jax":
+    if _native.chosen(None) == "jax":
         outs = [reference.lax_all_gather(x, axes, axis=d, to=to) for x, d in zip(leaves, dims)]
     else:
         outs = _gather_leaves(leaves, dims, axes, world, names, to)
@@ -252,7 +251,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
                              f"got {size}")
         dims.append(d)
         out_dtypes.append(np.dtype(dtype) if dtype is not None else np.dtype(leaf.dtype))
-    if _ops._chosen(None) == "jax":
+    if _native.chosen(None) == "jax":
         sums = [reference.lax_psum_scatter(x, axes, scatter_dimension=d) for x, d in zip(leaves, dims)]
     else:
         sums = _scatter_leaves(leaves, dims, axes, world, names)

@@ -1,5 +1,5 @@
 """The casting all-gather: fp32 shards in, bf16 parameters out (issue #22: no bf16 shard held
-between start and done, no own-shard copy; [Note: the casting all-gather] in tide_jax/_ops.py).
+between start and done, no own-shard copy; [Note: the casting all-gather] in tide_jax/_native.py).
 
 `_start_cast(stacked, index)` + `all_gather_done` must equal
 `all_gather([s[index].astype(bfloat16) for s in stacked])` bitwise (XLA's convert, then the gather)
@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import tide_jax
-from tide_jax import _ops
+from tide_jax import _native, _ops
 from conftest import make_mesh
 
 AXIS = "fsdp"
@@ -55,9 +55,9 @@ def _same(a, b) -> bool:
 
 @pytest.fixture
 def world1_native():
-    previous, _ops._world1_native = _ops._world1_native, True
+    previous, _native._world1_native = _native._world1_native, True
     yield
-    _ops._world1_native = previous
+    _native._world1_native = previous
 
 
 def _check(world, seed, num=4, mesh=None, backend="tide", expect_native=True):
@@ -70,7 +70,7 @@ def _check(world, seed, num=4, mesh=None, backend="tide", expect_native=True):
 
     def body(index, stacks):
         s = [t[0] for t in stacks]
-        h = _ops._start_cast(s, index, lay, backend)
+        h = _native.start_cast(s, index, lay, backend)
         got = jax.tree_util.tree_leaves(_ops.all_gather_done(h))
         shards = [jax.lax.dynamic_index_in_dim(t, index, 0, keepdims=False).astype(jnp.bfloat16) for t in s]
         want = jax.tree_util.tree_leaves(
@@ -120,7 +120,7 @@ def test_cast_gather_refuses_a_wrong_operand():
     lay = tide_jax.layout({"w": np.zeros((5, 3), np.float32)}, mesh, AXIS)
 
     def body(s):
-        h = _ops._start_cast([s[0]], 0, lay, "tide")
+        h = _native.start_cast([s[0]], 0, lay, "tide")
         return _ops.all_gather_done(h)["w"][None]
 
     f = jax.jit(tide_jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
@@ -136,7 +136,7 @@ def test_cast_gather_native_refusals_name_the_parameter():
     call = jax.ffi.ffi_call("tide_all_gather_cast_start", [jax.ShapeDtypeStruct((5, 3), jnp.bfloat16)])
 
     def body(s):
-        return call(s[0], jnp.int32(0), **_ops._attrs(lay, _ops._new_site()))[0][None]
+        return call(s[0], jnp.int32(0), **_native.call_attrs(lay, _native.new_site()))[0][None]
 
     f = jax.jit(tide_jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
     with pytest.raises(Exception, match=r"all_gather_cast.*rank \d.*param 0 .*'w'.*float32\[2, 3, 3\]"):

@@ -260,7 +260,7 @@ def test_library_is_present():
 def test_native_error_surfaces_naming_the_parameter(tide_backend):
     """Bypassing tide_jax's checks: the library itself rejects a call that contradicts the layout, and
     the error reaches Python as an exception naming the parameter, without killing the process."""
-    from tide_jax import _lib, _ops
+    from tide_jax import _lib, _native
 
     mesh = make_mesh((8,), (AXIS,))
     params = {"w": np.ones((9, 5), np.float32)}  # shard_rows = 2
@@ -270,7 +270,7 @@ def test_native_error_surfaces_naming_the_parameter(tide_backend):
     def bad_call(s):
         # a (1, 5) operand where the layout over 8 ranks wants (2, 5)
         out = jax.ffi.ffi_call("tide_all_gather", [jax.ShapeDtypeStruct((9, 5), jnp.float32)])(
-            s["w"][:1], **_ops._attrs(lay, _ops._new_site())
+            s["w"][:1], **_native.call_attrs(lay, _native.new_site())
         )
         return out[0][None]
 
@@ -285,10 +285,10 @@ def test_native_error_surfaces_naming_the_parameter(tide_backend):
 # ----- issue #8: attributes any caller of jax.ffi.ffi_call can pass, and settings -----
 def _direct_call(lay, **override):
     """A tide_all_gather through jax.ffi.ffi_call with tide_jax's attributes, some replaced."""
-    from tide_jax import _lib, _ops
+    from tide_jax import _lib, _native
 
     _lib.ensure_registered("cpu")
-    attrs = dict(_ops._attrs(lay, _ops._new_site()), **override)
+    attrs = dict(_native.call_attrs(lay, _native.new_site()), **override)
 
     def f(s):
         out = jax.ffi.ffi_call("tide_all_gather", [jax.ShapeDtypeStruct((9, 5), jnp.float32)])(s["w"], **attrs)

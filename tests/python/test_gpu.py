@@ -428,11 +428,11 @@ def test_compiled_layer_loop_orders_start_compute_done():
 def _native_at_world_1():
     """At world size 1 tide_jax makes the collectives local (no native call); these tests run on one
     GPU too, so they ask for the native calls (TIDE_WORLD1_NATIVE) to test them through XLA:GPU."""
-    from tide_jax import _ops
+    from tide_jax import _native
 
-    previous, _ops._world1_native = _ops._world1_native, True
+    previous, _native._world1_native = _native._world1_native, True
     yield
-    _ops._world1_native = previous
+    _native._world1_native = previous
 
 
 def _edge_model(devs, seed, tied):
@@ -543,10 +543,10 @@ def test_all_gather_cast_on_gpus(n, rng, monkeypatch):
     from jax.sharding import Mesh
 
     import test_ag_cast as T
-    from tide_jax import _ops
+    from tide_jax import _native
 
     if n == 1:
-        monkeypatch.setattr(_ops, "_world1_native", True)
+        monkeypatch.setattr(_native, "_world1_native", True)
     mesh = Mesh(np.array(_need(n)), (AXIS,))
     T.check_cast_gather(mesh, seed=int(rng.integers(1 << 30)))
     T.check_loop_same_bits(monkeypatch, n, 4, "dots", True, mesh=mesh)

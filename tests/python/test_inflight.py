@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tide_jax
-from tide_jax import _inflight, _ops
+from tide_jax import _inflight, _native, _ops
 from conftest import make_mesh
 
 AXIS = "fsdp"
@@ -48,7 +48,7 @@ def _fresh_lanes():
 
 @pytest.fixture
 def world1_native(monkeypatch):
-    monkeypatch.setattr(_ops, "_world1_native", True)
+    monkeypatch.setattr(_native, "_world1_native", True)
 
 
 def _exact(rng, shape):
@@ -232,7 +232,7 @@ def test_hand_written_loops_equal_the_jax_backend(world, loop, pattern, monkeypa
     """Each loop, its starts laned (K = 4: 3 lanes per op), equals the jax backend bitwise; at world
     1 the calls are native (TIDE_WORLD1_NATIVE), so the lanes and ties are in the program there too."""
     if world == 1:
-        monkeypatch.setattr(_ops, "_world1_native", True)
+        monkeypatch.setattr(_native, "_world1_native", True)
     check_loop(pattern, loop, world, seed=100 * world + len(pattern) + len(loop))
 
 

@@ -91,11 +91,11 @@ def worker(out_dir: str, die: int | None, hsdp: int = 0) -> None:
         gr = {k: v.reshape(params[k].shape) for k, v in gr.items()}
         rs = tide_jax.reduce_scatter(gr, lay)
         # the reduce-scatter into slice 1 of 3 (scan_layers' gradient buffers; issue #22)
-        from tide_jax import _ops
+        from tide_jax import _native, _ops
 
         bufs = [jnp.zeros((3, *p.shard_shape), jnp.float32) for p in lay.params]
-        h = _ops._start_into(_ops._check_grads(gr, lay, "test"), bufs, 1, lay, "tide")
-        into = jax.tree_util.tree_unflatten(lay.treedef, _ops._done_into(h))
+        h = _native.start_into(_ops.check_grads(gr, lay, "test"), bufs, 1, lay, "tide")
+        into = jax.tree_util.tree_unflatten(lay.treedef, _native.done_into(h))
         into_rs = {k: v[1] for k, v in into.items()}
         others = {k: (jnp.abs(v[0]).max() + jnp.abs(v[2]).max())[None] for k, v in into.items()}
         stacked = lambda t: {k: v[None] for k, v in t.items()}  # noqa: E731  one copy per rank
@@ -103,7 +103,7 @@ def worker(out_dir: str, die: int | None, hsdp: int = 0) -> None:
         # bitwise XLA's convert, then the gather
         f32 = {k: v.astype(jnp.float32) for k, v in sh.items()}
         stacks = [jnp.stack([x * 3, x, x * 5]) for x in jax.tree_util.tree_leaves(f32)]
-        cast = _ops.all_gather_done(_ops._start_cast(stacks, 1, lay, "tide"))
+        cast = _ops.all_gather_done(_native.start_cast(stacks, 1, lay, "tide"))
         cast_ref = {}
         for p in lay.params:
             k = p.path.strip("[]'")

@@ -291,13 +291,13 @@ def test_start_done_misuse_raises_at_once():
         tide_jax.all_gather_done({"a": 1})
 
     # done without its start, called through jax.ffi directly: a clear error, no hang.
-    from tide_jax import _ops
+    from tide_jax import _native
 
     def orphan_done(s):
         x = s["a"] + 1.0
         full = jnp.zeros((4, 3), jnp.float32) + x.sum()
         return jax.ffi.ffi_call("tide_all_gather_done", [jax.ShapeDtypeStruct((4, 3), jnp.float32)],
-                                input_output_aliases={0: 0})(full, x, **_ops._attrs(lay, 999_999))[0][None]
+                                input_output_aliases={0: 0})(full, x, **_native.call_attrs(lay, 999_999))[0][None]
 
     from tide_jax import _lib
 

@@ -1,5 +1,5 @@
 """The reduce-scatter into slices of larger buffers (issue #22: no fp32 result in flight, no copy
-into the gradient buffer; [Note: reduce-scatter into slices] in tide_jax/_ops.py).
+into the gradient buffer; [Note: reduce-scatter into slices] in tide_jax/_native.py).
 
 `_start_into(grads, bufs, index)` + `_done_into` must equal
 `dynamic_update_index_in_dim(bufs[i], reduce_scatter(grads)[i], index, 0)` bitwise for every index
@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tide_jax
-from tide_jax import _ops
+from tide_jax import _native, _ops
 from conftest import make_mesh
 
 AXIS = "fsdp"
@@ -33,9 +33,9 @@ def _params(rng):
 
 @pytest.fixture
 def world1_native():
-    previous, _ops._world1_native = _ops._world1_native, True
+    previous, _native._world1_native = _native._world1_native, True
     yield
-    _ops._world1_native = previous
+    _native._world1_native = previous
 
 
 def _check(world, dtype, seed, num=4, mesh=None, backend="tide"):
@@ -51,8 +51,8 @@ def _check(world, dtype, seed, num=4, mesh=None, backend="tide"):
     def body(index, grads, bufs):
         g = jax.tree.map(lambda t: t[0], grads)
         b = [t[0] for t in bufs]
-        h = _ops._start_into(_ops._check_grads(g, lay, "test"), b, index, lay, backend)
-        got = _ops._done_into(h)
+        h = _native.start_into(_ops.check_grads(g, lay, "test"), b, index, lay, backend)
+        got = _native.done_into(h)
         shards = jax.tree_util.tree_leaves(tide_jax.reduce_scatter(g, lay, backend="jax"))
         want = [jax.lax.dynamic_update_index_in_dim(t, s, index, 0) for t, s in zip(b, shards)]
         return [t[None] for t in got], [t[None] for t in want]
@@ -98,8 +98,8 @@ def test_into_slices_refuses_a_wrong_buffer():
     lay = tide_jax.layout({"w": np.zeros((5, 3), np.float32)}, mesh, AXIS)
 
     def body(g, b):
-        h = _ops._start_into([g[0]], [b[0]], 0, lay, "tide")
-        return _ops._done_into(h)[0][None]
+        h = _native.start_into([g[0]], [b[0]], 0, lay, "tide")
+        return _native.done_into(h)[0][None]
 
     f = jax.jit(tide_jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS)))
     with pytest.raises(ValueError, match=r"'w'.*float32\[L, 3, 3\]"):

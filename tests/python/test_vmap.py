@@ -2,7 +2,7 @@
 
 The use that motivated it: a per-example forward (Equinox style, `jax.vmap(model)(xs)`) whose
 layers run through `scan_layers`: its gradient vmaps the custom VJP, and with it the start/done
-calls ([Note: start/done under vmap] in tide_jax/_ops.py). On 3 CPU devices (native calls), odd shapes.
+calls ([Note: start/done under vmap] in tide_jax/_native.py). On 3 CPU devices (native calls), odd shapes.
 """
 
 from __future__ import annotations
