@@ -102,7 +102,7 @@ def main() -> int:
 
     import llama
     import tide_jax
-    from tide_jax import _ops
+    from tide_jax import _native
 
     devices = jax.devices()[: args.devices]
     mesh = Mesh(np.array(devices), (llama.AXIS,))
@@ -120,7 +120,7 @@ def main() -> int:
     print(f"model {args.model}: {cfg.n_params() / 1e6:.0f}M params, {cfg.layers} layers, d {cfg.d_model}, vocab {cfg.vocab}; "
           f"remat {args.remat}, reshard {args.reshard}; {len(devices)} x {devices[0].device_kind}")
     for run in args.runs.split(","):
-        _ops._world1_native = run.startswith("tide-native")
+        _native._world1_native = run.startswith("tide-native")
         os.environ["TIDE_RS_INTO"] = "0" if run == "tide-native-nointo" else "1"
         os.environ["TIDE_AG_CAST"] = "0" if run == "tide-native-nocast" else "1"
         os.environ["TIDE_SCAN_UNROLL"] = "1" if run == "tide-native-unroll1" else "2"
