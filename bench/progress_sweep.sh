@@ -8,7 +8,10 @@
 #    (bench/victim_shapes.py): grid, block, registers, shared memory, waves per SM, the occupancy
 #    limits, so a persistent grid (about one CTA per SM, one wave) shows as such. OUT/victims.csv.
 # 2. bench/progress.py --ops rs under each SWEEP setting (a line "name VAR=V ..."), REPS rounds
-#    (default 7): OUT/progress-<name>.txt and .json.
+#    (default 7): OUT/progress-<name>.txt and .json. SWEEP_PROGRESS=0 skips it.
+# 3. With SWEEP_ENGINE_MODES (e.g. "engine progress"): .carry/interference in each mode under the same
+#    setting, rows filtered by TIDE_BENCH_ROWS as set (issue #22's bars: `engine`; the engine-level
+#    half of issue #38: `progress`): OUT/<mode>-<name>.txt.
 # The wheel in .carry/ is installed as scripts/gpu run does (--target $TIDE_SITE on PYTHONPATH).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -50,6 +53,15 @@ for (i, name), m in rows.items():
 PY
 fi
 
+LIBS=$("$PY" - <<'PY' 2>/dev/null
+import glob, os, site
+dirs = []
+for root in site.getsitepackages():
+    dirs += sorted(d for d in glob.glob(os.path.join(root, "nvidia", "*", "lib")) if glob.glob(os.path.join(d, "libcublas*.so*")))
+print(":".join(dirs))
+PY
+)
+
 SWEEP=${SWEEP:-"default TIDE_HIGH_PRIORITY=0
 hp TIDE_HIGH_PRIORITY=1
 hp-8ctas TIDE_HIGH_PRIORITY=1 TIDE_RS_MAX_CTAS=8
@@ -60,9 +72,17 @@ hp-fulllong TIDE_HIGH_PRIORITY=1 TIDE_RS_MAX_CTAS=132 TIDE_RS_CTA_BYTES=0"}
 while read -r name settings; do
     [ -n "$name" ] || continue
     mkdir -p "$OUT/$name"
+    for mode in ${SWEEP_ENGINE_MODES:-}; do
+        # shellcheck disable=SC2086
+        timeout 300 env LD_LIBRARY_PATH="$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" $settings \
+            TIDE_BENCH_OUT="$OUT/$name/interference-$mode.json" .carry/interference "$mode" >"$OUT/$mode-$name.txt" 2>&1 </dev/null
+        echo "progress_sweep: $name ($settings) interference $mode rc $?"
+        grep -E "^(RS|AG|progress|kernel|engine:|NOTE)" "$OUT/$mode-$name.txt" | cut -c1-400 | head -40
+    done
+    [ "${SWEEP_PROGRESS:-1}" = 1 ] || continue
     # shellcheck disable=SC2086
     timeout 300 env JAX_PLATFORMS=cuda TIDE_WORLD1_NATIVE=1 REPS="${REPS:-7}" $settings \
-        "$PY" bench/progress.py --ops "${SWEEP_OPS:-rs}" ${SWEEP_ARGS:-} --out "$OUT/$name" >"$OUT/progress-$name.txt" 2>&1
+        "$PY" bench/progress.py --ops "${SWEEP_OPS:-rs}" ${SWEEP_ARGS:-} --out "$OUT/$name" >"$OUT/progress-$name.txt" 2>&1 </dev/null
     echo "progress_sweep: $name ($settings) rc $?"
     grep -E "^progress: [a-z_0-9]+ +(rs|ag) \||alone|rror" "$OUT/progress-$name.txt" |
         sed -E 's/ \| TIDE_HIGH.*//; s/^progress: //' | head -12
