@@ -484,3 +484,22 @@ extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
 probe_stk8(float* dst, const void* a, u64 stride, u64 n, u64* trace, u64 base, int pdl, u64 reps) {
     probe_stk<8, 2>(dst, a, stride, n, trace, base, pdl, reps);
 }
+
+// ----- progress mode: a persistent full-SM victim -----
+
+// One CTA per SM that holds the SM alone for `ns` nanoseconds from its start, as cuDNN's flash
+// attention does on H100 (ncu: grid 132, 384 threads, 168 registers, 232448 B dynamic shared
+// memory): the host gives it the device's opt-in maximum of dynamic shared memory, which with the
+// 1 KiB the hardware reserves per CTA fills the SM, so no CTA of any other kernel starts there
+// until it ends. It only spins (no memory traffic): what it measures is residency, not bandwidth.
+// out[b] is written only if the spin's counter equals `never` (never), so nothing is removed.
+extern "C" __global__ void __launch_bounds__(384, 1)
+probe_fullsm(unsigned* out, u64 ns, unsigned never) {
+    extern __shared__ unsigned probe_fullsm_smem[];
+    const u64 t0 = probe_now();
+    unsigned spins = 0;
+    while (probe_now() - t0 < ns) ++spins;
+    probe_fullsm_smem[threadIdx.x] = spins;
+    __syncthreads();
+    if (probe_fullsm_smem[(threadIdx.x + 1) % blockDim.x] == never && out) out[blockIdx.x] = spins;
+}
