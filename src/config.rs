@@ -75,12 +75,28 @@ pub struct Config {
     /// On: 1.2-1.6x faster all-gathers on 2 H200s (bench/results/2026-11-30-cuda-bench.md); the engine
     /// falls back to single copies where the driver lacks the symbol.
     pub copy_batch: bool,
-    /// TIDE_COPY2D (default 1; a flag as TIDE_MULTICAST): when on, the in-process CUDA engine
-    /// issues a 2-D copy of a plan (a parameter sharded along a dimension other than its first:
-    /// each peer's rows landing in the gathered result, a strided gradient slice staged) as
-    /// cuMemcpy2DAsync on the copy engines; 0 = as its blocks, one 1-D copy each (`Plan::flattened`,
-    /// batched), as before. The multi-process path always runs the 1-D copies.
-    pub copy2d: bool,
+    /// TIDE_COPY2D (default `1`; one of `0`, `1`, `batch`, `bands`, `batch-bands`; `0` and `1`
+    /// also as false/true, off/on, no/yes, and `flat` / `2d`): how the in-process CUDA engine lands
+    /// a plan's 2-D copies (a parameter sharded along a dimension other than its first: each peer's
+    /// rows landing in the gathered result, a strided gradient slice staged; `Copy2d`). Every value
+    /// but `0` keeps them 2-D copies on the copy engines (never an SM kernel); they differ only in
+    /// how the copies of one stream are handed to the driver (`cuda::copy2d`):
+    /// `1` = one cuMemcpy2DAsync per piece of at most TIDE_CE_PIECE_BYTES, issued as it comes;
+    /// `batch` = a stream's consecutive independent pieces as one cuMemcpy3DBatchAsync_v2 of 2-D
+    /// (depth 1) operations (CUDA 12.8+ drivers; where the driver lacks it, `1`, logged once);
+    /// `bands` = those pieces cut into row bands of about TIDE_COPY2D_BAND_BYTES, issued band-major
+    /// (band b of every piece, then band b + 1), one cuMemcpy2DAsync each, so the copies in flight
+    /// write neighbouring rows of the result; `batch-bands` = the bands, band-major, as one
+    /// cuMemcpy3DBatchAsync_v2 (where the driver lacks it, `bands`, logged once);
+    /// `0` = as its blocks, one 1-D copy each (`Plan::flattened`, batched), as before 2-D copies.
+    /// Issue #37 measures them (tests/cuda_engine.rs `strided_gather_variants`). The multi-process
+    /// path always runs the 1-D copies.
+    pub copy2d: Copy2d,
+    /// TIDE_COPY2D_BAND_BYTES (default 2097152; an integer in [1, 2^32]): bytes of one band of a
+    /// 2-D copy under TIDE_COPY2D=bands / batch-bands: each band is `max(1, this / row bytes)` rows
+    /// of its piece (the last band shorter). Smaller: more copies in flight on neighbouring rows,
+    /// and more driver operations (one call each under `bands`).
+    pub copy2d_band_bytes: usize,
     /// TIDE_CE_PIECE_BYTES (default 33554432; an integer in [4096, 2^32]): the largest piece of a
     /// copy-engine batch: each batch's copies go in pieces of at most this many bytes, and at least
     /// two pieces (`cuda::fuse::ce_pieces`). One H200 copies a 256 MiB piece on the same device with
@@ -138,6 +154,64 @@ impl std::str::FromStr for LocalCopy {
         }
     }
 }
+
+/// How the in-process CUDA engine lands a plan's 2-D copies (TIDE_COPY2D; the `Config::copy2d`
+/// field says what each does).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Copy2d {
+    /// `0`: the plan flattened into 1-D copies, one per block (`Plan::flattened`).
+    Flat,
+    /// `1` (default): one cuMemcpy2DAsync per piece.
+    PerPiece,
+    /// `batch`: a stream's pieces as one cuMemcpy3DBatchAsync_v2.
+    Batch,
+    /// `bands`: pieces cut into row bands issued band-major, one cuMemcpy2DAsync each.
+    Bands,
+    /// `batch-bands`: the bands, band-major, as one cuMemcpy3DBatchAsync_v2.
+    BatchBands,
+}
+
+impl Copy2d {
+    /// Whether the plan keeps its 2-D copies (every value but `0`).
+    pub fn keeps_2d(self) -> bool {
+        self != Copy2d::Flat
+    }
+    /// Whether pieces are cut into row bands.
+    pub fn banded(self) -> bool {
+        matches!(self, Copy2d::Bands | Copy2d::BatchBands)
+    }
+    /// Whether a stream's pieces go as one cuMemcpy3DBatchAsync_v2.
+    pub fn batched(self) -> bool {
+        matches!(self, Copy2d::Batch | Copy2d::BatchBands)
+    }
+    /// The value of TIDE_COPY2D that selects it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Copy2d::Flat => "0",
+            Copy2d::PerPiece => "1",
+            Copy2d::Batch => "batch",
+            Copy2d::Bands => "bands",
+            Copy2d::BatchBands => "batch-bands",
+        }
+    }
+}
+
+impl std::str::FromStr for Copy2d {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Copy2d, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "0" | "false" | "off" | "no" | "flat" => Ok(Copy2d::Flat),
+            "1" | "true" | "on" | "yes" | "2d" => Ok(Copy2d::PerPiece),
+            "batch" => Ok(Copy2d::Batch),
+            "bands" => Ok(Copy2d::Bands),
+            "batch-bands" => Ok(Copy2d::BatchBands),
+            other => Err(format!("{other:?}: expected {COPY2D_ACCEPTED}")),
+        }
+    }
+}
+
+/// What TIDE_COPY2D accepts.
+pub const COPY2D_ACCEPTED: &str = "0 (flat), 1 (2d), batch, bands or batch-bands (0 and 1 also as false/true, off/on, no/yes)";
 
 /// A setting whose value tide cannot use: the variable, the value (at most 64 characters of it)
 /// and what the variable accepts.
@@ -309,7 +383,8 @@ impl Config {
             rs_copy_streams: r.int("TIDE_RS_COPY_STREAMS", 1, 1, 16) as usize,
             local_copy: r.choice("TIDE_LOCAL_COPY", LocalCopy::CopyEnginePeers, "ce, ce-peers or sm"),
             copy_batch: r.flag("TIDE_COPY_BATCH", true),
-            copy2d: r.flag("TIDE_COPY2D", true),
+            copy2d: r.choice("TIDE_COPY2D", Copy2d::PerPiece, COPY2D_ACCEPTED),
+            copy2d_band_bytes: r.int("TIDE_COPY2D_BAND_BYTES", 2 << 20, 1, 1 << 32) as usize,
             high_priority: r.flag("TIDE_HIGH_PRIORITY", false),
             ce_piece_bytes: r.int("TIDE_CE_PIECE_BYTES", 32 << 20, 4096, 1 << 32) as usize,
             max_in_flight: r.int("TIDE_MAX_IN_FLIGHT", 4, 1, 16) as usize,
@@ -485,7 +560,9 @@ mod tests {
             ("TIDE_RS_COPY_STREAMS", "1.5", "[1, 16]"),
             ("TIDE_MULTICAST", "2", "0 or 1"),
             ("TIDE_COPY_BATCH", "maybe", "0 or 1"),
-            ("TIDE_COPY2D", "2d", "0 or 1"),
+            ("TIDE_COPY2D", "2", "0 (flat), 1 (2d), batch, bands or batch-bands"),
+            ("TIDE_COPY2D", "band", "0 (flat), 1 (2d), batch, bands or batch-bands"),
+            ("TIDE_COPY2D_BAND_BYTES", "0", "[1, 4294967296]"),
             ("TIDE_LOCAL_COPY", "dma", "ce, ce-peers or sm"),
             ("TIDE_RS_KERNEL", "fast", "TIDE_RS_KERNEL was removed"),
             ("TIDE_RS_KERNEL", "bulk", "TIDE_RS_KERNEL was removed"),
@@ -501,6 +578,24 @@ mod tests {
         for (v, want) in [("ce", LocalCopy::CopyEngine), ("CE-Peers", LocalCopy::CopyEnginePeers), ("sm", LocalCopy::Sm)] {
             assert_eq!(parse_one("TIDE_LOCAL_COPY", v).unwrap().local_copy, want);
         }
+        for (v, want) in [
+            ("0", Copy2d::Flat),
+            ("off", Copy2d::Flat),
+            ("flat", Copy2d::Flat),
+            ("1", Copy2d::PerPiece),
+            ("Yes", Copy2d::PerPiece),
+            ("2d", Copy2d::PerPiece),
+            ("batch", Copy2d::Batch),
+            (" Bands ", Copy2d::Bands),
+            ("batch-bands", Copy2d::BatchBands),
+        ] {
+            assert_eq!(parse_one("TIDE_COPY2D", v).unwrap().copy2d, want, "{v}");
+        }
+        for c in [Copy2d::Flat, Copy2d::PerPiece, Copy2d::Batch, Copy2d::Bands, Copy2d::BatchBands] {
+            assert_eq!(c.name().parse::<Copy2d>(), Ok(c), "the name of {c:?} selects it");
+        }
+        assert_eq!(Config::defaults().copy2d, Copy2d::PerPiece);
+        assert_eq!(parse_one("TIDE_COPY2D_BAND_BYTES", "100").unwrap().copy2d_band_bytes, 100);
         // The removed TIDE_RS_KERNEL accepts what always runs now.
         for v in ["st", "ST", " coalesced ", ""] {
             assert_eq!(parse_one("TIDE_RS_KERNEL", v).unwrap(), Config::defaults());

@@ -11,7 +11,7 @@
 //! (`CtxGuard`) for every call that creates, maps or enqueues.
 //!
 //! cudarc panics when libcuda is absent or a symbol is missing, so `init` checks for the library
-//! first, `batch_copy_supported` looks the one optional symbol up, and the engine's entry points
+//! first, `batch_copy_supported` and `batch_copy_3d_supported` look the optional symbols up, and the engine's entry points
 //! also catch panics. Nothing here runs at library load time.
 
 use crate::error::{Result, TideError};
@@ -461,6 +461,86 @@ pub unsafe fn memcpy_batch_async(copies: &[BatchCopy], stream: CUstream, what: i
     )
 }
 
+/// One 2-D copy as `memcpy_2d_async` and `memcpy_3d_batch_async` take it: `rows` rows of `width`
+/// bytes, row j from `src + j * src_pitch` to `dst + j * dst_pitch` (unified addresses), and the
+/// devices holding either end (location hints, as `BatchCopy`'s).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StridedCopy {
+    pub dst: u64,
+    pub dst_pitch: usize,
+    pub src: u64,
+    pub src_pitch: usize,
+    pub width: usize,
+    pub rows: usize,
+    pub dst_dev: i64,
+    pub src_dev: i64,
+}
+
+/// The cuMemcpy3DBatchAsync descriptor of one 2-D copy: both operands pointers
+/// (CU_MEMCPY_OPERAND_TYPE_POINTER) whose `rowLength` is the pitch and `layerHeight` the row count
+/// (in elements, which are bytes for pointer-to-pointer copies), extent `width x rows x 1`, the
+/// source read in stream order, and the copy preferring to overlap with compute (as `BatchCopy`).
+/// Pure (builds the struct, calls nothing).
+pub fn batch_op_2d(c: &StridedCopy) -> sys::CUDA_MEMCPY3D_BATCH_OP {
+    let operand = |ptr: u64, pitch: usize, dev: i64| sys::CUmemcpy3DOperand {
+        type_: sys::CUmemcpy3DOperandType::CU_MEMCPY_OPERAND_TYPE_POINTER,
+        op: sys::CUmemcpy3DOperand_st__bindgen_ty_1 {
+            ptr: sys::CUmemcpy3DOperand_st__bindgen_ty_1__bindgen_ty_1 {
+                ptr,
+                rowLength: pitch,
+                layerHeight: c.rows,
+                locHint: sys::CUmemLocation {
+                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                    id: dev as i32,
+                },
+            },
+        },
+    };
+    // One row: the pitch is never stepped over, but it may not be below the width.
+    let (sp, dp) = if c.rows <= 1 { (c.width, c.width) } else { (c.src_pitch, c.dst_pitch) };
+    sys::CUDA_MEMCPY3D_BATCH_OP {
+        src: operand(c.src, sp, c.src_dev),
+        dst: operand(c.dst, dp, c.dst_dev),
+        extent: sys::CUextent3D { width: c.width, height: c.rows, depth: 1 },
+        srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        flags: sys::CUmemcpyFlags::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32,
+    }
+}
+
+/// The 2-D copies as one `cuMemcpy3DBatchAsync_v2` on `stream` (`batch_op_2d` each; the batch in
+/// stream order, its copies in any order among themselves). Only where
+/// `batch_copy_3d_supported`; no copy may be empty (the driver refuses a zero extent).
+///
+/// # Safety
+/// As `memcpy_2d_async`, for every copy; no copy of the batch writes bytes another reads or writes.
+pub unsafe fn memcpy_3d_batch_async(copies: &[StridedCopy], stream: CUstream, what: impl FnOnce() -> String) -> Result<()> {
+    let mut ops: Vec<sys::CUDA_MEMCPY3D_BATCH_OP> = copies.iter().map(batch_op_2d).collect();
+    // SAFETY: `ops` holds `copies.len()` descriptors, alive across the call (the driver reads them
+    // during it); flags must be 0; ranges per the caller.
+    check(
+        unsafe { sys::cuMemcpy3DBatchAsync_v2(ops.len(), ops.as_mut_ptr(), 0, stream) },
+        "cuMemcpy3DBatchAsync",
+        || format!("{} 2-D copies: {}", copies.len(), what()),
+    )
+}
+
+/// Whether the driver exports cuMemcpy3DBatchAsync_v2 (CUDA 12.8+ drivers): where it does not,
+/// TIDE_COPY2D=batch / batch-bands fall back (`cuda::issue`, logged once) instead of failing
+/// (cudarc's lazy loader would panic on the call).
+pub fn batch_copy_3d_supported() -> bool {
+    static SUPPORTED: OnceLock<bool> = OnceLock::new();
+    *SUPPORTED.get_or_init(|| {
+        init().is_ok()
+            // SAFETY: only looks the symbol up; the library is the one the engine already loaded.
+            && std::panic::catch_unwind(|| unsafe {
+                sys::culib()
+                    .get::<unsafe extern "C" fn()>(b"cuMemcpy3DBatchAsync_v2\0")
+                    .is_ok()
+            })
+            .unwrap_or(false)
+    })
+}
+
 /// Whether the driver exports cuMemcpyBatchAsync_v2 (CUDA 12.8+ drivers); older drivers get one
 /// cuMemcpyAsync per copy instead of failing (cudarc's lazy loader would panic on the call).
 pub fn batch_copy_supported() -> bool {
@@ -835,4 +915,49 @@ pub unsafe fn multicast_bind_mem(
     what: impl FnOnce() -> String,
 ) -> Result<()> {
     check(unsafe { sys::cuMulticastBindMem(handle, 0, mem, 0, size, 0) }, "cuMulticastBindMem", what)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_2d_batch_op_matches_cuda_h() {
+        // CUDA 12.8+ cuda.h: CUmemcpy3DOperand { type (4, padded to 8); union { ptr { CUdeviceptr
+        // ptr; size_t rowLength; size_t layerHeight; CUmemLocation locHint (8) } (32); array } }
+        // = 40 bytes; CUDA_MEMCPY3D_BATCH_OP { src; dst; CUextent3D extent (24);
+        // CUmemcpySrcAccessOrder srcAccessOrder (4); unsigned int flags } = 112 bytes.
+        use std::mem::{offset_of, size_of};
+        assert_eq!(size_of::<sys::CUmemcpy3DOperand>(), 40);
+        assert_eq!(offset_of!(sys::CUmemcpy3DOperand, op), 8);
+        assert_eq!(size_of::<sys::CUDA_MEMCPY3D_BATCH_OP>(), 112);
+        assert_eq!(offset_of!(sys::CUDA_MEMCPY3D_BATCH_OP, dst), 40);
+        assert_eq!(offset_of!(sys::CUDA_MEMCPY3D_BATCH_OP, extent), 80);
+        assert_eq!(offset_of!(sys::CUDA_MEMCPY3D_BATCH_OP, srcAccessOrder), 104);
+        assert_eq!(offset_of!(sys::CUDA_MEMCPY3D_BATCH_OP, flags), 108);
+        type Ptr = sys::CUmemcpy3DOperand_st__bindgen_ty_1__bindgen_ty_1;
+        assert_eq!((offset_of!(Ptr, rowLength), offset_of!(Ptr, layerHeight), offset_of!(Ptr, locHint)), (8, 16, 24));
+
+        // A peer's 4096 rows of 3584 bytes (a [4096, 14336] bf16 weight along dim 1 at world 8)
+        // landing 28672 bytes apart.
+        let c = StridedCopy { dst: 0x7000_0000, dst_pitch: 28672, src: 0x9000_0000, src_pitch: 3584, width: 3584, rows: 4096, dst_dev: 0, src_dev: 3 };
+        let op = batch_op_2d(&c);
+        let (src, dst) = (op.src, op.dst);
+        assert_eq!(src.type_, sys::CUmemcpy3DOperandType::CU_MEMCPY_OPERAND_TYPE_POINTER);
+        assert_eq!(dst.type_, sys::CUmemcpy3DOperandType::CU_MEMCPY_OPERAND_TYPE_POINTER);
+        // SAFETY: the pointer member is the one written.
+        let (sp, dp) = unsafe { (src.op.ptr, dst.op.ptr) };
+        assert_eq!((sp.ptr, sp.rowLength, sp.layerHeight, sp.locHint.id), (0x9000_0000, 3584, 4096, 3));
+        assert_eq!((dp.ptr, dp.rowLength, dp.layerHeight, dp.locHint.id), (0x7000_0000, 28672, 4096, 0));
+        assert_eq!(sp.locHint.type_, sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE);
+        let e = op.extent;
+        assert_eq!((e.width, e.height, e.depth), (3584, 4096, 1));
+        assert_eq!(op.srcAccessOrder, sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM);
+        assert_eq!(op.flags, 1);
+        // One row: pitches of the width (never stepped over; the driver wants them >= the width).
+        let one = batch_op_2d(&StridedCopy { rows: 1, src_pitch: 0, dst_pitch: 0, ..c });
+        // SAFETY: as above.
+        let (sp, dp) = unsafe { (one.src.op.ptr, one.dst.op.ptr) };
+        assert_eq!((sp.rowLength, dp.rowLength, sp.layerHeight, one.extent.height), (3584, 3584, 1, 1));
+    }
 }

@@ -123,19 +123,6 @@ pub fn ce_pieces(copies: &[PendingCopy], max_piece: usize) -> Vec<PendingCopy> {
 /// Copies of one copy-engine batch: at least this many (`ce_pieces`).
 pub const CE_MIN_PIECES: usize = 2;
 
-/// The pieces of a 2-D copy of `blocks` blocks of `bytes` bytes, one `cuMemcpy2DAsync` each: (first
-/// block, blocks) ranges of equal size (the last one shorter) covering `0..blocks` in order, each
-/// moving at most `max_piece` bytes (at least one block): the size rule of `ce_pieces`, in whole
-/// blocks. No second piece is forced: each piece is a driver call of its own here.
-pub fn copy2d_pieces(blocks: usize, bytes: usize, max_piece: usize) -> Vec<(usize, usize)> {
-    if blocks == 0 {
-        return Vec::new();
-    }
-    let per = (max_piece.max(4096) / bytes.max(1)).max(1);
-    let size = blocks.div_ceil(blocks.div_ceil(per));
-    (0..blocks).step_by(size).map(|first| (first, size.min(blocks - first))).collect()
-}
-
 /// The descriptor structs of batched copy launches (`COPY_BATCH` segments each).
 pub fn pack_copies(copies: &[PendingCopy]) -> Vec<(CopyBatch, i32)> {
     copies
@@ -279,28 +266,6 @@ mod tests {
         // A small lone copy is halved: 5000 bytes -> 2304 + 2696 (256-byte unit).
         let p = ce_pieces(&[copy(0, 1 << 20, 5000)], 32 << 20);
         assert_eq!(p.iter().map(|c| c.bytes).collect::<Vec<_>>(), vec![2304, 2696]);
-    }
-
-    #[test]
-    fn copy2d_pieces_cover_whole_blocks_in_bounded_pieces() {
-        for blocks in [0usize, 1, 2, 7, 4096, 14336] {
-            for bytes in [1usize, 1000, 4096, 1 << 20, 40 << 20] {
-                for max_piece in [4096usize, 1 << 20, 32 << 20] {
-                    let pieces = copy2d_pieces(blocks, bytes, max_piece);
-                    let mut next = 0;
-                    for &(first, n) in &pieces {
-                        assert_eq!(first, next);
-                        assert!(n >= 1 && (n == 1 || n * bytes <= max_piece), "{blocks} {bytes} {max_piece}: {pieces:?}");
-                        next += n;
-                    }
-                    assert_eq!(next, blocks);
-                }
-            }
-        }
-        // 14336 blocks of 1 KiB (a peer's rows of a [14336, 4096] bf16 weight gathered along dim 1
-        // at world 8) in 32 MiB pieces: one piece; in 4 MiB pieces: 4 equal ones.
-        assert_eq!(copy2d_pieces(14336, 1024, 32 << 20), vec![(0, 14336)]);
-        assert_eq!(copy2d_pieces(14336, 1024, 4 << 20), vec![(0, 3584), (3584, 3584), (7168, 3584), (10752, 3584)]);
     }
 
     #[test]

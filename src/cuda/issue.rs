@@ -1,9 +1,9 @@
 //! Issuing a prepared plan's schedule on the streams, for both paths: the one phase loop and end
 //! of call (`run_phases`, rules 3-5 / A2-A3 of the `cuda` module header), each command
 //! (`Issuer::issue`), the batching of one stream's consecutive copies and small sums
-//! (TIDE_COPY_BATCH, TIDE_FUSE_BYTES: `fuse`), 2-D copies (`Issuer::copy_2d`: cuMemcpy2DAsync on
-//! the copy engines, TIDE_COPY2D) and the NVLink multicast all-gather (`issue_multicast`,
-//! `multicast` module header).
+//! (TIDE_COPY_BATCH, TIDE_FUSE_BYTES: `fuse`), 2-D copies (`Issuer::copy_2d`: on the copy
+//! engines, as TIDE_COPY2D says: `copy2d` module header) and the NVLink multicast all-gather
+//! (`issue_multicast`, `multicast` module header).
 //!
 //! What it is handed (`Issue`): MAIN and its side streams, the local, phase and `done` events
 //! (an in-flight slot's, in-process; the device's, multi-process), whether small work is fused,
@@ -11,7 +11,8 @@
 //! names. Every driver call goes through `driver`'s checked wrappers; nothing here blocks the host
 //! on the device.
 
-use super::driver::{self, CUdevice, CUevent, CUstream};
+use super::copy2d;
+use super::driver::{self, CUdevice, CUevent, CUstream, StridedCopy};
 use super::fuse;
 use super::kernels;
 use super::meeting::{Meeting, RankInfo};
@@ -20,7 +21,7 @@ use super::prepare::{op_name, Prepared};
 use super::schedule::{Cmd, CopyVia, RankEvent, MAIN};
 use super::signal::Point;
 use crate::call::CallInfo;
-use crate::config::Config;
+use crate::config::{Config, Copy2d};
 use crate::error::{Result, TideError};
 use crate::plan::{BufKind, Operand, Region};
 
@@ -130,6 +131,9 @@ struct Issuer<'a> {
 struct Pending {
     /// Copies per stream (MAIN first).
     copies: Vec<Vec<fuse::PendingCopy>>,
+    /// 2-D copies per stream, under TIDE_COPY2D other than 1 (`copy2d` module header). A stream
+    /// has pending 1-D or 2-D copies, never both (either kind flushes the other first).
+    strided: copy2d::Pending,
     /// Sums on MAIN.
     sums: Vec<fuse::SumSeg>,
 }
@@ -151,6 +155,7 @@ impl Issuer<'_> {
         let nphases = sched.phases.len();
         let mut pending = Pending {
             copies: vec![Vec::new(); self.res.side.len() + 1],
+            strided: copy2d::Pending::new(self.res.side.len() + 1),
             sums: Vec::new(),
         };
         for (p, phase) in sched.phases.iter().enumerate() {
@@ -160,6 +165,7 @@ impl Issuer<'_> {
             }
             self.flush_sums(&mut pending.sums)?;
             for s in 0..pending.copies.len() {
+                self.flush_strided(s, &mut pending.strided)?;
                 self.flush_copies(s, &mut pending.copies)?;
             }
             if p + 1 < nphases {
@@ -178,14 +184,17 @@ impl Issuer<'_> {
     }
 
     /// One command of phase `p`: skipped (a wait on a rank the meeting does not reach), collected
-    /// (a small sum, a batchable copy), replaced by a wait on the meeting's rail event, or issued.
-    /// A stream's pending work is flushed before anything else is issued on it.
+    /// (a small sum, a batchable copy, a 2-D copy), replaced by a wait on the meeting's rail event,
+    /// or issued. A stream's pending work is flushed before anything else is issued on it.
     fn route(&self, pending: &mut Pending, meeting: &dyn Meeting, p: usize, cmd: &Cmd) -> Result<()> {
         let s = cmd.stream();
         if let Cmd::WaitRank { rank: q, .. } = cmd {
             if !meeting.reaches(*q) {
                 return Ok(());
             }
+        }
+        if !matches!(cmd, Cmd::Copy2D { .. }) {
+            self.flush_strided(s, &mut pending.strided)?;
         }
         if let Cmd::Copy { src, dst, bytes, .. } = cmd {
             // A copy onto itself moves nothing: the casting all-gather's own rows, already in place
@@ -370,11 +379,14 @@ impl Issuer<'_> {
         unsafe { driver::memcpy_batch_async(&pieces, stream, what) }
     }
 
-    /// A 2-D copy (`Cmd::Copy2D`), after the copies pending on its stream (stream order): one
-    /// cuMemcpy2DAsync per piece of at most TIDE_CE_PIECE_BYTES (`fuse::copy2d_pieces`), on the
-    /// copy engines. One onto itself moves nothing (as a `Copy`'s). Where the driver would refuse
-    /// its pitches (above CU_DEVICE_ATTRIBUTE_MAX_PITCH: a block row of more than 2 GiB), its
-    /// blocks go as 1-D copies instead, collected and batched as any other (logged once).
+    /// A 2-D copy (`Cmd::Copy2D`), after the 1-D copies pending on its stream (stream order), on
+    /// the copy engines as TIDE_COPY2D says (`copy2d` module header): under `1` issued at once, one
+    /// cuMemcpy2DAsync per piece of at most TIDE_CE_PIECE_BYTES; otherwise collected with the
+    /// stream's other 2-D copies (`copy2d::Pending`: independent ones only) and issued before the
+    /// stream's next other command (`flush_strided`). One onto itself moves nothing (as a `Copy`'s).
+    /// Where the driver would refuse its pitches (above CU_DEVICE_ATTRIBUTE_MAX_PITCH: a block row
+    /// of more than 2 GiB), its blocks go as 1-D copies instead, collected and batched as any other
+    /// (logged once).
     fn copy_2d(&self, pending: &mut Pending, p: usize, cmd: &Cmd) -> Result<()> {
         let Cmd::Copy2D { stream: si, step, src, dst, bytes, blocks, src_pitch, dst_pitch } = *cmd else {
             return Err(TideError::Internal("copy_2d given another command".into()));
@@ -401,26 +413,88 @@ impl Issuer<'_> {
             }
             return self.copy_blocks_1d(pending, si, p, step, (sa, src_pitch, src.rank), (da, dst_pitch, dst.rank), bytes, blocks);
         }
-        if self.batching {
-            self.flush_copies(si, &mut pending.copies)?;
+        self.flush_copies(si, &mut pending.copies)?;
+        let dev = |r: usize| if self.peer_hints { self.infos[r].device } else { ord };
+        let c = StridedCopy { dst: da, dst_pitch: dp, src: sa, src_pitch: sp, width: bytes, rows: blocks, dst_dev: dev(dst.rank), src_dev: dev(src.rank) };
+        if !self.collects_2d() {
+            return self.issue_2d(si, &[c], &|| {
+                format!(
+                    "{} -> {:?} of rank {}, {blocks} blocks of {bytes} bytes, pitches {src_pitch} / {dst_pitch}",
+                    self.step_ctx(p, step, &src),
+                    dst.kind,
+                    dst.rank
+                )
+            });
+        }
+        match pending.strided.push(si, c) {
+            Some(earlier) => self.issue_2d(si, &earlier, &|| self.pending_2d_ctx(si, earlier.len())),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether 2-D copies are collected per stream (TIDE_COPY2D other than 1), not issued at once.
+    fn collects_2d(&self) -> bool {
+        !matches!(self.cfg.copy2d, Copy2d::PerPiece | Copy2d::Flat)
+    }
+
+    fn pending_2d_ctx(&self, s: usize, n: usize) -> String {
+        let call = self.call;
+        format!(
+            "tide {} site {} rank {} device {}: {n} 2-D copies on stream {s} (TIDE_COPY2D={})",
+            op_name(call.op),
+            call.site,
+            call.rank,
+            call.device_ordinal,
+            self.cfg.copy2d.name()
+        )
+    }
+
+    /// Issues the 2-D copies pending on stream `s` (`copy_2d`), if any.
+    fn flush_strided(&self, s: usize, pending: &mut copy2d::Pending) -> Result<()> {
+        if pending.is_empty(s) {
+            return Ok(());
+        }
+        let list = pending.take(s);
+        self.issue_2d(s, &list, &|| self.pending_2d_ctx(s, list.len()))
+    }
+
+    /// Issues `copies` (pairwise independent, each range bounds-checked by `address_2d`) on stream
+    /// `si` as `copy2d::issue_plan` says for TIDE_COPY2D: cuMemcpy2DAsync per piece or band, or
+    /// cuMemcpy3DBatchAsync_v2 where the driver has it (else the unbatched form, logged once).
+    fn issue_2d(&self, si: usize, copies: &[StridedCopy], what: &dyn Fn() -> String) -> Result<()> {
+        let via = self.cfg.copy2d;
+        let batch_ok = via.batched() && driver::batch_copy_3d_supported();
+        if via.batched() && !batch_ok {
+            static LOGGED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+            if !LOGGED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                log::warn!(
+                    "tide: TIDE_COPY2D={}: this CUDA driver has no cuMemcpy3DBatchAsync_v2 (CUDA 12.8+ drivers): \
+                     2-D copies go as TIDE_COPY2D={} does, one cuMemcpy2DAsync each (logged once)",
+                    via.name(),
+                    if via.banded() { "bands" } else { "1" }
+                );
+            }
         }
         let s = self.res.stream(si)?;
-        for (first, n) in fuse::copy2d_pieces(blocks, bytes, self.cfg.ce_piece_bytes) {
-            let (so, d_o) = ((first * src_pitch) as u64, (first * dst_pitch) as u64);
-            // SAFETY: every block of both ends bounds-checked by `address_2d` against the buffers
-            // their ranks published (peer access enabled); the plan's 2-D copies read and write
-            // different buffers (Input -> Output / Stage); ordering per the module header.
-            unsafe {
-                driver::memcpy_2d_async(da + d_o, dp, sa + so, sp, bytes, n, s, || {
-                    format!(
-                        "{} -> {:?} of rank {}, blocks {first}..{} of {bytes} bytes, pitches {src_pitch} / {dst_pitch}",
-                        self.step_ctx(p, step, &src),
-                        dst.kind,
-                        dst.rank,
-                        first + n
-                    )
-                })?
-            };
+        for op in copy2d::issue_plan(copies, via, self.cfg.copy2d_band_bytes, self.cfg.ce_piece_bytes, batch_ok) {
+            match op {
+                copy2d::Op2d::One(c) => {
+                    // SAFETY: every row of both ends bounds-checked by `address_2d` against the
+                    // buffers their ranks published (peer access enabled); the plan's 2-D copies
+                    // read and write different buffers (Input -> Output / Stage); ordering per the
+                    // module header.
+                    unsafe {
+                        driver::memcpy_2d_async(c.dst, c.dst_pitch, c.src, c.src_pitch, c.width, c.rows, s, || {
+                            format!("{}: {} rows of {} bytes at {:#x} <- {:#x}", what(), c.rows, c.width, c.dst, c.src)
+                        })?
+                    };
+                }
+                copy2d::Op2d::Batch(list) => {
+                    // SAFETY: as above, for every copy; the copies are pairwise independent
+                    // (`copy2d::joins`), so they may run in any order, as a batch's do.
+                    unsafe { driver::memcpy_3d_batch_async(&list, s, what)? };
+                }
+            }
         }
         Ok(())
     }
@@ -440,6 +514,7 @@ impl Issuer<'_> {
         bytes: usize,
         blocks: usize,
     ) -> Result<()> {
+        self.flush_strided(si, &mut pending.strided)?;
         let ord = self.call.device_ordinal;
         let dev = |r: usize| if self.peer_hints { self.infos[r].device } else { ord };
         let block = |j: usize| fuse::PendingCopy {

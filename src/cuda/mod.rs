@@ -15,7 +15,7 @@
 //! | preparing | `prepare` | XLA's stream checked, the plan and schedule (cached), the published lists, the multicast gate |
 //! | issuing | `issue` | the one phase loop and end of call over a `Meeting` (rules 3-5, A2-A3), each command, batching |
 //! | device resources | `device` | contexts, streams, events, staging, in-flight slots (`SlotLease`), kernels loaded |
-//! | pure parts | `schedule`, `kernels`, `fuse` | steps -> streams/events (with the protocol model), launch shapes, batching rules |
+//! | pure parts | `schedule`, `kernels`, `fuse`, `copy2d` | steps -> streams/events (with the protocol model), launch shapes, batching rules, how 2-D copies go to the driver (TIDE_COPY2D) |
 //! | drivers | `driver`, `nvrtc`, `nccl`, `ipc`, `multicast` | checked calls of the CUDA driver (the only `sys::cu*` calls), NVRTC, NCCL, the IPC/VMM export and import, the gated multicast |
 //!
 //! # One driver
@@ -134,6 +134,7 @@
 
 pub mod device;
 mod cast;
+pub mod copy2d;
 pub mod driver;
 pub mod emulate;
 pub mod fuse;

@@ -39,8 +39,9 @@ pub struct PlanSettings {
     pub local_copy: crate::config::LocalCopy,
     /// Bytes of one reduction launch (`schedule::sum_pieces`): TIDE_RS_MAX_CTAS x TIDE_RS_CTA_BYTES.
     pub sum_piece_bytes: usize,
-    /// 2-D copies scheduled as such (`Cmd::Copy2D`), not flattened into their blocks: TIDE_COPY2D,
-    /// in-process. The multi-process path keeps the 1-D copies (its peers' buffers are VMM
+    /// 2-D copies scheduled as such (`Cmd::Copy2D`), not flattened into their blocks: TIDE_COPY2D
+    /// other than 0, in-process (how they are issued, `copy2d`, does not change the schedule). The
+    /// multi-process path keeps the 1-D copies (its peers' buffers are VMM
     /// mappings of other processes' memory: 2-D copies there are not yet measured, and they never
     /// cross nodes, so the rail is the same either way).
     pub copy2d: bool,
@@ -50,7 +51,7 @@ impl PlanSettings {
     pub fn of(call: &CallInfo, c: &Config) -> PlanSettings {
         let op = call.op;
         PlanSettings {
-            copy2d: c.copy2d && call.job == 0,
+            copy2d: c.copy2d.keeps_2d() && call.job == 0,
             stage_slots: c.rs_stage_slots,
             slot_bytes: c.rs_slot_bytes,
             streams: match op {

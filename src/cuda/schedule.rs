@@ -19,7 +19,7 @@
 //!   `1..=copy_streams` (fewer copies at once).
 //! - 2-D copies (`Action::CopyBlocks`: a strided parameter's rows landing in the gathered result, a
 //!   strided slice staged into its slot; [Note: strided parameters] in `layout.rs`) stay 2-D
-//!   (`Cmd::Copy2D`, one `cuMemcpy2DAsync` each, `cuda::issue`) and are always copy-engine copies:
+//!   (`Cmd::Copy2D`, issued as TIDE_COPY2D says: `cuda::copy2d`) and are always copy-engine copies:
 //!   they join the segment and are balanced with the 1-D copies, split only between whole blocks.
 //!   A local one goes on `copy_streams + 1` unless local copies join the peers' (under
 //!   `LocalCopy::Sm` too: never the SM copy kernel). Plans flattened into 1-D copies
