@@ -1956,7 +1956,7 @@ fn print_kernel_resources(g: &Gpu, fullsm_smem: u32, json: &mut String) {
     let state = tide::cuda::device::get(0).unwrap_or_else(|e| panic!("{e}"));
     let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
     let m = state.ensure_module().unwrap_or_else(|e| panic!("{e}"));
-    let threads = tide::cuda::kernels::THREADS;
+    let threads = tide::cuda::kernels::threads();
     let mut list: Vec<(&str, sys::CUfunction, u32, u32)> = vec![
         ("rs_sum_bf16_f32", m.sum_bf16, threads, 0),
         ("rs_sum_f16_f32", m.sum_f16, threads, 0),

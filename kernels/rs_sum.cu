@@ -38,7 +38,15 @@
 //   quiet NaN of its sign: bit for bit `cast::f32_to_bf16` (the CPU engine's rounding).
 //   vectorized != 0 promises src' 16-byte and dst 8-byte aligned (4 elements per thread and step).
 
+// Threads per CTA: 512 unless the host compiles for TIDE_SM_THREADS (-DTIDE_THREADS=128 or 256).
+// Every kernel is bounded to 64 registers per thread whatever the CTA size (TIDE_MIN_CTAS such CTAs
+// fit one SM's 65,536 registers) and uses no shared memory, so a CTA of 256 threads holds 16,384
+// registers and fits beside a compute kernel's CTA that leaves that many free (XLA's Triton GEMMs
+// on an H100 leave 24,576): it runs beside it instead of waiting for it (issue #38).
+#ifndef TIDE_THREADS
 #define TIDE_THREADS 512
+#endif
+#define TIDE_MIN_CTAS (65536 / (TIDE_THREADS * 64))
 #define TIDE_MAX_SRCS 8
 
 #ifndef TIDE_HOST_EMULATION
@@ -250,8 +258,8 @@ TIDE_DEV void tide_sum_quads(float* dst, const TideSrcs& srcs, int nsrc, unsigne
     switch (nsrc) {
         // U * NSRC 8-byte loads in flight per thread (12 to 16 for 1 to 8 sources: about 128 bytes
         // per thread, 64 KiB per 512-thread CTA), within the 64 registers of
-        // __launch_bounds__(512, 2) without spills (tests/kernels_nvrtc.rs). One CTA then holds
-        // half an SM's registers, so another kernel's CTAs can still share its SM (issue #22).
+        // __launch_bounds__(TIDE_THREADS, TIDE_MIN_CTAS) without spills (tests/kernels_nvrtc.rs). A
+        // 512-thread CTA then holds half an SM's registers, a 256-thread one a quarter (issue #38).
         case 1: tide_sum_quad<E, 1, 12>(dst, srcs, nquad, accumulate, g); break;
         case 2: tide_sum_quad<E, 2, 8>(dst, srcs, nquad, accumulate, g); break;
         case 3: tide_sum_quad<E, 3, 4>(dst, srcs, nquad, accumulate, g); break;
@@ -301,7 +309,7 @@ TIDE_DEV void tide_sum(float* dst, const TideSrcs& srcs, int nsrc, unsigned long
             switch (nsrc) {
                 // U * NSRC 16-byte loads in flight per thread (5 to 8; 128 bytes per thread for 1
                 // to 4 sources, 64 KiB per 512-thread CTA), within the 64 registers of
-                // __launch_bounds__(512, 2) without spills on sm_90 (tests/kernels_nvrtc.rs). On one
+                // __launch_bounds__(TIDE_THREADS, TIDE_MIN_CTAS) without spills on sm_90 (tests/kernels_nvrtc.rs). On one
                 // H200 an SM moves at most ~95 GB/s (read + written) whatever is in flight (read-only
                 // 79, write-only 63: bench/results/2026-12-03-1h200), so more loads buy nothing.
                 case 1: tide_sum_vec<E, 1, 8>(dst, srcs, nvec, accumulate, g); break;
@@ -318,17 +326,17 @@ TIDE_DEV void tide_sum(float* dst, const TideSrcs& srcs, int nsrc, unsigned long
     }
 }
 
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, TIDE_MIN_CTAS)
 rs_sum_bf16_f32(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized) {
     tide_sum<TideBf16>(dst, srcs, nsrc, n, accumulate, vectorized);
 }
 
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, TIDE_MIN_CTAS)
 rs_sum_f16_f32(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized) {
     tide_sum<TideF16>(dst, srcs, nsrc, n, accumulate, vectorized);
 }
 
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, TIDE_MIN_CTAS)
 rs_sum_f32_f32(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized) {
     tide_sum<TideF32>(dst, srcs, nsrc, n, accumulate, vectorized);
 }
@@ -354,25 +362,25 @@ TIDE_DEV void tide_sum_at(float* dst, const TideSrcs& srcs, int nsrc, unsigned l
     tide_sum<E>(dst, s, nsrc, n, accumulate, vectorized);
 }
 
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, TIDE_MIN_CTAS)
 rs_sum_at_bf16_f32(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized,
                    const int* at, unsigned long long count, unsigned long long stride, unsigned int mask) {
     tide_sum_at<TideBf16>(dst, srcs, nsrc, n, accumulate, vectorized, at, count, stride, mask);
 }
 
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, TIDE_MIN_CTAS)
 rs_sum_at_f16_f32(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized,
                   const int* at, unsigned long long count, unsigned long long stride, unsigned int mask) {
     tide_sum_at<TideF16>(dst, srcs, nsrc, n, accumulate, vectorized, at, count, stride, mask);
 }
 
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, TIDE_MIN_CTAS)
 rs_sum_at_f32_f32(float* dst, TideSrcs srcs, int nsrc, unsigned long long n, int accumulate, int vectorized,
                   const int* at, unsigned long long count, unsigned long long stride, unsigned int mask) {
     tide_sum_at<TideF32>(dst, srcs, nsrc, n, accumulate, vectorized, at, count, stride, mask);
 }
 
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, TIDE_MIN_CTAS)
 tide_zero_at(void* dst, unsigned long long bytes, const int* at, unsigned long long count, unsigned long long stride) {
     unsigned char* d = (unsigned char*)dst + tide_at_offset(at, count, stride);
     const unsigned long long threads = (unsigned long long)gridDim.x * blockDim.x;
@@ -390,7 +398,7 @@ TIDE_DEV unsigned int tide_bf16_bits(unsigned int b) {
     return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
 }
 
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, TIDE_MIN_CTAS)
 tide_cast_at_f32_bf16(unsigned short* dst, const float* src, unsigned long long n, const int* at,
                       unsigned long long count, unsigned long long stride, int vectorized) {
     const unsigned int* s = (const unsigned int*)((const unsigned char*)src + tide_at_offset(at, count, stride));
@@ -435,7 +443,7 @@ TIDE_DEV void tide_copy_units(void* dst, const void* src, unsigned long long byt
     }
 }
 
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, TIDE_MIN_CTAS)
 tide_copy(void* dst, const void* src, unsigned long long bytes, int width) {
     // 16-byte units: 8 in flight per thread (128 bytes; 64 KiB per CTA), so few CTAs still move
     // HBM-speed bytes.
@@ -467,15 +475,17 @@ struct TideCopyBatch {
     int width[TIDE_COPY_BATCH];
 };
 
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS)
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, TIDE_MIN_CTAS)
 tide_copy_batch(const __grid_constant__ TideCopyBatch b, int count) {
     for (int k = blockIdx.x; k < count; k += gridDim.x) {
         void* d = (void*)b.dst[k];
         const void* s = (const void*)b.src[k];
         const unsigned long long bytes = b.bytes[k];
         const TideGrid g = tide_one_cta();
+        // 16-byte units 4 in flight (not tide_copy's 8): with the segment loop around it, 8 do not
+        // fit 64 registers without spilling; a segment is small (TIDE_FUSE_BYTES).
         switch (b.width[k]) {
-            case 16: tide_copy_units<uint4, 8>(d, s, bytes, g); break;
+            case 16: tide_copy_units<uint4, 4>(d, s, bytes, g); break;
             case 8: tide_copy_units<unsigned long long, 4>(d, s, bytes, g); break;
             case 4: tide_copy_units<unsigned int, 4>(d, s, bytes, g); break;
             case 2: tide_copy_units<unsigned short, 4>(d, s, bytes, g); break;
@@ -503,17 +513,17 @@ TIDE_DEV void tide_sum_batch(const TideSumBatch& b, int count) {
     tide_sum<E>((float*)b.dst[k], s, b.nsrc[k], b.n[k], b.accumulate[k], b.vectorized[k], tide_one_cta());
 }
 
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, TIDE_MIN_CTAS)
 rs_sum_batch_bf16_f32(const __grid_constant__ TideSumBatch b, int count) {
     tide_sum_batch<TideBf16>(b, count);
 }
 
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, TIDE_MIN_CTAS)
 rs_sum_batch_f16_f32(const __grid_constant__ TideSumBatch b, int count) {
     tide_sum_batch<TideF16>(b, count);
 }
 
-extern "C" __global__ void __launch_bounds__(TIDE_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(TIDE_THREADS, TIDE_MIN_CTAS)
 rs_sum_batch_f32_f32(const __grid_constant__ TideSumBatch b, int count) {
     tide_sum_batch<TideF32>(b, count);
 }

@@ -22,6 +22,13 @@ pub struct Config {
     /// TIDE_RS_MAX_CTAS (default 16; an integer in [1, 1024]): upper bound on CTAs of one fp32
     /// reduction kernel launch.
     pub rs_max_ctas: u32,
+    /// TIDE_SM_THREADS (default 512; 128, 256 or 512): threads per CTA of every tide kernel, with at
+    /// most 64 registers per thread and no shared memory whatever the size. Read once per process
+    /// (the kernels are compiled for it: `cuda::kernels::threads`). Smaller CTAs fit beside a
+    /// compute kernel's CTA on the same SM: XLA's Triton GEMMs on an H100 (256 threads x 154
+    /// registers, 196,640 B shared memory) leave 24,576 registers of 65,536, which a 256-thread CTA
+    /// (16,384) fits and a 512-thread one (32,768) does not (issue #38, docs/design.md "Progress").
+    pub sm_threads: u32,
     /// TIDE_RS_CTA_BYTES (default 524288; an integer in [0, 2^32], 0 = one grid-stride launch per
     /// reduction): bytes one CTA of a reduction launch reads and writes. Each reduction is issued as
     /// launches of at most TIDE_RS_MAX_CTAS x TIDE_RS_CTA_BYTES bytes, so a CTA lives a few
@@ -331,6 +338,22 @@ impl Reader<'_> {
     }
 }
 
+/// A TIDE_SM_THREADS value: 128, 256 or 512.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SmThreads(u32);
+
+impl std::str::FromStr for SmThreads {
+    type Err = ();
+    fn from_str(s: &str) -> std::result::Result<SmThreads, ()> {
+        match s.trim() {
+            "128" => Ok(SmThreads(128)),
+            "256" => Ok(SmThreads(256)),
+            "512" => Ok(SmThreads(512)),
+            _ => Err(()),
+        }
+    }
+}
+
 /// Whether `s` is an accepted TIDE_TIMEOUT_S value: a finite decimal number of seconds in
 /// `TIMEOUT_RANGE_S` (so `inf`, `nan`, `0` and negatives are refused).
 pub fn parse_timeout_s(s: &str) -> Option<f64> {
@@ -375,6 +398,7 @@ impl Config {
                 &parse_timeout_s,
             ),
             rs_max_ctas: r.int("TIDE_RS_MAX_CTAS", 16, 1, 1024) as u32,
+            sm_threads: r.choice("TIDE_SM_THREADS", SmThreads(512), "128, 256 or 512").0,
             rs_cta_bytes: r.int("TIDE_RS_CTA_BYTES", 512 << 10, 0, 1 << 32) as usize,
             rs_stage_slots: r.int("TIDE_RS_STAGE_SLOTS", 3, 1, 64) as usize,
             rs_slot_bytes: r.int("TIDE_RS_SLOT_BYTES", 16 << 20, 4096, 1 << 32) as usize,
@@ -549,6 +573,8 @@ mod tests {
     fn every_setting_is_strict() {
         let cases = [
             ("TIDE_RS_MAX_CTAS", "0", "[1, 1024]"),
+            ("TIDE_SM_THREADS", "1024", "128, 256 or 512"),
+            ("TIDE_SM_THREADS", "64", "128, 256 or 512"),
             ("TIDE_RS_MAX_CTAS", "4096", "[1, 1024]"),
             ("TIDE_RS_CTA_BYTES", "-1", "[0, 4294967296]"),
             ("TIDE_RS_CTA_BYTES", "512K", "[0, 4294967296]"),

@@ -5,7 +5,7 @@
 //! unless TIDE_REQUIRE_NVRTC=1, where a missing NVRTC fails it.
 
 use std::io::Write;
-use tide::cuda::kernels::{KERNEL_NAMES, SOURCE, SOURCE_NAME};
+use tide::cuda::kernels::{nvrtc_options, KERNEL_NAMES, MAX_REGISTERS, SOURCE, SOURCE_NAME};
 use tide::cuda::nvrtc::{compile, compile_with, ensure_loaded, version, Output};
 
 /// Prints past libtest's capture (it captures print!/eprint!, not direct writes to stderr).
@@ -73,20 +73,54 @@ fn every_kernel_compiles_for_sm90() {
     )
     .unwrap();
     say(&format!("kernels_nvrtc: ptxas for sm_90:\n{}", log.trim()));
-    // __launch_bounds__(512) caps registers at 128; nothing may spill to local memory.
-    for line in log.lines().filter(|l| l.contains("spill")) {
-        assert!(
-            line.contains("0 bytes spill stores") && line.contains("0 bytes spill loads"),
-            "spills: {line}"
-        );
-    }
-    assert!(log.contains("Used"), "no ptxas report in the log: {log}");
+    check_ptxas_log(&log, 512);
     assert_eq!(&cubin[..4], b"\x7fELF", "a cubin is an ELF image");
     for k in KERNEL_NAMES {
         assert!(
             cubin.windows(k.len()).any(|w| w == k.as_bytes()),
             "kernel {k} missing from the cubin"
         );
+    }
+}
+
+/// Every kernel of the ptxas log (`--ptxas-options=-v`): no spills to local memory, at most
+/// `kernels::MAX_REGISTERS` registers per thread (the `__launch_bounds__(TIDE_THREADS,
+/// TIDE_MIN_CTAS)` bound), no shared memory.
+fn check_ptxas_log(log: &str, threads: u32) {
+    for line in log.lines().filter(|l| l.contains("spill")) {
+        assert!(
+            line.contains("0 bytes spill stores") && line.contains("0 bytes spill loads"),
+            "{threads} threads: spills: {line}"
+        );
+    }
+    let used: Vec<u32> = log
+        .lines()
+        .filter_map(|l| l.split("Used ").nth(1))
+        .filter_map(|r| r.split_whitespace().next()?.parse().ok())
+        .collect();
+    assert_eq!(used.len(), KERNEL_NAMES.len(), "{threads} threads: a ptxas report per kernel: {log}");
+    for r in &used {
+        assert!(*r <= MAX_REGISTERS, "{threads} threads: {r} registers > {MAX_REGISTERS}: {log}");
+    }
+    assert!(!log.contains("bytes smem"), "{threads} threads: shared memory: {log}");
+}
+
+/// TIDE_SM_THREADS: the module compiles for 128- and 256-thread CTAs too, within the same bounds
+/// (64 registers, no spills), so a CTA of 256 threads holds a quarter of an SM's registers.
+#[test]
+fn every_kernel_compiles_for_smaller_ctas() {
+    if !nvrtc_or_skip("every_kernel_compiles_for_smaller_ctas") {
+        return;
+    }
+    for threads in [128u32, 256] {
+        let mut opts = nvrtc_options(threads);
+        opts.push("--ptxas-options=-v".to_string());
+        let opts: Vec<&str> = opts.iter().map(String::as_str).collect();
+        let (cubin, log) = compile_with(SOURCE, SOURCE_NAME, "sm_90", Output::Cubin, &opts).unwrap();
+        say(&format!("kernels_nvrtc: {threads} threads: {} registers at most",
+                     log.lines().filter_map(|l| l.split("Used ").nth(1)).filter_map(|r| r.split_whitespace().next()?.parse::<u32>().ok()).max().unwrap_or(0)));
+        check_ptxas_log(&log, threads);
+        assert_eq!(&cubin[..4], b"\x7fELF");
     }
 }
 

@@ -61,7 +61,7 @@ pub(crate) fn launch(call: &CallInfo) -> Result<()> {
         // the view holds n bf16 elements of XLA's result, the operand `count` slices of `stride`
         // bytes (cast::views checked both against the layout); the kernel clamps the index.
         unsafe {
-            driver::launch_kernel(f, grid, kernels::THREADS, stream, &mut params, "cuLaunchKernel(tide_cast_at_f32_bf16)", || {
+            driver::launch_kernel(f, grid, kernels::threads(), stream, &mut params, "cuLaunchKernel(tide_cast_at_f32_bf16)", || {
                 format!("{}: {}, {n} elements, grid {grid}", what(), p.describe())
             })?;
         }

@@ -471,12 +471,18 @@ impl DeviceState {
                 match cached {
                     Some(c) => c,
                     None => {
-                        let c = Arc::new(nvrtc::compile(
-                            kernels::SOURCE,
-                            kernels::SOURCE_NAME,
-                            &arch,
-                            nvrtc::Output::Cubin,
-                        )?);
+                        let opts = kernels::nvrtc_options(kernels::threads());
+                        let opts: Vec<&str> = opts.iter().map(String::as_str).collect();
+                        let c = Arc::new(
+                            nvrtc::compile_with(
+                                kernels::SOURCE,
+                                kernels::SOURCE_NAME,
+                                &arch,
+                                nvrtc::Output::Cubin,
+                                &opts,
+                            )?
+                            .0,
+                        );
                         CUBINS
                             .lock()
                             .map_err(|_| TideError::Internal("cubin cache poisoned".into()))?

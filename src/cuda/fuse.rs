@@ -165,7 +165,7 @@ fn launch<T>(f: driver::CUfunction, batch: &mut T, count: i32, grid: u32, stream
     // the descriptor struct) and live across the call (the driver copies them at launch); the
     // caller bounds-checked every segment's range against its buffer.
     unsafe {
-        driver::launch_kernel(f, grid, kernels::THREADS, stream, &mut params, "cuLaunchKernel(batched)", || {
+        driver::launch_kernel(f, grid, kernels::threads(), stream, &mut params, "cuLaunchKernel(batched)", || {
             format!("{}, {count} segments, grid {grid}", what())
         })
     }

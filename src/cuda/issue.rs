@@ -669,7 +669,7 @@ impl Issuer<'_> {
                 // SAFETY: params match tide_copy(void*, const void*, unsigned long long, int) and
                 // live across the call (the driver copies them at launch); ranges bounds-checked.
                 unsafe {
-                    driver::launch_kernel(m.copy, grid, kernels::THREADS, s, &mut params, "cuLaunchKernel(tide_copy)", || {
+                    driver::launch_kernel(m.copy, grid, kernels::threads(), s, &mut params, "cuLaunchKernel(tide_copy)", || {
                         format!("{}, {bytes} bytes, grid {grid}", self.step_ctx(p, step, src))
                     })
                 }
@@ -749,7 +749,7 @@ impl Issuer<'_> {
             // clamp(index, 0, count - 1), inside the buffer of count slices); sources are local or
             // peer memory with access enabled.
             unsafe {
-                driver::launch_kernel(f, grid, kernels::THREADS, s, &mut params[..used], kernel, || {
+                driver::launch_kernel(f, grid, kernels::threads(), s, &mut params[..used], kernel, || {
                     let into = if at.is_some() { format!(" into a slice of {count}") } else { String::new() };
                     format!(
                         "{}, {} {} sources from {}, {elems} elements{into}, grid {grid}",
@@ -802,7 +802,7 @@ impl Issuer<'_> {
         // SAFETY: params match tide_zero_at(void*, unsigned long long, const int*, unsigned long
         // long, unsigned long long); range bounds-checked against slice 0, moved in the buffer.
         unsafe {
-            driver::launch_kernel(m.zero_at, grid, kernels::THREADS, s, &mut params, "cuLaunchKernel(tide_zero_at)", || {
+            driver::launch_kernel(m.zero_at, grid, kernels::threads(), s, &mut params, "cuLaunchKernel(tide_zero_at)", || {
                 format!("{}, {bytes} bytes into a slice of {}", self.step_ctx(p, step, dst), at.1)
             })
         }

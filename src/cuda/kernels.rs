@@ -10,8 +10,28 @@ use crate::layout::DType;
 pub const SOURCE: &str = include_str!("../../kernels/rs_sum.cu");
 /// The file name NVRTC reports in diagnostics.
 pub const SOURCE_NAME: &str = "tide/kernels/rs_sum.cu";
-/// Threads per CTA of every kernel (`TIDE_THREADS` in the source, its `__launch_bounds__`).
+/// Threads per CTA of every kernel by default (`TIDE_THREADS` in the source, its
+/// `__launch_bounds__`); TIDE_SM_THREADS sets another (`threads`).
 pub const THREADS: u32 = 512;
+/// Registers a thread of any tide kernel may use (`__launch_bounds__(TIDE_THREADS, TIDE_MIN_CTAS)`
+/// with TIDE_MIN_CTAS = 65536 / (TIDE_THREADS * 64)), whatever the CTA size: a CTA holds
+/// `threads() * 64` of an SM's 65,536, so another kernel's CTA can share its SM (issue #38).
+pub const MAX_REGISTERS: u32 = 64;
+
+static PROCESS_THREADS: once_cell::sync::Lazy<u32> =
+    once_cell::sync::Lazy::new(|| crate::config::CONFIG.sm_threads);
+
+/// Threads per CTA of every kernel this process launches: TIDE_SM_THREADS as the environment had
+/// it at first use (128, 256 or 512). Fixed for the process, since the module is compiled for it
+/// (`nvrtc_options`) and a launch with more threads than its `__launch_bounds__` fails.
+pub fn threads() -> u32 {
+    *PROCESS_THREADS
+}
+
+/// The NVRTC options that compile the module for `threads` per CTA (`-DTIDE_THREADS=...`).
+pub fn nvrtc_options(threads: u32) -> Vec<String> {
+    vec![format!("-DTIDE_THREADS={threads}")]
+}
 /// Sources one `rs_sum_*` launch sums (`TIDE_MAX_SRCS`, the size of `TideSrcs`).
 pub const MAX_SRCS: usize = 8;
 /// Every kernel the module must export.
@@ -143,9 +163,15 @@ pub fn sum_vectorized(dst: u64, srcs: &[u64]) -> bool {
     dst.is_multiple_of(16) && srcs.iter().all(|s| s.is_multiple_of(16))
 }
 
-/// CTAs for a launch covering `units` per-thread work items, at most `max_ctas`, at least 1.
+/// CTAs for a launch covering `units` per-thread work items, at most `max_ctas`, at least 1, with
+/// this process's `threads()` per CTA.
 pub fn grid(units: u64, max_ctas: u32) -> u32 {
-    let want = units.div_ceil(THREADS as u64).max(1);
+    grid_for(units, max_ctas, threads())
+}
+
+/// `grid` for CTAs of `threads` threads.
+pub fn grid_for(units: u64, max_ctas: u32, threads: u32) -> u32 {
+    let want = units.div_ceil(threads.max(1) as u64).max(1);
     want.min(max_ctas.max(1) as u64) as u32
 }
 
@@ -197,6 +223,9 @@ mod tests {
     #[test]
     fn source_constants_match_the_host() {
         assert_eq!(define("TIDE_THREADS"), THREADS.to_string());
+        // At most MAX_REGISTERS per thread at every CTA size (TIDE_SM_THREADS).
+        assert!(SOURCE.contains(&format!("#define TIDE_MIN_CTAS (65536 / (TIDE_THREADS * {MAX_REGISTERS}))")));
+        assert_eq!(nvrtc_options(256), vec!["-DTIDE_THREADS=256".to_string()]);
         assert_eq!(define("TIDE_MAX_SRCS"), MAX_SRCS.to_string());
         for k in KERNEL_NAMES {
             assert!(
@@ -287,11 +316,15 @@ mod tests {
         assert!(sum_vectorized(0x1000, &[0x2000, 0x3010]));
         assert!(!sum_vectorized(0x1004, &[0x2000]));
         assert!(!sum_vectorized(0x1000, &[0x2000, 0x2002]));
-        assert_eq!(grid(0, 16), 1);
-        assert_eq!(grid(1, 16), 1);
-        assert_eq!(grid(512 * 3 + 1, 16), 4);
+        for t in [128u32, 256, 512] {
+            assert_eq!(grid_for(0, 16, t), 1);
+            assert_eq!(grid_for(1, 16, t), 1);
+            assert_eq!(grid_for(t as u64 * 3 + 1, 16, t), 4);
+            assert_eq!(grid_for(t as u64 * 3, 16, t), 3);
+            assert_eq!(grid_for(1 << 30, 16, t), 16);
+            assert_eq!(grid_for(1 << 30, 0, t), 1);
+        }
         assert_eq!(grid(1 << 30, 16), 16);
-        assert_eq!(grid(1 << 30, 0), 1);
         assert_eq!(sum_units(80, true), 20);
         assert_eq!(sum_units(83, true), 20);
         assert_eq!(sum_units(3, true), 3);
