@@ -29,6 +29,13 @@ pub struct Config {
     /// registers, 196,640 B shared memory) leave 24,576 registers of 65,536, which a 256-thread CTA
     /// (16,384) fits and a 512-thread one (32,768) does not (issue #38, docs/design.md "Progress").
     pub sm_threads: u32,
+    /// TIDE_SM_CARVEOUT (default -1: the driver's choice; an integer in [-1, 100]): every tide
+    /// kernel's preferred shared-memory carveout, percent of the SM's unified L1/shared memory
+    /// (`CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT`). CTAs of two kernels share an SM only
+    /// under one L1/shared split; a kernel that uses no shared memory otherwise prefers the largest
+    /// L1, unlike a GEMM's or attention's, so 100 (the largest shared memory, theirs) lets tide's
+    /// CTAs join an SM a compute kernel holds (issue #38, docs/design.md "Progress").
+    pub sm_carveout: i32,
     /// TIDE_RS_CTA_BYTES (default 524288; an integer in [0, 2^32], 0 = one grid-stride launch per
     /// reduction): bytes one CTA of a reduction launch reads and writes. Each reduction is issued as
     /// launches of at most TIDE_RS_MAX_CTAS x TIDE_RS_CTA_BYTES bytes, so a CTA lives a few
@@ -354,6 +361,20 @@ impl std::str::FromStr for SmThreads {
     }
 }
 
+/// A TIDE_SM_CARVEOUT value: -1 (the driver's choice) or a percentage 0..=100.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Carveout(i32);
+
+impl std::str::FromStr for Carveout {
+    type Err = ();
+    fn from_str(s: &str) -> std::result::Result<Carveout, ()> {
+        match s.trim().parse::<i32>() {
+            Ok(v) if (-1..=100).contains(&v) => Ok(Carveout(v)),
+            _ => Err(()),
+        }
+    }
+}
+
 /// Whether `s` is an accepted TIDE_TIMEOUT_S value: a finite decimal number of seconds in
 /// `TIMEOUT_RANGE_S` (so `inf`, `nan`, `0` and negatives are refused).
 pub fn parse_timeout_s(s: &str) -> Option<f64> {
@@ -399,6 +420,7 @@ impl Config {
             ),
             rs_max_ctas: r.int("TIDE_RS_MAX_CTAS", 16, 1, 1024) as u32,
             sm_threads: r.choice("TIDE_SM_THREADS", SmThreads(512), "128, 256 or 512").0,
+            sm_carveout: r.choice("TIDE_SM_CARVEOUT", Carveout(-1), "an integer in [-1, 100]").0,
             rs_cta_bytes: r.int("TIDE_RS_CTA_BYTES", 512 << 10, 0, 1 << 32) as usize,
             rs_stage_slots: r.int("TIDE_RS_STAGE_SLOTS", 3, 1, 64) as usize,
             rs_slot_bytes: r.int("TIDE_RS_SLOT_BYTES", 16 << 20, 4096, 1 << 32) as usize,
@@ -575,6 +597,8 @@ mod tests {
             ("TIDE_RS_MAX_CTAS", "0", "[1, 1024]"),
             ("TIDE_SM_THREADS", "1024", "128, 256 or 512"),
             ("TIDE_SM_THREADS", "64", "128, 256 or 512"),
+            ("TIDE_SM_CARVEOUT", "101", "[-1, 100]"),
+            ("TIDE_SM_CARVEOUT", "-2", "[-1, 100]"),
             ("TIDE_RS_MAX_CTAS", "4096", "[1, 1024]"),
             ("TIDE_RS_CTA_BYTES", "-1", "[0, 4294967296]"),
             ("TIDE_RS_CTA_BYTES", "512K", "[0, 4294967296]"),

@@ -37,6 +37,27 @@ pub struct Module {
     pub cast_at: CUfunction,
 }
 
+impl Module {
+    /// Every kernel of the module with its name (`kernels::KERNEL_NAMES`' order).
+    pub fn functions(&self) -> [(&'static str, CUfunction); 13] {
+        [
+            ("rs_sum_bf16_f32", self.sum_bf16),
+            ("rs_sum_f16_f32", self.sum_f16),
+            ("rs_sum_f32_f32", self.sum_f32),
+            ("tide_copy", self.copy),
+            ("tide_copy_batch", self.copy_batch),
+            ("rs_sum_batch_bf16_f32", self.sum_batch[0]),
+            ("rs_sum_batch_f16_f32", self.sum_batch[1]),
+            ("rs_sum_batch_f32_f32", self.sum_batch[2]),
+            ("rs_sum_at_bf16_f32", self.sum_at[0]),
+            ("rs_sum_at_f16_f32", self.sum_at[1]),
+            ("rs_sum_at_f32_f32", self.sum_at[2]),
+            ("tide_zero_at", self.zero_at),
+            ("tide_cast_at_f32_bf16", self.cast_at),
+        ]
+    }
+}
+
 // SAFETY: a loaded module's handles are plain identifiers the driver accepts from any host thread;
 // the struct is never mutated after loading (shared read-only through `Arc`).
 unsafe impl Send for Module {}
@@ -514,6 +535,15 @@ impl DeviceState {
                 zero_at: get("tide_zero_at")?,
                 cast_at: get("tide_cast_at_f32_bf16")?,
             };
+            // TIDE_SM_CARVEOUT (read once per process, as the threads): every kernel's preferred
+            // L1/shared split, so its CTAs may share an SM with a compute kernel's.
+            let carveout = crate::config::CONFIG.sm_carveout;
+            if carveout >= 0 {
+                for (name, f) in m.functions() {
+                    // SAFETY: a function of the module loaded above, never unloaded.
+                    unsafe { driver::func_set_carveout(f, carveout, || format!("device {ord}, kernel {name}, TIDE_SM_CARVEOUT={carveout}"))? };
+                }
+            }
             self.module = Some(Arc::new(m));
         }
         self.module

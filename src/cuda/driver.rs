@@ -606,6 +606,26 @@ pub unsafe fn module_get_function(module: CUmodule, name: &str, what: impl FnOnc
     Ok(f)
 }
 
+/// Sets `f`'s preferred shared-memory carveout (`CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT`,
+/// percent of the SM's unified L1/shared memory, 0..=100): a hint the driver follows when it places
+/// the kernel's CTAs (TIDE_SM_CARVEOUT).
+///
+/// # Safety
+/// `f` is a function of a loaded module of this process (never unloaded).
+pub unsafe fn func_set_carveout(f: CUfunction, percent: i32, what: impl FnOnce() -> String) -> Result<()> {
+    check(
+        unsafe {
+            sys::cuFuncSetAttribute(
+                f,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                percent,
+            )
+        },
+        "cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT)",
+        what,
+    )
+}
+
 // ----- memory: allocations -----
 
 /// `bytes` of device memory (`cuMemAlloc`) in the current context.
