@@ -46,6 +46,20 @@
 //!   alone. First, each tide kernel's resources as the engine loaded it (registers, shared
 //!   memory, CTAs per SM at its launch shape). Rows are "CALL | VICTIM", e.g.
 //!   "RS world 8 (emulated): default | gemm_1wave".
+//! - `coresidence` (issue #38: does a tide CTA ever run on an SM beside a compute kernel's CTA?):
+//!   a victim grid of one CTA per SM that spins 2 ms and traces each CTA ({smid, start, end} from
+//!   %globaltimer), and 300 us after its launch (host wait, so the victim is resident) an aggressor
+//!   of 16 CTAs of tide's sum body (2 bf16 sources, 64 Mi elements, the engine's 64-register bound),
+//!   traced too. Victim shapes: XLA's Triton GEMM on H100 (256 threads, ~154 registers via 144 live
+//!   floats, 196,640 B dynamic shared memory), the same with its preferred carveout at 100, the same
+//!   registers without shared memory, cuDNN's attention (384 threads, 232,448 B: expected never), and
+//!   a control that surely leaves room (256 threads, 14 registers, no shared memory). Aggressors:
+//!   512 and 256 threads, stream priority 0 and the greatest, preferred carveout default and 100.
+//!   Per (victim, aggressor): both kernels' registers, shared memory, carveout attribute and
+//!   occupancy as the driver reports them; over TIDE_BENCH_SAMPLES runs, how many aggressor CTAs
+//!   started before the victim's last CTA ended, how many of those ran on an SM while a victim CTA
+//!   lived there, the aggressor's first start from the victim's start and last end from the
+//!   victim's end (medians); first each kernel alone.
 //!
 //! Output: one line per row on stdout; JSON at $TIDE_BENCH_OUT. Env: TIDE_BENCH_SAMPLES (9),
 //! TIDE_BENCH_ROWS (comma-separated substrings of the row names to run; default all),
@@ -2260,6 +2274,317 @@ fn progress(g: &Gpu, samples: usize, json: &mut String) {
     }
 }
 
+// ----- coresidence mode (issue #38): does a tide CTA ever share an SM with a compute kernel's? -----
+
+/// Aggressor CTAs per launch (the engine's short launches).
+const CORES_AGG_CTAS: u32 = 16;
+/// The aggressor's elements (2 bf16 sources, fp32 out: 512 MB moved, ~0.5 ms alone on 16 SMs).
+const CORES_N: u64 = 64 << 20;
+/// How long each victim CTA spins (ns).
+const CORES_VICTIM_NS: u64 = 2_000_000;
+/// Host wait between the victim's launch and the aggressor's, so the victim is resident first.
+const CORES_GAP_US: u64 = 300;
+
+/// One CTA's trace record: (smid, start ns, end ns; %globaltimer).
+type Cta = (u64, u64, u64);
+
+fn read_trace(p: u64, ctas: usize) -> Vec<Cta> {
+    let mut host = vec![0u64; ctas * 3];
+    ck!(sys::cuMemcpyDtoH_v2(host.as_mut_ptr() as *mut c_void, p, ctas * 24), "cuMemcpyDtoH");
+    host.chunks(3).filter(|r| r[1] != 0 || r[2] != 0).map(|r| (r[0], r[1], r[2])).collect()
+}
+
+/// What one run of a victim grid and an aggressor beside it shows.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Cores {
+    victim_ctas: usize,
+    /// Distinct SMs the victim's CTAs ran on.
+    victim_sms: usize,
+    aggressor_ctas: usize,
+    /// Aggressor CTAs that started before the victim's last CTA ended.
+    beside: usize,
+    /// Of those, the ones whose SM had a victim CTA alive during their life (same smid,
+    /// overlapping [start, end]): they shared an SM with it.
+    shared_sm: usize,
+    /// The aggressor's first start minus the victim's first start (us).
+    first_start_us: f64,
+    /// The aggressor's last end minus the victim's last end (us).
+    last_end_us: f64,
+    /// The victim's last CTA start minus its first (us): all resident at once when small.
+    victim_spread_us: f64,
+}
+
+fn cores_of(victim: &[Cta], agg: &[Cta]) -> Option<Cores> {
+    let v_start = victim.iter().map(|c| c.1).min()?;
+    let v_last_start = victim.iter().map(|c| c.1).max()?;
+    let v_end = victim.iter().map(|c| c.2).max()?;
+    let a_start = agg.iter().map(|c| c.1).min()?;
+    let a_end = agg.iter().map(|c| c.2).max()?;
+    let mut sms: Vec<u64> = victim.iter().map(|c| c.0).collect();
+    sms.sort_unstable();
+    sms.dedup();
+    let beside: Vec<&Cta> = agg.iter().filter(|a| a.1 < v_end).collect();
+    let shared_sm = beside
+        .iter()
+        .filter(|a| victim.iter().any(|v| v.0 == a.0 && v.1 < a.2 && a.1 < v.2))
+        .count();
+    let us = |later: u64, earlier: u64| (later as f64 - earlier as f64) / 1e3;
+    Some(Cores {
+        victim_ctas: victim.len(),
+        victim_sms: sms.len(),
+        aggressor_ctas: agg.len(),
+        beside: beside.len(),
+        shared_sm,
+        first_start_us: us(a_start, v_start),
+        last_end_us: us(a_end, v_end),
+        victim_spread_us: us(v_last_start, v_start),
+    })
+}
+
+/// A victim grid of `grid` CTAs (probe_cores_* kernels: trace, ns, never, out).
+fn cores_victim_launch(f: sys::CUfunction, grid: u32, threads: u32, smem: u32, stream: sys::CUstream, trace: u64, ns: u64) {
+    let (mut trace, mut ns, mut never, mut out) = (trace, ns, 0x9e37_79b9u32, 0u64);
+    let mut p = [
+        &mut trace as *mut u64 as *mut c_void,
+        &mut ns as *mut u64 as *mut c_void,
+        &mut never as *mut u32 as *mut c_void,
+        &mut out as *mut u64 as *mut c_void,
+    ];
+    launch(f, grid, threads, smem, stream, &mut p, false);
+}
+
+struct CoresVictim {
+    name: &'static str,
+    f: sys::CUfunction,
+    threads: u32,
+    smem: u32,
+}
+
+struct CoresAggressor {
+    f: sys::CUfunction,
+    threads: u32,
+}
+
+/// Registers per CTA as the SM allocates them (per warp, in units of 256: 8 per thread).
+fn regs_allocated(regs: i32, threads: u32) -> i32 {
+    let warps = (threads as i32 + 31) / 32;
+    warps * ((regs + 7) / 8 * 8) * 32
+}
+
+/// A function attribute, or "?" where the driver refuses to report it.
+fn func_attr(f: sys::CUfunction, a: sys::CUfunction_attribute) -> String {
+    let mut v = 0;
+    match unsafe { sys::cuFuncGetAttribute(&mut v, a, f) } {
+        sys::CUresult::CUDA_SUCCESS => v.to_string(),
+        e => format!("? ({e:?})"),
+    }
+}
+
+fn coresidence(g: &Gpu, samples: usize, json: &mut String) {
+    use sys::CUfunction_attribute as A;
+    let mut dev = 0;
+    ck!(sys::cuCtxGetDevice(&mut dev), "cuCtxGetDevice");
+    let dattr = |a| {
+        let mut v = 0;
+        ck!(sys::cuDeviceGetAttribute(&mut v, a, dev), "cuDeviceGetAttribute");
+        v
+    };
+    use sys::CUdevice_attribute as D;
+    let optin = dattr(D::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN) as u32;
+    println!(
+        "coresidence: per SM {} registers, {} B shared memory ({} B opt-in per CTA, {} B reserved per CTA), {} threads; victim spin {} us, \
+         aggressor {} CTAs x {} elements, launched {} us after the victim; {} runs per row",
+        dattr(D::CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR),
+        dattr(D::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
+        optin,
+        dattr(D::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK),
+        dattr(D::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR),
+        CORES_VICTIM_NS / 1000,
+        CORES_AGG_CTAS,
+        CORES_N,
+        CORES_GAP_US,
+        samples
+    );
+    let set_attr = |f: sys::CUfunction, a: A, v: i32, what: &str| {
+        ck!(sys::cuFuncSetAttribute(f, a, v), what);
+    };
+    // The victims: each shape's dynamic shared memory capped at the device's opt-in maximum.
+    let gemm_smem = 196_640u32.min(optin);
+    let attn_smem = 232_448u32.min(optin);
+    let victims = [
+        CoresVictim { name: "triton_gemm (256 thr, 196640 B)", f: func(g, "probe_cores_gemm"), threads: 256, smem: gemm_smem },
+        CoresVictim { name: "triton_gemm, victim carveout 100", f: func(g, "probe_cores_gemm_c100"), threads: 256, smem: gemm_smem },
+        CoresVictim { name: "triton_gemm regs, no smem", f: func(g, "probe_cores_gemm"), threads: 256, smem: 0 },
+        CoresVictim { name: "cudnn_attention (384 thr, 232448 B)", f: func(g, "probe_cores_attn"), threads: 384, smem: attn_smem },
+        CoresVictim { name: "control: small (256 thr, 0 B)", f: func(g, "probe_cores_small"), threads: 256, smem: 0 },
+    ];
+    for v in victims.iter().filter(|v| v.smem > 0) {
+        set_attr(v.f, A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, v.smem as i32, "cuFuncSetAttribute(MAX_DYNAMIC_SHARED)");
+    }
+    set_attr(
+        victims[1].f,
+        A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+        100,
+        "cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT)",
+    );
+    let aggs = [
+        CoresAggressor { f: func(g, "probe_cores_st512"), threads: 512 },
+        CoresAggressor { f: func(g, "probe_cores_st256"), threads: 256 },
+    ];
+    // Streams: the victim's (priority 0), the aggressor's at priority 0 and at the greatest.
+    let (mut least, mut greatest) = (0i32, 0i32);
+    ck!(sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest), "cuCtxGetStreamPriorityRange");
+    let mut high = std::ptr::null_mut();
+    ck!(
+        sys::cuStreamCreateWithPriority(&mut high, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32, greatest),
+        "cuStreamCreateWithPriority"
+    );
+    println!("coresidence: stream priorities: least {least}, greatest {greatest} (victim and normal aggressor: 0)");
+
+    let describe = |f: sys::CUfunction, threads: u32, smem: u32| {
+        let (regs, _, static_smem, local, per_sm) = kernel_resources(f, threads, smem);
+        let carve = func_attr(f, A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT);
+        (
+            format!(
+                "{regs} regs x {threads} thr = {} regs/CTA allocated, {static_smem} B static + {smem} B dynamic smem, {local} B local, \
+                 carveout attr {carve}, occupancy {per_sm} CTAs/SM",
+                regs_allocated(regs, threads)
+            ),
+            regs,
+            per_sm,
+        )
+    };
+    let vtrace = malloc(g.sms as usize * 24);
+    let atrace = malloc(CORES_AGG_CTAS as usize * 24);
+    let (a, b, d) = (malloc(CORES_N as usize * 2), malloc(CORES_N as usize * 2), malloc(CORES_N as usize * 4));
+    ck!(sys::cuMemsetD8_v2(a, 0, CORES_N as usize * 2), "cuMemsetD8");
+    ck!(sys::cuMemsetD8_v2(b, 0, CORES_N as usize * 2), "cuMemsetD8");
+    let agg_launch = |ag: &CoresAggressor, stream: sys::CUstream, trace: u64| {
+        let mut k = KArgs::new(d, a, b, CORES_N);
+        k.trace = trace;
+        k.launch(ag.f, CORES_AGG_CTAS, ag.threads, 0, stream);
+    };
+    let clear = || {
+        ck!(sys::cuMemsetD8_v2(vtrace, 0, g.sms as usize * 24), "cuMemsetD8");
+        ck!(sys::cuMemsetD8_v2(atrace, 0, CORES_AGG_CTAS as usize * 24), "cuMemsetD8");
+        sync_all();
+    };
+    // Warm-up (lazy module loading happens at a function's first launch), then each kernel alone.
+    for v in &victims {
+        cores_victim_launch(v.f, g.sms, v.threads, v.smem, g.vic.get(), 0, 10_000);
+    }
+    for ag in &aggs {
+        agg_launch(ag, g.agg, 0);
+    }
+    sync_all();
+    for v in &victims {
+        clear();
+        cores_victim_launch(v.f, g.sms, v.threads, v.smem, g.vic.get(), vtrace, CORES_VICTIM_NS);
+        sync_all();
+        let tr = read_trace(vtrace, g.sms as usize);
+        let (desc, _, _) = describe(v.f, v.threads, v.smem);
+        let mut sms: Vec<u64> = tr.iter().map(|c| c.0).collect();
+        sms.sort_unstable();
+        sms.dedup();
+        let start = tr.iter().map(|c| c.1).min().unwrap_or(0);
+        let spread = tr.iter().map(|c| c.1).max().unwrap_or(0).saturating_sub(start) as f64 / 1e3;
+        let span = tr.iter().map(|c| c.2).max().unwrap_or(0).saturating_sub(start) as f64 / 1e3;
+        println!(
+            "coresidence: victim alone: {} | {desc} | {} CTAs on {} SMs, start spread {spread:.1} us, span {span:.1} us",
+            v.name,
+            tr.len(),
+            sms.len()
+        );
+    }
+    for ag in &aggs {
+        let mut spans = Vec::new();
+        for _ in 0..3 {
+            clear();
+            agg_launch(ag, g.agg, atrace);
+            sync_all();
+            let tr = read_trace(atrace, CORES_AGG_CTAS as usize);
+            let s = tr.iter().map(|c| c.1).min().unwrap_or(0);
+            spans.push(tr.iter().map(|c| c.2).max().unwrap_or(0).saturating_sub(s) as f64 / 1e3);
+        }
+        let (desc, _, _) = describe(ag.f, ag.threads, 0);
+        println!("coresidence: aggressor alone: tide_sum {} thr | {desc} | span {:.1} us (median of 3)", ag.threads, median(&mut spans));
+    }
+
+    for carve in [None, Some(100)] {
+        if let Some(c) = carve {
+            for ag in &aggs {
+                set_attr(ag.f, A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, c, "cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT)");
+            }
+        }
+        for v in &victims {
+            let (vdesc, _, _) = describe(v.f, v.threads, v.smem);
+            for ag in &aggs {
+                let (adesc, _, _) = describe(ag.f, ag.threads, 0);
+                for (prio, stream) in [("priority 0", g.agg), ("priority greatest", high)] {
+                    let aname = format!(
+                        "tide_sum {} thr, {prio}, carveout {}",
+                        ag.threads,
+                        carve.map_or("default".to_string(), |c| c.to_string())
+                    );
+                    let mut runs = Vec::new();
+                    for _ in 0..samples.max(1) {
+                        clear();
+                        cores_victim_launch(v.f, g.sms, v.threads, v.smem, g.vic.get(), vtrace, CORES_VICTIM_NS);
+                        let t = Instant::now();
+                        while t.elapsed() < Duration::from_micros(CORES_GAP_US) {
+                            std::hint::spin_loop();
+                        }
+                        agg_launch(ag, stream, atrace);
+                        sync_all();
+                        if let Some(c) = cores_of(&read_trace(vtrace, g.sms as usize), &read_trace(atrace, CORES_AGG_CTAS as usize)) {
+                            runs.push(c);
+                        }
+                    }
+                    if runs.is_empty() {
+                        println!("coresidence: {} | {aname} | no trace recorded", v.name);
+                        continue;
+                    }
+                    let range = |f: &dyn Fn(&Cores) -> usize| {
+                        let lo = runs.iter().map(f).min().unwrap_or(0);
+                        let hi = runs.iter().map(f).max().unwrap_or(0);
+                        if lo == hi { format!("{lo}") } else { format!("{lo}..{hi}") }
+                    };
+                    let med = |f: &dyn Fn(&Cores) -> f64| median(&mut runs.iter().map(f).collect::<Vec<f64>>());
+                    let (beside, shared) = (range(&|c| c.beside), range(&|c| c.shared_sm));
+                    let (vctas, vsms, actas) = (range(&|c| c.victim_ctas), range(&|c| c.victim_sms), range(&|c| c.aggressor_ctas));
+                    let (first, last, spread) = (med(&|c| c.first_start_us), med(&|c| c.last_end_us), med(&|c| c.victim_spread_us));
+                    println!(
+                        "coresidence: {} | {aname} | victim: {vdesc} | aggressor: {adesc} | victim {vctas} CTAs on {vsms} SMs, start spread {spread:.1} us | \
+                         aggressor CTAs started before the victim's end: {beside} of {actas}; on an SM beside a live victim CTA: {shared} | \
+                         aggressor first start {first:+.1} us from the victim's start, last end {last:+.1} us from the victim's end | {} runs",
+                        v.name,
+                        runs.len()
+                    );
+                    let _ = write!(
+                        json,
+                        "{{\"name\":{:?},\"victim\":{:?},\"aggressor\":{aname:?},\"victim_resources\":{vdesc:?},\"aggressor_resources\":{adesc:?},\
+                         \"beside\":[{}],\"shared_sm\":[{}],\"aggressor_ctas\":[{}],\"victim_sms\":[{}],\"first_start_us\":[{}],\"last_end_us\":[{}],\"victim_spread_us\":[{}]}},",
+                        format!("coresidence {} | {aname}", v.name),
+                        v.name,
+                        runs.iter().map(|c| c.beside.to_string()).collect::<Vec<_>>().join(","),
+                        runs.iter().map(|c| c.shared_sm.to_string()).collect::<Vec<_>>().join(","),
+                        runs.iter().map(|c| c.aggressor_ctas.to_string()).collect::<Vec<_>>().join(","),
+                        runs.iter().map(|c| c.victim_sms.to_string()).collect::<Vec<_>>().join(","),
+                        runs.iter().map(|c| format!("{:.2}", c.first_start_us)).collect::<Vec<_>>().join(","),
+                        runs.iter().map(|c| format!("{:.2}", c.last_end_us)).collect::<Vec<_>>().join(","),
+                        runs.iter().map(|c| format!("{:.2}", c.victim_spread_us)).collect::<Vec<_>>().join(","),
+                    );
+                }
+            }
+        }
+    }
+    sync_all();
+    ck!(sys::cuStreamDestroy_v2(high), "cuStreamDestroy");
+    for p in [vtrace, atrace, a, b, d] {
+        ck!(sys::cuMemFree_v2(p), "cuMemFree");
+    }
+}
+
 
 fn batch_copy(dst: u64, src: u64, bytes: usize, pieces: usize, flag: bool, stream: sys::CUstream) {
     let piece = bytes / pieces;
@@ -2398,7 +2723,8 @@ fn main() {
         "sumphase" => sumphase(&g, samples, &mut json),
         "green" => green(&g, samples, &mut json),
         "progress" => progress(&g, samples, &mut json),
-        other => panic!("unknown mode {other:?} (explore, engine, sumphase, green, progress, compile)"),
+        "coresidence" => coresidence(&g, samples, &mut json),
+        other => panic!("unknown mode {other:?} (explore, engine, sumphase, green, progress, coresidence, compile)"),
     }
     if json.ends_with(',') {
         json.pop();
@@ -2415,6 +2741,30 @@ fn main() {
 mod tests {
     //! The pure arithmetic of `progress` (cargo test --release --example interference; no GPU).
     use super::*;
+
+    #[test]
+    fn coresidence_counts_ctas_beside_the_victim_and_on_its_sms() {
+        // Victim CTAs on SMs 0 and 1 from t = 100 to 2100 ns (SM 1's starts at 150).
+        let victim = [(0, 100, 2100), (1, 150, 2100)];
+        // On SM 0 during the victim; on SM 5 during it; on SM 1 after it ended.
+        let agg = [(0, 500, 900), (5, 600, 1000), (1, 2200, 2500)];
+        let c = cores_of(&victim, &agg).unwrap();
+        assert_eq!((c.victim_ctas, c.victim_sms, c.aggressor_ctas, c.beside, c.shared_sm), (2, 2, 3, 2, 1));
+        assert!((c.first_start_us - 0.4).abs() < 1e-9 && (c.last_end_us - 0.4).abs() < 1e-9);
+        assert!((c.victim_spread_us - 0.05).abs() < 1e-9);
+        // Starting as the victim's CTA ends on that SM is not beside it.
+        let c = cores_of(&victim, &[(0, 2100, 2300)]).unwrap();
+        assert_eq!((c.beside, c.shared_sm), (0, 0));
+        assert!(cores_of(&victim, &[]).is_none() && cores_of(&[], &agg).is_none());
+    }
+
+    #[test]
+    fn registers_are_allocated_per_warp_in_units_of_eight_per_thread() {
+        assert_eq!(regs_allocated(154, 256), 40_960); // XLA's Triton GEMM on H100
+        assert_eq!(regs_allocated(156, 256), 40_960);
+        assert_eq!(regs_allocated(64, 256), 16_384);
+        assert_eq!(regs_allocated(14, 256), 4_096);
+    }
 
     #[test]
     fn bursts_reach_the_ratio_with_the_fewest_repetitions() {

@@ -503,3 +503,69 @@ probe_fullsm(unsigned* out, u64 ns, unsigned never) {
     __syncthreads();
     if (probe_fullsm_smem[(threadIdx.x + 1) % blockDim.x] == never && out) out[blockIdx.x] = spins;
 }
+
+// ----- coresidence mode (issue #38): does a tide CTA ever share an SM with a compute kernel's? -----
+
+// A victim CTA that holds `K` floats live in registers across a spin of `ns` nanoseconds (an FMA
+// chain through all of them per turn, so ptxas keeps every one in a register), then thread 0
+// writes {smid, t_start, t_end} to trace[3 * blockIdx.x ...] as probe_end does. The host launches
+// one CTA per SM with the shape's dynamic shared memory (never touched: residency is what counts).
+// out[b] is written only if the sum equals `never` (never), so nothing is removed.
+template <int K>
+__device__ __forceinline__ void probe_cores_spin(u64* trace, u64 ns, unsigned never, unsigned* out) {
+    const u64 t0 = probe_now();
+    float v[K];
+#pragma unroll
+    for (int i = 0; i < K; ++i) v[i] = (float)(threadIdx.x + i);
+    unsigned spins = 0;
+    while (probe_now() - t0 < ns) {
+#pragma unroll
+        for (int i = 0; i < K; ++i) v[i] = fmaf(v[i], 0.999f, v[(i + 1) % K]);
+        ++spins;
+    }
+    const u64 t1 = probe_now();
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < K; ++i) s += v[i];
+    if (__float_as_uint(s) == never && out) out[blockIdx.x] = spins;
+    if (trace && threadIdx.x == 0) {
+        u64* r = trace + 3 * blockIdx.x;
+        r[0] = probe_smid();
+        r[1] = t0;
+        r[2] = t1;
+    }
+}
+
+#define PROBE_CORES_K 144  // live floats: with the loop's own, ~154 registers (XLA's Triton GEMM on H100)
+
+// XLA's Triton GEMM on H100: 256 threads, ~154 registers (one CTA per SM), 196,640 B dynamic shared.
+extern "C" __global__ void __launch_bounds__(256, 1) probe_cores_gemm(u64* trace, u64 ns, unsigned never, unsigned* out) {
+    probe_cores_spin<PROBE_CORES_K>(trace, ns, never, out);
+}
+// The same kernel as a separate function, so the host can set its preferred carveout to 100.
+extern "C" __global__ void __launch_bounds__(256, 1) probe_cores_gemm_c100(u64* trace, u64 ns, unsigned never, unsigned* out) {
+    probe_cores_spin<PROBE_CORES_K>(trace, ns, never, out);
+}
+// cuDNN's flash attention on H100: 384 threads (~154 registers here, 168 there), 232,448 B.
+extern "C" __global__ void __launch_bounds__(384, 1) probe_cores_attn(u64* trace, u64 ns, unsigned never, unsigned* out) {
+    probe_cores_spin<PROBE_CORES_K>(trace, ns, never, out);
+}
+// The control: 256 threads, few registers, no shared memory (a tide CTA surely fits beside it).
+extern "C" __global__ void __launch_bounds__(256) probe_cores_small(u64* trace, u64 ns, unsigned never, unsigned* out) {
+    probe_cores_spin<4>(trace, ns, never, out);
+}
+
+// The aggressors: tide's sum of two bf16 sources under the engine's register bound (64 per thread:
+// __launch_bounds__(threads, 65536 / (threads * 64))), at 512 and 256 threads per CTA.
+extern "C" __global__ void __launch_bounds__(512, 2)
+probe_cores_st512(float* dst, const void* a, const void* b, u64 n, u64* trace, u64 base, int pdl) {
+    const u64 t0 = probe_now();
+    tide_sum<TideBf16>(dst, probe_two(a, b), 2, n, 0, 1);
+    probe_end(trace, base, t0, pdl);
+}
+extern "C" __global__ void __launch_bounds__(256, 4)
+probe_cores_st256(float* dst, const void* a, const void* b, u64 n, u64* trace, u64 base, int pdl) {
+    const u64 t0 = probe_now();
+    tide_sum<TideBf16>(dst, probe_two(a, b), 2, n, 0, 1);
+    probe_end(trace, base, t0, pdl);
+}
