@@ -424,16 +424,68 @@ def scan_layers_temp_bytes(mesh, reshard, num_layers=8, d=256, f=512, rows=8, **
     return _temp_bytes(f.lower(lay.shard_stacked(stacked), x).compile())
 
 
+def _gathered_layer_bytes(d=256, f=512):
+    """One gathered layer of `scan_layers_temp_bytes`' stack in bf16 bytes: w1, w2, b, s, g."""
+    return 2 * (2 * d * f + d + f + 1)
+
+
 @pytest.mark.parametrize("world", [3, 8])
-def test_reshard_after_forward_holds_prefetch_plus_one_gathered_layers(world):
-    """FSDP2's memory at the defaults (issue #39): with reshard_after_forward=True an 8-layer stack's
-    step holds (prefetch + 1) gathered layers, not 8: its temp memory (XLA's memory analysis) is at
-    most 0.4x of reshard_after_forward=False's. (Two layers per scan iteration on CPU devices, where
-    XLA:CPU drops the barriers that keep the second layer's gather after the first layer, held 4:
-    0.50x; hence one there by default, `_loop._scan_unroll`.)"""
+def test_reshard_after_forward_holds_prefetch_plus_one_gathered_layers(world, monkeypatch):
+    """FSDP2's memory at the defaults (issue #39), what its bound means, whatever the XLA version
+    (as test_gpu.py's `test_layer_loop_holds_prefetch_plus_one_gathered_layers_on_gpus`); XLA:CPU's
+    memory analysis of the step, 2 rows of carry per device (small activations: the saved ones grow
+    with depth by about 0.1-0.3 of a gathered layer from 8 to 16 layers):
+    - with reshard_after_forward=True the temp memory does not grow with depth (16 layers within
+      half a gathered layer of 8): it holds prefetch + 1 gathered layers whatever L, as FSDP2 does;
+    - the default unroll (`_loop._scan_unroll`) costs no more than one layer per iteration (within
+      half a gathered layer; on CPU devices the default is one: XLA:CPU of jax 0.10.2 drops the
+      barriers that order two, which then held 4 gathered layers; with jax 0.12.1 two held no more);
+    - without reshard it grows by a gathered layer per layer (>= 7 from 8 to 16): the test sees
+      the layers held.
+    Measured (3 and 8 devices alike), bytes, a gathered layer 525826: jax 0.10.2 on 2508112 ->
+    2655568 from 8 to 16 layers, off 10337968 -> 20946608 (XLA:CPU holds f32 copies of the bf16
+    layers: 2.5 gathered layers per layer); jax 0.12.1 on 2688912 -> 2746256, off 5570416 -> 9826160
+    (1.0 per layer, as XLA:GPU). The issue's 0.4x bar is the next test's."""
     mesh = make_mesh((world,), (AXIS,))
+    layer = _gathered_layer_bytes()
+    got = {}
+    for unroll in ("", "1"):
+        monkeypatch.setenv("TIDE_SCAN_UNROLL", unroll)
+        for num in (8, 16):
+            for reshard in (True, False):
+                if unroll == "" or (num, reshard) == (8, True):
+                    got[unroll or "default", num, reshard] = scan_layers_temp_bytes(mesh, reshard, num, rows=2)
+    print(f"scan_layers temp bytes on {world} CPU devices, jax {jax.__version__} ((unroll, layers, reshard): "
+          f"bytes; a gathered layer {layer}): {got}")
+    assert got["default", 16, True] - got["default", 8, True] <= layer // 2, got
+    assert got["default", 8, True] <= got["1", 8, True] + layer // 2, got
+    assert got["default", 16, False] - got["default", 8, False] >= 7 * layer, got
+
+
+@pytest.mark.parametrize("world", [3, 8])
+def test_reshard_after_forward_temp_at_most_0_4x_of_off_where_xla_cpu_upcasts(world):
+    """Issue #39's bar, measured on CI's first leg (jax 0.10.2): an 8-layer stack's step at the
+    defaults (8 rows of carry per device) with reshard_after_forward=True takes at most 0.4x of the
+    temp memory without (0.28x there). The ratio depends on the XLA version, not on tide: XLA:CPU of
+    jax 0.10.2 upcasts the bf16 dots and, without reshard, holds f32 copies of the saved layers too
+    (2.6 gathered layers per layer), which the bar counts on; XLA:CPU of jax 0.12.1 holds the bf16
+    layers alone (1.05 per layer, as XLA:GPU, where one H100 measured 0.47x), and the ratio is 0.50x
+    with the same bound held (the test above). So the bar is asserted where XLA holds more than 1.5
+    gathered layers per layer without reshard (16 layers against 8), and elsewhere the test is
+    skipped with the ratio and the per-layer bytes in its reason (pytest -ra prints it)."""
+    mesh = make_mesh((world,), (AXIS,))
+    layer = _gathered_layer_bytes()
     on, off = scan_layers_temp_bytes(mesh, True), scan_layers_temp_bytes(mesh, False)
-    assert on <= 0.4 * off, (on, off, on / off)
+    off16 = scan_layers_temp_bytes(mesh, False, 16)
+    per_layer = (off16 - off) / 8 / layer
+    seen = (f"jax {jax.__version__}: reshard on/off {on / off:.2f}x at 8 layers ({on} / {off} bytes); "
+            f"without reshard {per_layer:.2f} gathered layers per layer ({off} -> {off16} bytes, 8 -> 16)")
+    print(seen)
+    if per_layer < 1.5:
+        pytest.skip(f"{seen}: XLA:CPU holds no f32 copies of the bf16 layers without reshard, so the 0.4x bar "
+                    "(jax 0.10.2's) does not apply; the bound is asserted by "
+                    "test_reshard_after_forward_holds_prefetch_plus_one_gathered_layers")
+    assert on <= 0.4 * off, seen
 
 
 def _hlo_graph(text: str):
