@@ -21,8 +21,9 @@ shard_map. A 0-d parameter: `(P,)`. With every spec `P()` (pure FSDP) this is
 Meshes with several axes: ranks run along `axis`; the devices that share their coordinates on every
 other axis form one group, and each group runs its own collective (on its own blocks). The device
 map passed to the native library (`device_ordinals`, `device_ranks`, `device_groups`) says, for
-every local device of the mesh, its XLA device ordinal (CPU: the global device id; GPU:
-`local_hardware_id`), its rank and its group.
+every local device of the mesh (a CPU mesh over several processes: every device, the same program
+in each process, `Layout._build_device_map`), its XLA device ordinal (CPU: the global device id;
+GPU: `local_hardware_id`), its rank and its group.
 
 Replicas (`replicas=`, HSDP): mesh axes the batch is split over while the shards are replicated over
 them (a data axis). `gather_params` / `scan_layers` type the gathered parameters as varying over
@@ -375,9 +376,19 @@ class Layout:
         other_dims = [devices.shape[i] for i in range(devices.ndim) if i != axis_pos]
         ordinals, ranks, groups = [], [], []
         process = jax.process_index()
+        flat = list(devices.flat)
+        # A CPU mesh over several processes lists every device of the mesh, in every process, so
+        # that every process compiles the same program: XLA:CPU of jax 0.12.1 hangs in the first
+        # gloo collective of programs that differ between processes (even pure-JAX ones differing
+        # in a constant; it matches collectives by the executable). With `job` set the native
+        # library reads only the executing device's entry (CPU ordinals are global device ids,
+        # distinct across processes). Otherwise (GPUs: ordinals are local_hardware_ids) this
+        # process's devices.
+        everywhere = (all(d.platform == "cpu" for d in flat)
+                      and len({getattr(d, "process_index", process) for d in flat}) > 1)
         for idx in np.ndindex(*devices.shape):
             d = devices[idx]
-            if getattr(d, "process_index", process) != process:
+            if getattr(d, "process_index", process) != process and not everywhere:
                 continue  # the native library only sees this process's devices
             other = [idx[i] for i in range(len(idx)) if i != axis_pos]
             group = int(np.ravel_multi_index(other, other_dims)) if other else 0

@@ -12,6 +12,7 @@ This file is also the worker: `python test_multiprocess.py worker --out DIR [--d
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -115,6 +116,12 @@ def worker(out_dir: str, die: int | None, hsdp: int = 0) -> None:
         tide_jax.shard_map(step, mesh=mesh, in_specs=(P("fsdp"), P("fsdp")),
                            out_specs=(P("fsdp"),) * 7)
     )
+    # The program as lowered, the same in every process (its digest is in the "ok" line): XLA:CPU of
+    # jax 0.12.1 hangs in the first gloo collective of programs that differ between processes (this
+    # step's jax.lax.all_gather did while tide's attributes listed each process's own devices).
+    import hashlib
+
+    program = hashlib.sha256(fn.lower(shards, gstack).as_text().encode()).hexdigest()[:16]
     full, ref, rs, into_rs, others, cast, cast_ref = fn(shards, gstack)
     jax.block_until_ready((full, ref, rs, into_rs, others, cast, cast_ref))
     for k in params:
@@ -178,7 +185,7 @@ def worker(out_dir: str, die: int | None, hsdp: int = 0) -> None:
     rail_bytes.restype = __import__("ctypes").c_uint64
     print(f"worker {jax.process_index()}: ok ({len(results)} arrays, job {lay.job}, topology {lay.nodes}x{lay.gpus_per_node}, "
           f"mesh {dict(mesh.shape)}, "
-          f"rail {rail_bytes()} bytes)", flush=True)
+          f"rail {rail_bytes()} bytes, program {program})", flush=True)
 
     if die is not None:
         # Process `die` is killed before a call; the others must fail, not hang.
@@ -258,6 +265,8 @@ def test_multiprocess_matches_jax_and_single_process(tmp_path, nprocs, devs):
     r = _launch(nprocs, devs, tmp_path / "multi")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count(": ok (") == nprocs, r.stdout
+    programs = re.findall(r"program ([0-9a-f]{16})\)", r.stdout)
+    assert len(programs) == nprocs and len(set(programs)) == 1, f"each process lowered its own program: {r.stdout}"
     multi = _load(tmp_path / "multi")
     single = _single(nprocs * devs, tmp_path / "single")
     assert multi.keys() == single.keys()
