@@ -632,11 +632,19 @@ class _Loop:
         An optimization barrier types all its outputs as varying over the union of its operands'
         mesh axes, which would change a carry's type (an invariant counter) or a residual's. So each
         value is tied only to the handle arrays that vary over no more axes than it does, one barrier
-        per value type; the done uses each handle array from the first barrier it went through. A
-        start's results are typed varying over the layout's axis alone ([Note: vma of the
-        collectives] in `_ops`), so every value varying over that axis ties every start (a done needs
-        one of its arrays from the barrier to follow it); values varying over fewer axes are left out:
-        nothing they compute can use the collective."""
+        per value type, smallest first. A start's results are typed varying over the layout's axis
+        alone ([Note: vma of the collectives] in `_ops`), so every value varying over that axis ties
+        every start (a done needs one of its arrays from the barrier to follow it); values varying
+        over fewer axes are left out: nothing they compute can use the collective.
+
+        Each handle array runs through the barriers in a chain (the next barrier takes the previous
+        one's output, where its type fits in the next one's) and the done takes it from the last: a
+        handle array that also went into a barrier the done does not follow makes XLA copy it before
+        the done (it writes in place), and the done then finds no start for the copy. XLA:CPU of jax
+        0.12.1 keeps the barriers until after copy insertion and did so on a fsdp x tensor mesh
+        (tests/python/test_compose.py); 0.10.2 removes them before. Where a type does not fit (two
+        value types neither of which holds the other), the array goes in as it came from the start,
+        as before."""
         if not self.use_barriers:
             return (handles, *others)
         h_flat, h_tree = jax.tree_util.tree_flatten(handles)
@@ -650,16 +658,19 @@ class _Loop:
             if any(hv <= v for hv in h_vmas):
                 classes.setdefault(v, []).append(i)
         new_h, new_o = list(h_flat), list(o_flat)
+        cur_vmas = list(h_vmas)  # each handle array's type at the end of its chain
         tied = [False] * len(h_flat)
         for v in sorted(classes, key=lambda v: (len(v), sorted(v))):
             idx = classes[v]
-            hs = [j for j, hv in enumerate(h_vmas) if hv <= v]
-            out = jax.lax.optimization_barrier(tuple(h_flat[j] for j in hs) + tuple(o_flat[i] for i in idx))
-            for k, j in enumerate(hs):
-                if not tied[j]:
-                    new_h[j], tied[j] = out[k], True
+            chained = [j for j, cv in enumerate(cur_vmas) if cv <= v]
+            loose = [j for j, hv in enumerate(h_vmas) if hv <= v and not cur_vmas[j] <= v]
+            ins = tuple(new_h[j] for j in chained) + tuple(h_flat[j] for j in loose)
+            out = jax.lax.optimization_barrier(ins + tuple(o_flat[i] for i in idx))
+            for k, j in enumerate(chained):
+                new_h[j], tied[j] = out[k], True
+                cur_vmas[j] = _compat.vma_of(out[k])
             for k, i in enumerate(idx):
-                new_o[i] = out[len(hs) + k]
+                new_o[i] = out[len(ins) + k]
         if not any(tied):
             new_h = list(jax.lax.optimization_barrier(tuple(h_flat)))
         return (jax.tree_util.tree_unflatten(h_tree, new_h), *jax.tree_util.tree_unflatten(o_tree, new_o))
