@@ -27,6 +27,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cuda,cpu" if _gpu_present() else "cpu")
 # threads as devices, one thread busy elsewhere starves the last device and XLA aborts the process
 # after 40 s ("only 7 of them arrived"; seen on the 2-core CI). Spare threads avoid it.
 os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 16)))
+# test_random.py's cases come from this session's entropy: drawn here, in the first process that
+# loads this file, and inherited by pytest-xdist's workers, so that every worker collects the same.
+os.environ.setdefault("TIDE_RANDOM_ENTROPY", str(int.from_bytes(os.urandom(8), "little") >> 1))
 # Test this checkout's package (python/), not a copy installed earlier; its native library is found
 # by tide_jax._lib: $TIDE_LIBRARY, else target/release/libtide.so (which `cargo build --release`
 # writes). TIDE_TEST_INSTALLED=1 tests the tide_jax installed in this Python instead (a wheel, e.g.
@@ -86,3 +89,22 @@ def tide_backend():
     previous = tide_jax.set_backend("tide")
     yield "tide"
     tide_jax.set_backend(previous)
+
+
+# What examples/train.py's setup_env writes into os.environ when a test calls train.main in this
+# process (test_checkpoint.py, test_train.py): its device count (--devices 3 writes 3) and MaxText's
+# XLA flags, JAX_PLATFORMS, NPROC. Those reach every later subprocess of the session, so they are
+# put back after each test to what this file set. They used to be put back by whichever train.main
+# call came next: under pytest-xdist a worker runs the tests in any order, and in a serial run where
+# that call failed test_interleaved.py's subprocess got 3 devices for its 8-device mesh.
+_ENV_AS_SET = {k: os.environ.get(k) for k in ("XLA_FLAGS", "JAX_PLATFORMS", "NPROC")}
+
+
+@pytest.fixture(autouse=True)
+def _environment_as_set():
+    yield
+    for k, v in _ENV_AS_SET.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

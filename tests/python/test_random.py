@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -42,11 +43,16 @@ CASES = int(os.environ.get("TIDE_RANDOM_CASES", "6"))
 
 
 def seeds(name):
-    """This run's seeds for test `name`: TIDE_RANDOM_SEED, else fresh ones."""
+    """This run's seeds for test `name`: TIDE_RANDOM_SEED, else fresh ones, drawn from the session's
+    entropy (TIDE_RANDOM_ENTROPY, which conftest.py draws once and pytest-xdist's workers inherit:
+    each worker collects the same cases)."""
     fixed = os.environ.get("TIDE_RANDOM_SEED")
     if fixed is not None:
         return [int(fixed)]
-    return [int(s) for s in np.random.SeedSequence().generate_state(CASES, dtype=np.uint32)]
+    entropy = os.environ.get("TIDE_RANDOM_ENTROPY")
+    seq = (np.random.SeedSequence(int(entropy), spawn_key=(zlib.crc32(name.encode()),)) if entropy
+           else np.random.SeedSequence())
+    return [int(s) for s in seq.generate_state(CASES, dtype=np.uint32)]
 
 
 def same_bytes(a, b):
