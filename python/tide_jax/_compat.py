@@ -1,4 +1,7 @@
-"""Small shims over JAX API differences between 0.10.2 (CI, CPU) and 0.11.2 (the GPU machine)."""
+"""Small shims over JAX API differences between the versions tide runs on: 0.10.2 (CI's first leg,
+Python 3.11), 0.11.2 (the GPU machine) and the newest on PyPI (CI's second leg, scripts/newest-jax:
+0.12.1 on 2026-12-06, whose API needed none; its XLA:CPU needs the same program in every process
+of a job, which `_layout.Layout._build_device_map` gives on every version)."""
 
 from __future__ import annotations
 
