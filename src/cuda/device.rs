@@ -38,23 +38,24 @@ pub struct Module {
 }
 
 impl Module {
-    /// Every kernel of the module with its name (`kernels::KERNEL_NAMES`' order).
-    pub fn functions(&self) -> [(&'static str, CUfunction); 13] {
-        [
-            ("rs_sum_bf16_f32", self.sum_bf16),
-            ("rs_sum_f16_f32", self.sum_f16),
-            ("rs_sum_f32_f32", self.sum_f32),
-            ("tide_copy", self.copy),
-            ("tide_copy_batch", self.copy_batch),
-            ("rs_sum_batch_bf16_f32", self.sum_batch[0]),
-            ("rs_sum_batch_f16_f32", self.sum_batch[1]),
-            ("rs_sum_batch_f32_f32", self.sum_batch[2]),
-            ("rs_sum_at_bf16_f32", self.sum_at[0]),
-            ("rs_sum_at_f16_f32", self.sum_at[1]),
-            ("rs_sum_at_f32_f32", self.sum_at[2]),
-            ("tide_zero_at", self.zero_at),
-            ("tide_cast_at_f32_bf16", self.cast_at),
-        ]
+    /// Every kernel of the module with its name, in `kernels::KERNEL_NAMES`' order.
+    pub fn functions(&self) -> [(&'static str, CUfunction); kernels::KERNEL_NAMES.len()] {
+        let f = [
+            self.sum_bf16,
+            self.sum_f16,
+            self.sum_f32,
+            self.copy,
+            self.copy_batch,
+            self.sum_batch[0],
+            self.sum_batch[1],
+            self.sum_batch[2],
+            self.sum_at[0],
+            self.sum_at[1],
+            self.sum_at[2],
+            self.zero_at,
+            self.cast_at,
+        ];
+        std::array::from_fn(|i| (kernels::KERNEL_NAMES[i], f[i]))
     }
 }
 
