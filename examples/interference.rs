@@ -1896,13 +1896,7 @@ fn row_filter() -> impl Fn(&str) -> bool {
 /// spinning 1 ms; a burst of 4 launches back to back.
 fn fullsm_victim(g: &Gpu) -> (Victim<'_>, u32) {
     let f = func(g, "probe_fullsm");
-    let mut dev = 0;
-    ck!(sys::cuCtxGetDevice(&mut dev), "cuCtxGetDevice");
-    let mut smem = 0;
-    ck!(
-        sys::cuDeviceGetAttribute(&mut smem, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev),
-        "cuDeviceGetAttribute"
-    );
+    let smem = device_attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN);
     ck!(
         sys::cuFuncSetAttribute(f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
         "cuFuncSetAttribute"
@@ -1949,43 +1943,32 @@ fn kernel_resources(f: sys::CUfunction, threads: u32, smem: u32) -> (i32, i32, i
     )
 }
 
-/// One line per kernel of tide's module as the engine loaded it (`cuda::device::Module`, launched
-/// with `kernels::THREADS` threads and no dynamic shared memory), and of the full-SM probe: what
-/// decides whether a tide CTA fits on an SM beside a compute kernel's CTA.
-fn print_kernel_resources(g: &Gpu, fullsm_smem: u32, json: &mut String) {
+/// An attribute of the current context's device.
+fn device_attr(a: sys::CUdevice_attribute) -> i32 {
     let mut dev = 0;
     ck!(sys::cuCtxGetDevice(&mut dev), "cuCtxGetDevice");
-    let attr = |a| {
-        let mut v = 0;
-        ck!(sys::cuDeviceGetAttribute(&mut v, a, dev), "cuDeviceGetAttribute");
-        v
-    };
+    let mut v = 0;
+    ck!(sys::cuDeviceGetAttribute(&mut v, a, dev), "cuDeviceGetAttribute");
+    v
+}
+
+/// One line per kernel of tide's module as the engine loaded it (`cuda::device::Module`, launched
+/// with `kernels::threads()` threads and no dynamic shared memory), and of the full-SM probe: what
+/// decides whether a tide CTA fits on an SM beside a compute kernel's CTA.
+fn print_kernel_resources(g: &Gpu, fullsm_smem: u32, json: &mut String) {
     use sys::CUdevice_attribute as D;
     let (regs_sm, smem_sm, threads_sm) = (
-        attr(D::CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR),
-        attr(D::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
-        attr(D::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR),
+        device_attr(D::CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR),
+        device_attr(D::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
+        device_attr(D::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR),
     );
     println!("kernel resources: per SM {regs_sm} registers, {smem_sm} B shared memory, {threads_sm} threads");
     let state = tide::cuda::device::get(0).unwrap_or_else(|e| panic!("{e}"));
     let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
     let m = state.ensure_module().unwrap_or_else(|e| panic!("{e}"));
     let threads = tide::cuda::kernels::threads();
-    let mut list: Vec<(&str, sys::CUfunction, u32, u32)> = vec![
-        ("rs_sum_bf16_f32", m.sum_bf16, threads, 0),
-        ("rs_sum_f16_f32", m.sum_f16, threads, 0),
-        ("rs_sum_f32_f32", m.sum_f32, threads, 0),
-        ("tide_copy", m.copy, threads, 0),
-        ("tide_copy_batch", m.copy_batch, threads, 0),
-        ("rs_sum_batch_bf16_f32", m.sum_batch[0], threads, 0),
-        ("rs_sum_batch_f16_f32", m.sum_batch[1], threads, 0),
-        ("rs_sum_batch_f32_f32", m.sum_batch[2], threads, 0),
-        ("rs_sum_at_bf16_f32", m.sum_at[0], threads, 0),
-        ("rs_sum_at_f16_f32", m.sum_at[1], threads, 0),
-        ("rs_sum_at_f32_f32", m.sum_at[2], threads, 0),
-        ("tide_zero_at", m.zero_at, threads, 0),
-        ("tide_cast_at_f32_bf16", m.cast_at, threads, 0),
-    ];
+    let mut list: Vec<(&str, sys::CUfunction, u32, u32)> =
+        m.functions().into_iter().map(|(name, f)| (name, f, threads, 0)).collect();
     list.push(("probe_fullsm (victim)", func(g, "probe_fullsm"), 384, fullsm_smem));
     for (name, f, threads, smem) in list {
         let (regs, max_threads, static_smem, local, per_sm) = kernel_resources(f, threads, smem);
@@ -2382,23 +2365,16 @@ fn func_attr(f: sys::CUfunction, a: sys::CUfunction_attribute) -> String {
 
 fn coresidence(g: &Gpu, samples: usize, json: &mut String) {
     use sys::CUfunction_attribute as A;
-    let mut dev = 0;
-    ck!(sys::cuCtxGetDevice(&mut dev), "cuCtxGetDevice");
-    let dattr = |a| {
-        let mut v = 0;
-        ck!(sys::cuDeviceGetAttribute(&mut v, a, dev), "cuDeviceGetAttribute");
-        v
-    };
     use sys::CUdevice_attribute as D;
-    let optin = dattr(D::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN) as u32;
+    let optin = device_attr(D::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN) as u32;
     println!(
         "coresidence: per SM {} registers, {} B shared memory ({} B opt-in per CTA, {} B reserved per CTA), {} threads; victim spin {} us, \
          aggressor {} CTAs x {} elements, launched {} us after the victim; {} runs per row",
-        dattr(D::CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR),
-        dattr(D::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
+        device_attr(D::CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR),
+        device_attr(D::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
         optin,
-        dattr(D::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK),
-        dattr(D::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR),
+        device_attr(D::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK),
+        device_attr(D::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR),
         CORES_VICTIM_NS / 1000,
         CORES_AGG_CTAS,
         CORES_N,
