@@ -127,6 +127,17 @@ def elementwise(nbytes):
     return init, step
 
 
+def elementwise_bytes(scale):
+    """The elementwise victim's buffer (512 MiB at scale 1, 1/scale^2 of it otherwise)."""
+    return max(4096, (512 << 20) // (scale * scale))
+
+
+def hbm_bound_ms(comp_ms, victim_bytes, coll_bytes):
+    """Issue #38's bound for the HBM-bound victim: both programs' bytes at the card's copy rate,
+    the rate being the victim's own alone in the same run (an fp32 read + write pass over HBM)."""
+    return comp_ms * (1 + coll_bytes / victim_bytes)
+
+
 def victim(name, scale, on_gpu):
     """(description, init, step) of a victim at 1/scale per dimension (the elementwise pass 1/scale^2
     of its bytes, as the layer's parameters)."""
@@ -144,7 +155,7 @@ def victim(name, scale, on_gpu):
         mnk = (dim(2048, s), dim(2048, s), dim(16384, s))
         return (f"bf16 GEMM {'x'.join(map(str, mnk))}", *gemm(*mnk))
     if name == "elementwise":
-        nbytes = max(4096, (512 << 20) // (s * s))
+        nbytes = elementwise_bytes(s)
         return (f"fp32 elementwise over {nbytes / 2**20:g} MiB", *elementwise(nbytes))
     raise SystemExit(f"progress: unknown victim {name!r}; victims: {', '.join(VICTIMS)}")
 
@@ -352,12 +363,23 @@ def main():
                        overlap=(c + x - b) / max(1e-9, min(c, x)),
                        added_ms_per_layer=(b - c) / args.layers, exposed=(b - c) / x,
                        victim_slowdown=b / c - 1, **env)
+            if vname == "elementwise":
+                # Read + written per layer: the victim's pass 2 x its buffer per rep; the call (world
+                # 1) 6 bytes per element: bf16 read + fp32 written (rs), fp32 read + bf16 written (ag).
+                vbytes = 2 * elementwise_bytes(args.scale) * reps * args.layers
+                cbytes = 3 * layer_bytes * args.layers
+                row["hbm_bound_ms"] = hbm_bound_ms(c, vbytes, cbytes)
+                row["both_over_hbm_bound"] = b / row["hbm_bound_ms"]
             rows.append(row)
             print(f"progress: {vname:<11} {o} | {desc} x{reps} per layer | comp {c:.3f} coll {x:.3f} "
                   f"both {b:.3f} ms | ratio {row['ratio']:.2f} | overlap {row['overlap']:.2f} | "
                   f"added {row['added_ms_per_layer']:.3f} ms/layer (exposed {row['exposed']:.2f} of coll) | "
                   f"victim slowdown {100 * row['victim_slowdown']:+.1f}% | "
                   f"TIDE_HIGH_PRIORITY={env['TIDE_HIGH_PRIORITY']} {dev.device_kind}", flush=True)
+            if "hbm_bound_ms" in row:
+                print(f"progress: {vname:<11} {o} | HBM bound {row['hbm_bound_ms']:.3f} ms (both programs' bytes at "
+                      f"the victim's own rate alone) | both / bound {row['both_over_hbm_bound']:.3f} "
+                      f"(the bar: <= 1.10)", flush=True)
             if row["ratio"] < args.ratio:
                 print(f"progress: note: {vname} {o}: victim only {row['ratio']:.2f}x the collective "
                       f"(< {args.ratio}): the calibration run was off", flush=True)
