@@ -11,7 +11,8 @@
 #    (default 7): OUT/progress-<name>.txt and .json. SWEEP_PROGRESS=0 skips it.
 # 3. With SWEEP_ENGINE_MODES (e.g. "engine progress"): .carry/interference in each mode under the same
 #    setting, rows filtered by TIDE_BENCH_ROWS as set (issue #22's bars: `engine`; the engine-level
-#    half of issue #38: `progress`): OUT/<mode>-<name>.txt.
+#    half of issue #38: `progress`): OUT/interference-<mode>-<name>.txt (not OUT/<mode>-<name>.txt:
+#    the progress mode's would be the JAX run's name).
 # The wheel in .carry/ is installed as scripts/gpu run does (--target $TIDE_SITE on PYTHONPATH).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -75,9 +76,9 @@ while read -r name settings; do
     for mode in ${SWEEP_ENGINE_MODES:-}; do
         # shellcheck disable=SC2086
         timeout 300 env LD_LIBRARY_PATH="$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" $settings \
-            TIDE_BENCH_OUT="$OUT/$name/interference-$mode.json" .carry/interference "$mode" >"$OUT/$mode-$name.txt" 2>&1 </dev/null
+            TIDE_BENCH_OUT="$OUT/$name/interference-$mode.json" .carry/interference "$mode" >"$OUT/interference-$mode-$name.txt" 2>&1 </dev/null
         echo "progress_sweep: $name ($settings) interference $mode rc $?"
-        grep -E "^(RS|AG|progress|kernel|engine:|NOTE)" "$OUT/$mode-$name.txt" | cut -c1-400 | head -40
+        grep -E "^(RS|AG|progress|kernel|engine:|NOTE)" "$OUT/interference-$mode-$name.txt" | cut -c1-400 | head -40
     done
     [ "${SWEEP_PROGRESS:-1}" = 1 ] || continue
     # shellcheck disable=SC2086
