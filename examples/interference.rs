@@ -60,10 +60,22 @@
 //!   started before the victim's last CTA ended, how many of those ran on an SM while a victim CTA
 //!   lived there, the aggressor's first start from the victim's start and last end from the
 //!   victim's end (medians); first each kernel alone.
+//! - `cecheck` (issue #38: which data movement within one GPU progresses beside a kernel holding
+//!   every SM, i.e. runs on copy engines, and which the driver runs as SM kernels? The emulated
+//!   peers are buffers of the same GPU, so this decides what the emulated all-gather can show):
+//!   `progress`'s rows against the full-SM probe for cuMemcpyDtoDAsync (8 x 32 MiB, 1 x 256 MiB,
+//!   64 x 4 MiB), cuMemcpyBatchAsync (8 x 32 MiB, PREFER_OVERLAP_WITH_COMPUTE), a strided
+//!   cuMemcpy2DAsync (3.5 KiB rows to a pitch of 8 rows, 64 MiB), cuMemsetD32Async (256 MiB),
+//!   pinned D2H and H2D (64 MiB, the control), a bf16 -> fp32 upcast by 2-D copy (16 Mi
+//!   elements: 2-byte rows into the high halves of zeroed fp32 slots; checked bitwise first, and
+//!   its rate alone) and same-context cuMemcpyPeerAsync (8 x 32 MiB); per row overlap, each one's
+//!   time inside `both`, the rate alone (bytes written) and a verdict: copy engine (overlap >=
+//!   0.8), SM (blocked) (<= 0.2) or partial.
 //!
 //! Output: one line per row on stdout; JSON at $TIDE_BENCH_OUT. Env: TIDE_BENCH_SAMPLES (9),
 //! TIDE_BENCH_ROWS (comma-separated substrings of the row names to run; default all),
-//! TIDE_BENCH_PROGRESS_RATIO (1.25; `progress`'s victim burst over the call alone).
+//! TIDE_BENCH_PROGRESS_RATIO (1.25; the victim's burst over the call alone in `progress` and
+//! `cecheck`).
 //! Build here: cargo build --release --example interference; run there (scripts/gpu interference).
 
 #![allow(clippy::too_many_arguments)]
@@ -444,6 +456,12 @@ impl<'a> Aggressor<'a> {
     fn traced(name: String, bytes: f64, call: Box<dyn Fn(sys::CUstream, u64) + 'a>) -> Aggressor<'a> {
         Aggressor { name, bytes, traced: true, config: None, ctas_bound: None, call }
     }
+
+    /// A row whose work is not traced (copies, fills, foreign kernels), under the environment's
+    /// configuration.
+    fn plain(name: String, bytes: f64, call: Box<dyn Fn(sys::CUstream, u64) + 'a>) -> Aggressor<'a> {
+        Aggressor { name, bytes, traced: false, config: None, ctas_bound: None, call }
+    }
 }
 
 struct Victim<'a> {
@@ -710,18 +728,10 @@ impl Bufs {
 /// CTAs, and the copy paths of the driver (`pieces` lists the cuMemcpyBatchAsync shapes).
 fn baseline_aggressors<'a>(g: &'a Gpu, bufs: &'a Bufs, pieces: &[(usize, usize, bool)]) -> Vec<Aggressor<'a>> {
     let mut aggs: Vec<Aggressor> = Vec::new();
-    let plain = |name: String, bytes: f64, call: Box<dyn Fn(sys::CUstream, u64) + 'a>| Aggressor {
-        name,
-        bytes,
-        traced: false,
-        config: None,
-        ctas_bound: None,
-        call,
-    };
     {
         let f = func(g, "probe_xla_sum2");
         let sms = g.sms;
-        aggs.push(plain(
+        aggs.push(Aggressor::plain(
             "full-grid upcast + add (XLA's fusion), 32 M elements".into(),
             SUM_BYTES,
             Box::new(move |stream, _| {
@@ -736,9 +746,9 @@ fn baseline_aggressors<'a>(g: &'a Gpu, bufs: &'a Bufs, pieces: &[(usize, usize, 
             }),
         ));
     }
-    aggs.push(plain("16 spinning CTAs, 100 us per launch".into(), 0.0, Box::new(move |stream, _| spin(g, stream, 100_000, 16))));
+    aggs.push(Aggressor::plain("16 spinning CTAs, 100 us per launch".into(), 0.0, Box::new(move |stream, _| spin(g, stream, 100_000, 16))));
     for bytes in [COPY_BYTES, 32 << 20] {
-        aggs.push(plain(
+        aggs.push(Aggressor::plain(
             format!("cuMemcpyAsync D2D {} MiB", bytes >> 20),
             2.0 * bytes as f64,
             Box::new(move |stream, _| {
@@ -747,7 +757,7 @@ fn baseline_aggressors<'a>(g: &'a Gpu, bufs: &'a Bufs, pieces: &[(usize, usize, 
         ));
     }
     for &(bytes, n, flag) in pieces {
-        aggs.push(plain(
+        aggs.push(Aggressor::plain(
             format!(
                 "cuMemcpyBatchAsync D2D {} MiB, {n} piece{}, {}",
                 bytes >> 20,
@@ -758,7 +768,7 @@ fn baseline_aggressors<'a>(g: &'a Gpu, bufs: &'a Bufs, pieces: &[(usize, usize, 
             Box::new(move |stream, _| batch_copy(bufs.cd, bufs.cs, bytes, n, flag, stream)),
         ));
     }
-    aggs.push(plain(
+    aggs.push(Aggressor::plain(
         "cuMemsetD8Async 256 MiB".into(),
         COPY_BYTES as f64,
         Box::new(move |stream, _| {
@@ -2001,6 +2011,18 @@ fn gate_ns(host_ms: f64) -> u64 {
     ((2.0 * host_ms + 0.5).clamp(1.0, 500.0) * 1e6) as u64
 }
 
+/// TIDE_BENCH_PROGRESS_RATIO (1.25): each victim's burst over the call alone, in `progress` and
+/// `cecheck`.
+fn progress_ratio() -> f64 {
+    std::env::var("TIDE_BENCH_PROGRESS_RATIO").ok().and_then(|v| v.parse().ok()).unwrap_or(1.25)
+}
+
+/// A number for the JSON output: null where not finite (a row whose samples all failed), as JSON
+/// has no NaN.
+fn json_num(x: f64) -> String {
+    if x.is_finite() { format!("{x:.5}") } else { "null".into() }
+}
+
 /// One (call, victim) row of `progress`: the medians of the interleaved samples (ms).
 #[derive(Debug, Clone, PartialEq)]
 struct Progress {
@@ -2165,7 +2187,7 @@ fn progress(g: &Gpu, samples: usize, json: &mut String) {
         c.multicast = false;
         c
     };
-    let ratio: f64 = std::env::var("TIDE_BENCH_PROGRESS_RATIO").ok().and_then(|v| v.parse().ok()).unwrap_or(1.25);
+    let ratio = progress_ratio();
     let run_row = row_filter();
     let ops = [Op::ReduceScatter, Op::AllGather];
     let worlds = [1usize, 2, 4, 8];
@@ -2224,23 +2246,21 @@ fn progress(g: &Gpu, samples: usize, json: &mut String) {
                 if late > 0 { format!(", {late} late retried") } else { String::new() },
                 sampler.gate_ns as f64 / 1e6
             );
-            // null for a number that is not finite (a row whose samples all failed), as JSON has no NaN.
-            let num = |x: f64| if x.is_finite() { format!("{x:.5}") } else { "null".into() };
             let _ = write!(
                 json,
                 "{{\"name\":{row:?},\"progress\":{name:?},\"victim\":{:?},\"reps\":{reps},\"victim_ms\":{},\"coll_ms\":{},\
                  \"both_ms\":{},\"overlap\":{},\"added_ms\":{},\"victim_in_both_ms\":{},\"victim_slowdown_pct\":{},\
                  \"coll_in_both_ms\":{},\"coll_slowdown_pct\":{},\"samples\":{samples},\"late\":{late}}},",
                 v.name,
-                num(p.victim_ms),
-                num(p.coll_ms),
-                num(p.both_ms),
-                num(p.overlap()),
-                num(p.added_ms()),
-                num(p.victim_in_both_ms),
-                num(p.victim_slowdown_pct()),
-                num(p.coll_in_both_ms),
-                num(p.coll_slowdown_pct())
+                json_num(p.victim_ms),
+                json_num(p.coll_ms),
+                json_num(p.both_ms),
+                json_num(p.overlap()),
+                json_num(p.added_ms()),
+                json_num(p.victim_in_both_ms),
+                json_num(p.victim_slowdown_pct()),
+                json_num(p.coll_in_both_ms),
+                json_num(p.coll_slowdown_pct())
             );
             // The issue's bar excludes the HBM-bound elementwise pass.
             if !v.name.starts_with("elementwise") && worst.is_none_or(|(o, _)| p.overlap() < o) {
@@ -2561,6 +2581,284 @@ fn coresidence(g: &Gpu, samples: usize, json: &mut String) {
     }
 }
 
+// ----- cecheck mode (issue #38): which same-device data movement progresses beside a full-SM kernel -----
+//
+// `engine` and `progress` emulate a world of P on one GPU: the peers' buffers are buffers of GPU 0,
+// so every "peer" copy of the emulated all-gather is a device-to-device copy within one device.
+// Across GPUs those are NVLink copies that the copy engines run beside any kernel; within one
+// device the driver may instead run a copy, a fill or a 2-D copy as a kernel of its own on the
+// SMs, which a kernel holding every SM (cuDNN's flash attention; `fullsm_victim`) keeps waiting
+// until it ends. Which of these calls progress beside that kernel decides what the emulated
+// all-gather can show beside it: a call that waits for the SMs here may not wait on a real world.
+// Each call is one `progress_row` against the full-SM victim (gated samples: the victim alone, the
+// call alone, both): overlap >= 0.8 reads as copy-engine work, <= 0.2 as work that waited for the
+// SMs (the driver's kernel), between as partial. The pinned host copies are the control (copy
+// engines by construction). The upcast row asks whether the copy engines can do a bf16 -> fp32
+// upcast (2-byte rows into the high halves of zeroed fp32 slots), checked bitwise first.
+
+/// The upcast row's bf16 elements (fp32 slots).
+const UPCAST_N: usize = 16 << 20;
+/// The strided 2-D row: rows of 3.5 KiB (a dim-1 slice's row) landing 8 rows' pitch apart (as
+/// tide's dim-1 gather lands a peer's slice), 64 MiB in all.
+const ROW2D: usize = 3584;
+const ROW2D_ROWS: usize = (64usize << 20).div_ceil(ROW2D);
+/// The host copies' bytes (pinned host memory).
+const HOST_BYTES: usize = 64 << 20;
+
+/// Where a call ran, from its overlap with the full-SM victim.
+fn ce_verdict(overlap: f64) -> &'static str {
+    match overlap {
+        o if o >= 0.8 => "copy engine",
+        o if o <= 0.2 => "SM (blocked)",
+        o if o.is_nan() => "no result",
+        _ => "partial",
+    }
+}
+
+/// cecheck's buffers, allocated once: a 256 MiB source and destination (the copies, the fill, the
+/// peer copies, the host copies' device ends), the strided 2-D copy's destination (8 x its 64
+/// MiB), 64 MiB of pinned host memory, the upcast's bf16 source and fp32 destination, and the
+/// context (both ends of the peer copies).
+struct CeBufs {
+    src: u64,
+    dst: u64,
+    dst2d: u64,
+    host: *mut c_void,
+    up_src: u64,
+    up_dst: u64,
+    ctx: sys::CUcontext,
+    /// Rows per 2-D copy of the upcast (UPCAST_N unless the driver refused that height).
+    up_rows: usize,
+}
+
+/// bf16 -> fp32 on the copy engines: zero the `n` fp32 slots at `dst`, then 2-D copies of at most
+/// `rows` rows: row i is bf16 i (2 bytes, source pitch 2) landing at byte 2 of fp32 slot i
+/// (destination pitch 4; dstXInBytes 2, passed as the address dst + 2 to tide's
+/// memcpy_2d_async), the high half of a little-endian fp32: exactly that bf16's fp32 value. Stops
+/// at the first 2-D copy the driver refuses.
+fn upcast_2d(dst: u64, src: u64, n: usize, rows: usize, stream: sys::CUstream) -> tide::Result<()> {
+    ck!(sys::cuMemsetD32Async(dst, 0, n, stream), "cuMemsetD32Async");
+    for r0 in (0..n).step_by(rows) {
+        let h = rows.min(n - r0);
+        // SAFETY: rows r0..r0 + h of both ends lie inside their allocations (n slots, n bf16),
+        // which live as long as the benchmark; source and destination are distinct buffers.
+        unsafe {
+            tide::cuda::driver::memcpy_2d_async(dst + 4 * r0 as u64 + 2, 4, src + 2 * r0 as u64, 2, 2, h, stream, || {
+                format!("upcast rows {r0}..{}", r0 + h)
+            })
+        }?;
+    }
+    Ok(())
+}
+
+/// The upcast once, outside timing, on fresh random bf16 bits into a poisoned destination: each
+/// fp32 slot against its bf16's bits << 16 (PASS, or how many differ); then its rate alone. Finds
+/// the rows per 2-D copy the driver takes (halving from UPCAST_N while it refuses, and says so)
+/// and returns them.
+fn upcast_check(g: &Gpu, dst: u64, src: u64, json: &mut String) -> usize {
+    // Every 16-bit pattern may come (the check compares bits), each element its own: fill_bf16's
+    // values repeat every 4 Mi elements, which would hide a piece of a split copy landing off.
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let host: Vec<u16> = (0..UPCAST_N)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u16
+        })
+        .collect();
+    ck!(sys::cuMemcpyHtoD_v2(src, host.as_ptr() as *const c_void, UPCAST_N * 2), "cuMemcpyHtoD");
+    ck!(sys::cuMemsetD8_v2(dst, 0xff, UPCAST_N * 4), "cuMemsetD8");
+    // Both above are on the legacy stream, which the non-blocking g.agg does not wait for.
+    sync_all();
+    let mut rows = UPCAST_N;
+    while let Err(e) = upcast_2d(dst, src, UPCAST_N, rows, g.agg) {
+        assert!(rows > 1, "cecheck: upcast2d: the driver refuses even one-row 2-D copies: {e}");
+        println!("cecheck: upcast2d: the driver refused Height {rows} ({e}); trying {}", rows.div_ceil(2));
+        rows = rows.div_ceil(2);
+    }
+    sync_all();
+    let mut got = vec![0u32; UPCAST_N];
+    ck!(sys::cuMemcpyDtoH_v2(got.as_mut_ptr() as *mut c_void, dst, UPCAST_N * 4), "cuMemcpyDtoH");
+    let bad = got.iter().zip(&host).filter(|&(&f, &h)| f != (h as u32) << 16).count();
+    let copies = UPCAST_N.div_ceil(rows);
+    let a = Aggressor::plain(
+        "upcast2d".into(),
+        (UPCAST_N * 4) as f64,
+        Box::new(move |s, _| upcast_2d(dst, src, UPCAST_N, rows, s).unwrap_or_else(|e| panic!("{e}"))),
+    );
+    let (ms, host_ms) = aggressor_alone(g, &a, 5);
+    let gbps = a.bytes / ms / 1e6;
+    println!(
+        "cecheck: upcast2d 16 Mi bf16 -> fp32 (cuMemsetD32Async + {}): {} ({bad} of {UPCAST_N} slots differ from bf16 << 16); \
+         alone {ms:.3} ms, {gbps:.1} GB/s of fp32 written (host {host_ms:.3} ms)",
+        if copies > 1 {
+            format!("{copies} 2-D copies of {rows} rows: split, the driver refused Height {UPCAST_N}")
+        } else {
+            format!("one 2-D copy of Height {UPCAST_N}")
+        },
+        if bad == 0 { "PASS" } else { "FAIL" },
+    );
+    let _ = write!(
+        json,
+        "{{\"name\":\"cecheck upcast2d verify\",\"mismatches\":{bad},\"elements\":{UPCAST_N},\"rows_per_copy\":{rows},\
+         \"copies\":{copies},\"alone_ms\":{},\"gbps\":{}}},",
+        json_num(ms),
+        json_num(gbps)
+    );
+    rows
+}
+
+/// The calls cecheck measures, each enqueueing on the given stream with no host sync; `bytes`:
+/// the bytes one call writes (for the host copies, those it moves over PCIe).
+fn ce_aggressors(b: &CeBufs) -> Vec<Aggressor<'_>> {
+    const PIECE: usize = 32 << 20;
+    let mut aggs = Vec::new();
+    for (count, mib) in [(8usize, 32usize), (1, 256), (64, 4)] {
+        let bytes = mib << 20;
+        aggs.push(Aggressor::plain(
+            format!("memcpy {count}x{mib}MiB"),
+            (count * bytes) as f64,
+            Box::new(move |s, _| {
+                for off in (0..count * bytes).step_by(bytes).map(|o| o as u64) {
+                    ck!(sys::cuMemcpyDtoDAsync_v2(b.dst + off, b.src + off, bytes, s), "cuMemcpyDtoDAsync");
+                }
+            }),
+        ));
+    }
+    if tide::cuda::driver::batch_copy_supported() {
+        aggs.push(Aggressor::plain(
+            "batch 8x32MiB".into(),
+            COPY_BYTES as f64,
+            Box::new(move |s, _| batch_copy(b.dst, b.src, COPY_BYTES, COPY_BYTES / PIECE, true, s)),
+        ));
+    } else {
+        println!("cecheck: batch 8x32MiB skipped: the driver has no cuMemcpyBatchAsync_v2 (CUDA 12.8+ drivers)");
+    }
+    aggs.push(Aggressor::plain(
+        "memcpy2d 3.5KiB rows".into(),
+        (ROW2D * ROW2D_ROWS) as f64,
+        Box::new(move |s, _| {
+            // SAFETY: ROW2D_ROWS rows of ROW2D bytes lie inside src (256 MiB) at pitch ROW2D and
+            // inside dst2d at pitch 8 x ROW2D; the buffers live as long as the benchmark.
+            unsafe {
+                tide::cuda::driver::memcpy_2d_async(b.dst2d, 8 * ROW2D, b.src, ROW2D, ROW2D, ROW2D_ROWS, s, || "memcpy2d".into())
+            }
+            .unwrap_or_else(|e| panic!("{e}"));
+        }),
+    ));
+    aggs.push(Aggressor::plain(
+        "memset 256MiB".into(),
+        COPY_BYTES as f64,
+        Box::new(move |s, _| {
+            ck!(sys::cuMemsetD32Async(b.dst, 0, COPY_BYTES / 4, s), "cuMemsetD32Async");
+        }),
+    ));
+    aggs.push(Aggressor::plain(
+        "d2h pinned 64MiB".into(),
+        HOST_BYTES as f64,
+        Box::new(move |s, _| {
+            ck!(sys::cuMemcpyDtoHAsync_v2(b.host, b.src, HOST_BYTES, s), "cuMemcpyDtoHAsync");
+        }),
+    ));
+    aggs.push(Aggressor::plain(
+        "h2d pinned 64MiB".into(),
+        HOST_BYTES as f64,
+        Box::new(move |s, _| {
+            ck!(sys::cuMemcpyHtoDAsync_v2(b.dst, b.host, HOST_BYTES, s), "cuMemcpyHtoDAsync");
+        }),
+    ));
+    aggs.push(Aggressor::plain(
+        "upcast2d 16Mi bf16".into(),
+        (UPCAST_N * 4) as f64,
+        Box::new(move |s, _| upcast_2d(b.up_dst, b.up_src, UPCAST_N, b.up_rows, s).unwrap_or_else(|e| panic!("{e}"))),
+    ));
+    aggs.push(Aggressor::plain(
+        "peer same-ctx 8x32MiB".into(),
+        COPY_BYTES as f64,
+        Box::new(move |s, _| {
+            for off in (0..COPY_BYTES).step_by(PIECE).map(|o| o as u64) {
+                ck!(sys::cuMemcpyPeerAsync(b.dst + off, b.ctx, b.src + off, b.ctx, PIECE, s), "cuMemcpyPeerAsync");
+            }
+        }),
+    ));
+    aggs
+}
+
+/// `cecheck`: each same-device copy, fill and 2-D copy (and the pinned host copies, the control)
+/// against the persistent full-SM victim, as `progress` measures a call: the victim alone, the
+/// call alone, both; overlap, and where the call ran (copy engine, SM (blocked), partial).
+fn cecheck(g: &Gpu, samples: usize, json: &mut String) {
+    let ratio = progress_ratio();
+    let run_row = row_filter();
+    let (victim, _) = fullsm_victim(g);
+    println!(
+        "cecheck: same-device copies, fills and 2-D copies beside {} ({} CTAs, one per SM, each with the SM's whole shared \
+         memory, 1 ms per launch); its burst sized to >= {ratio}x the call alone (TIDE_BENCH_PROGRESS_RATIO); medians of \
+         {samples} interleaved samples; overlap >= 0.8: copy engine, <= 0.2: SM (blocked), else partial",
+        victim.name, g.sms
+    );
+    let mut ctx = std::ptr::null_mut();
+    ck!(sys::cuCtxGetCurrent(&mut ctx), "cuCtxGetCurrent");
+    let mut host = std::ptr::null_mut();
+    ck!(sys::cuMemHostAlloc(&mut host, HOST_BYTES, 0), "cuMemHostAlloc");
+    let (up_src, up_dst) = (malloc(UPCAST_N * 2), malloc(UPCAST_N * 4));
+    let up_rows = upcast_check(g, up_dst, up_src, json);
+    let b = CeBufs {
+        src: malloc(COPY_BYTES),
+        dst: malloc(COPY_BYTES),
+        dst2d: malloc(8 * ROW2D * ROW2D_ROWS),
+        host,
+        up_src,
+        up_dst,
+        ctx,
+        up_rows,
+    };
+    fill_bf16(b.src, COPY_BYTES / 2, 53);
+    let mut sampler = Sampler::new();
+    for a in ce_aggressors(&b).iter().filter(|a| run_row(&a.name)) {
+        // Each call's gate grows from 1 ms with its own enqueue time.
+        sampler.gate_ns = 1_000_000;
+        let late_before = sampler.late;
+        let (p, reps) = progress_row(g, &mut sampler, &victim, a, samples, ratio);
+        let late = sampler.late - late_before;
+        let gbps = a.bytes / p.coll_ms / 1e6;
+        let verdict = ce_verdict(p.overlap());
+        println!(
+            "cecheck: {:22} | victim {:8.3} ms, coll {:7.3} ms, both {:8.3} ms, overlap {:5.2}, coll in both {:7.3} ms ({:+.1}%), \
+             victim in both ({:+.1}%) -> {verdict} (alone {gbps:.1} GB/s written; x{reps}, n={samples}{})",
+            a.name,
+            p.victim_ms,
+            p.coll_ms,
+            p.both_ms,
+            p.overlap(),
+            p.coll_in_both_ms,
+            p.coll_slowdown_pct(),
+            p.victim_slowdown_pct(),
+            if late > 0 { format!(", {late} late retried") } else { String::new() },
+        );
+        let _ = write!(
+            json,
+            "{{\"name\":{:?},\"cecheck\":{:?},\"victim\":{:?},\"reps\":{reps},\"bytes\":{},\"gbps\":{},\
+             \"victim_ms\":{},\"coll_ms\":{},\"both_ms\":{},\"overlap\":{},\"victim_in_both_ms\":{},\"victim_slowdown_pct\":{},\
+             \"coll_in_both_ms\":{},\"coll_slowdown_pct\":{},\"verdict\":{verdict:?},\"samples\":{samples},\"late\":{late}}},",
+            format!("cecheck {}", a.name),
+            a.name,
+            victim.name,
+            a.bytes,
+            json_num(gbps),
+            json_num(p.victim_ms),
+            json_num(p.coll_ms),
+            json_num(p.both_ms),
+            json_num(p.overlap()),
+            json_num(p.victim_in_both_ms),
+            json_num(p.victim_slowdown_pct()),
+            json_num(p.coll_in_both_ms),
+            json_num(p.coll_slowdown_pct())
+        );
+    }
+}
+
 
 fn batch_copy(dst: u64, src: u64, bytes: usize, pieces: usize, flag: bool, stream: sys::CUstream) {
     let piece = bytes / pieces;
@@ -2700,7 +2998,8 @@ fn main() {
         "green" => green(&g, samples, &mut json),
         "progress" => progress(&g, samples, &mut json),
         "coresidence" => coresidence(&g, samples, &mut json),
-        other => panic!("unknown mode {other:?} (explore, engine, sumphase, green, progress, coresidence, compile)"),
+        "cecheck" => cecheck(&g, samples, &mut json),
+        other => panic!("unknown mode {other:?} (explore, engine, sumphase, green, progress, coresidence, cecheck, compile)"),
     }
     if json.ends_with(',') {
         json.pop();
@@ -2793,6 +3092,18 @@ mod tests {
         let p = Progress::of(&rows[..2]);
         assert_eq!(p.victim_ms, 2.0);
         assert_eq!(p.both_ms, 21.5);
+    }
+
+    #[test]
+    fn the_verdict_follows_the_overlap() {
+        assert_eq!(ce_verdict(1.0), "copy engine");
+        assert_eq!(ce_verdict(0.8), "copy engine");
+        assert_eq!(ce_verdict(0.5), "partial");
+        assert_eq!(ce_verdict(0.2), "SM (blocked)");
+        assert_eq!(ce_verdict(-0.1), "SM (blocked)");
+        assert_eq!(ce_verdict(f64::NAN), "no result");
+        // The strided row's rows add up to (at least) 64 MiB.
+        assert!(ROW2D * ROW2D_ROWS >= 64 << 20 && ROW2D * (ROW2D_ROWS - 1) < 64 << 20);
     }
 
     #[test]
