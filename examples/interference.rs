@@ -2201,8 +2201,15 @@ fn progress(g: &Gpu, samples: usize, json: &mut String) {
         "progress: Llama-3-8B layer, 9 bf16 parameters, 436 MB; rank 0 of world P, peers emulated by buffers of GPU 0; \
          each victim's burst sized to >= {ratio}x the call alone (TIDE_BENCH_PROGRESS_RATIO); medians of {samples} \
          interleaved samples (TIDE_RS_MAX_CTAS {}, TIDE_RS_CTA_BYTES {}, TIDE_HIGH_PRIORITY {}, TIDE_CE_PIECE_BYTES {}, \
-         TIDE_LOCAL_COPY {:?}, TIDE_FUSE_BYTES {})",
-        base.rs_max_ctas, base.rs_cta_bytes, base.high_priority as u8, base.ce_piece_bytes, base.local_copy, base.fuse_bytes
+         TIDE_LOCAL_COPY {:?}, TIDE_FUSE_BYTES {}, TIDE_FUSE_CE_MIN {}, TIDE_AG_STREAMS {})",
+        base.rs_max_ctas,
+        base.rs_cta_bytes,
+        base.high_priority as u8,
+        base.ce_piece_bytes,
+        base.local_copy,
+        base.fuse_bytes,
+        base.fuse_ce_min,
+        base.ag_streams
     );
     let _ = write!(
         json,

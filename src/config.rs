@@ -134,6 +134,19 @@ pub struct Config {
     /// before). Small copies then use SMs briefly. A sum's size is its fp32 output (a 128 KiB bf16
     /// gradient shard on one GPU: 256 KiB).
     pub fuse_bytes: usize,
+    /// TIDE_FUSE_CE_MIN (default 32; an integer in [0, 2^20], 0 = never): the fewest small copies
+    /// (under TIDE_FUSE_BYTES) pending on one *copy* stream that go as one batched SM launch
+    /// (`tide_copy_batch`) instead of staying on the copy engines; at least 2 in any case. Issue
+    /// #38: copy-engine copies progress beside a kernel that holds every SM (cuDNN's persistent
+    /// flash attention), an SM launch waits for it to end, and one such launch holds up the whole
+    /// call: on one H100 the all-gather beside the full-SM probe went from overlap 0.01 (the
+    /// layer's two norms fused, as with 2) to 1.00 (all on copy engines), while a copy-engine copy
+    /// costs about 3 us more than a fused one (emulated world-8 all-gather of a Llama-3-8B layer,
+    /// 14 small copies: 0.458 -> 0.502 ms alone; bench/results/2026-12-06c-1h100). So a few small
+    /// copies stay on the copy engines and a group of many small parameters (issue #9) still costs
+    /// a few launches. Copies on tide's own stream (SM copies) are fused whenever TIDE_FUSE_BYTES
+    /// says.
+    pub fuse_ce_min: usize,
     /// TIDE_NCCL_LIB (default unset: `libnccl.so.2` from the loader's path; any path, checked when
     /// NCCL is loaded): the NCCL library the multi-process CUDA path's rail loads (once per process).
     pub nccl_lib: Option<String>,
@@ -435,6 +448,7 @@ impl Config {
             ce_piece_bytes: r.int("TIDE_CE_PIECE_BYTES", 32 << 20, 4096, 1 << 32) as usize,
             max_in_flight: r.int("TIDE_MAX_IN_FLIGHT", 4, 1, 16) as usize,
             fuse_bytes: r.int("TIDE_FUSE_BYTES", 512 << 10, 0, 1 << 30) as usize,
+            fuse_ce_min: r.int("TIDE_FUSE_CE_MIN", 32, 0, 1 << 20) as usize,
             nvrtc_lib_dir: r.raw("TIDE_NVRTC_LIB_DIR"),
             nccl_lib: r.raw("TIDE_NCCL_LIB"),
             debug_mp: r.flag("TIDE_DEBUG_MP", false),
@@ -607,6 +621,8 @@ mod tests {
             ("TIDE_RS_SLOT_BYTES", "100", "[4096, 4294967296]"),
             ("TIDE_RS_SLOT_BYTES", "32MiB", "[4096, 4294967296]"),
             ("TIDE_AG_STREAMS", "17", "[1, 16]"),
+            ("TIDE_FUSE_CE_MIN", "-1", "[0, 1048576]"),
+            ("TIDE_FUSE_CE_MIN", "2000000", "[0, 1048576]"),
             ("TIDE_RS_COPY_STREAMS", "1.5", "[1, 16]"),
             ("TIDE_MULTICAST", "2", "0 or 1"),
             ("TIDE_COPY_BATCH", "maybe", "0 or 1"),

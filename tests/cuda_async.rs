@@ -448,6 +448,10 @@ fn ranks_on_one_gpu_with_calls_in_flight() {
                 c.copy_batch = batch;
                 c.local_copy = local;
                 c.fuse_bytes = fuse;
+                // Everything fused: copy streams' small copies too, however few (TIDE_FUSE_CE_MIN 2).
+                if fuse >= 1 << 30 {
+                    c.fuse_ce_min = 2;
+                }
                 c.max_in_flight = depth * per_dev;
             });
             for op in [Op::AllGather, Op::ReduceScatter] {

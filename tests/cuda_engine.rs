@@ -436,10 +436,14 @@ fn in_place_gathers_match_the_cpu_engine() {
     std::env::set_var("TIDE_TIMEOUT_S", "60");
     let gpu = common::gpu::Gpu::open();
     let mut site = 7800;
-    for (piece, fuse) in [(1usize << 32, 0usize), (4096, 1 << 20), (32 << 20, 1 << 20)] {
+    // TIDE_FUSE_CE_MIN 2: a copy stream's small copies fused into SM launches (as before issue
+    // #38); the default: a few stay on the copy engines.
+    let ce_default = tide::config::Config::defaults().fuse_ce_min;
+    for (piece, fuse, ce_min) in [(1usize << 32, 0usize, ce_default), (4096, 1 << 20, 2), (32 << 20, 1 << 20, ce_default)] {
         let mut c = tide::config::Config::from_env();
         c.ce_piece_bytes = piece;
         c.fuse_bytes = fuse;
+        c.fuse_ce_min = ce_min;
         tide::config::set_override(Some(c));
         for world in [1usize, 2, 3, 8] {
             for rank in [0, world - 1].into_iter().collect::<std::collections::BTreeSet<_>>() {
@@ -447,7 +451,9 @@ fn in_place_gathers_match_the_cpu_engine() {
                 in_place_gather_matches(&gpu, site, world, rank, site as u64);
             }
         }
-        say(&format!("cuda_engine: in-place gathers (TIDE_CE_PIECE_BYTES={piece}, TIDE_FUSE_BYTES={fuse}): bitwise equal to the CPU engine"));
+        say(&format!(
+            "cuda_engine: in-place gathers (TIDE_CE_PIECE_BYTES={piece}, TIDE_FUSE_BYTES={fuse}, TIDE_FUSE_CE_MIN={ce_min}): bitwise equal to the CPU engine"
+        ));
     }
     tide::config::set_override(None);
 }
@@ -458,10 +464,12 @@ fn into_slices_match_the_cpu_engine() {
     std::env::set_var("TIDE_TIMEOUT_S", "60");
     let gpu = common::gpu::Gpu::open();
     let mut site = 7600;
-    for (cta, fuse) in [(0usize, 0usize), (4096, 1 << 20), (512 << 10, 1 << 20)] {
+    let ce_default = tide::config::Config::defaults().fuse_ce_min;
+    for (cta, fuse, ce_min) in [(0usize, 0usize, ce_default), (4096, 1 << 20, 2), (512 << 10, 1 << 20, ce_default)] {
         let mut c = tide::config::Config::from_env();
         c.rs_cta_bytes = cta;
         c.fuse_bytes = fuse;
+        c.fuse_ce_min = ce_min;
         tide::config::set_override(Some(c));
         for world in [1usize, 2, 3, 8] {
             for rank in [0, world - 1].into_iter().collect::<std::collections::BTreeSet<_>>() {
@@ -471,7 +479,10 @@ fn into_slices_match_the_cpu_engine() {
                 }
             }
         }
-        say(&format!("cuda_engine: reduce-scatter into slices (TIDE_RS_CTA_BYTES={cta}, TIDE_FUSE_BYTES={fuse}): bitwise equal to the CPU engine, other slices untouched"));
+        say(&format!(
+            "cuda_engine: reduce-scatter into slices (TIDE_RS_CTA_BYTES={cta}, TIDE_FUSE_BYTES={fuse}, TIDE_FUSE_CE_MIN={ce_min}): \
+             bitwise equal to the CPU engine, other slices untouched"
+        ));
     }
     tide::config::set_override(None);
 }

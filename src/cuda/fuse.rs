@@ -69,6 +69,15 @@ pub fn copy_joins(pending: &[PendingCopy], c: &PendingCopy) -> bool {
     !pending.iter().any(|p| p.conflicts(c))
 }
 
+/// Whether the `small` copies (each under TIDE_FUSE_BYTES) pending on a stream go as batched SM
+/// launches: on tide's own stream (`on_main`: SM copies) whenever there are any; on a copy stream
+/// only from `ce_min` of them (TIDE_FUSE_CE_MIN; at least 2: one small copy stays on the copy
+/// engine; 0 = never), since a copy-engine copy progresses beside a kernel that holds every SM and
+/// an SM launch does not (issue #38).
+pub fn fuses_copies(on_main: bool, small: usize, ce_min: usize) -> bool {
+    small > 0 && (on_main || (ce_min > 0 && small >= ce_min.max(2)))
+}
+
 /// Segments per batched sum launch: one CTA each, so at most TIDE_RS_MAX_CTAS (and `SUM_BATCH`).
 pub fn sum_batch_limit(max_ctas: u32) -> usize {
     (max_ctas.max(1) as usize).min(SUM_BATCH)
@@ -194,6 +203,25 @@ pub fn issue_sums(m: &Module, stream: CUstream, sums: &[SumSeg], max_ctas: u32, 
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn copy_streams_fuse_only_many_small_copies() {
+        // tide's stream: any small copy is an SM copy, fused.
+        assert!(fuses_copies(true, 1, 0));
+        assert!(fuses_copies(true, 1, 32));
+        assert!(!fuses_copies(true, 0, 32));
+        // A copy stream: from TIDE_FUSE_CE_MIN small copies (and never one alone), never at 0.
+        for min in [0usize, 1, 2, 3, 32] {
+            for small in 0..80usize {
+                let want = min > 0 && small >= min.max(2);
+                assert_eq!(fuses_copies(false, small, min), want, "small {small}, min {min}");
+            }
+        }
+        // The default keeps a Llama layer's two norms at world 8 (14 copies) on the copy engines.
+        let default = crate::config::Config::defaults().fuse_ce_min;
+        assert!(!fuses_copies(false, 14, default) && fuses_copies(false, 64, default));
+    }
+
     use super::*;
 
     fn copy(dst: u64, src: u64, bytes: usize) -> PendingCopy {

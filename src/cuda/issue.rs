@@ -333,12 +333,13 @@ impl Issuer<'_> {
         let (cfg, rank, ord) = (self.cfg, self.call.rank, self.call.device_ordinal);
         let mut copies = std::mem::take(list);
         let stream = self.res.stream(s)?;
-        // Small copies as batched launches (TIDE_FUSE_BYTES): all of them on MAIN (SM copies), two
-        // or more on a copy stream (one small copy stays on the copy engine). Pairwise independent
+        // Small copies as batched launches (TIDE_FUSE_BYTES): all of them on MAIN (SM copies), on
+        // a copy stream only from TIDE_FUSE_CE_MIN of them (`fuse::fuses_copies`: fewer stay on the
+        // copy engine, which progresses beside a kernel holding every SM). Pairwise independent
         // (`fuse::copy_joins`), so they may run in any order.
         if let Some(m) = self.res.module.filter(|_| self.fusing) {
             let small = copies.iter().filter(|c| c.bytes < cfg.fuse_bytes).count();
-            if small > 0 && (s == MAIN || small >= 2) {
+            if fuse::fuses_copies(s == MAIN, small, cfg.fuse_ce_min) {
                 let (fused, rest): (Vec<_>, Vec<_>) = copies.into_iter().partition(|c| c.bytes < cfg.fuse_bytes);
                 fuse::issue_copies(m, stream, &fused, cfg.rs_max_ctas, &|| {
                     format!("rank {rank} device {ord}: batched copies on stream {s}")
