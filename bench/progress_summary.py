@@ -14,38 +14,38 @@ import re
 import sys
 
 
-def jax_rows(path):
+def rows(path, rules):
+    """One short text per line of `path` that a rule's pattern matches (`re.match`): the rule's
+    format of the match, or nothing where it gives None."""
     out = []
     for line in open(path, errors="replace"):
-        m = re.match(r"progress: (\w+) +(rs|ag) \|.*\| ratio ([\d.]+) \| overlap (-?[\d.]+) \|.*exposed (-?[\d.]+)", line)
-        if m:
-            out.append(f"{m[1]}:{m[2]} ov {m[4]} (r {m[3]})")
-        m = re.match(r"progress: (\w+) +(rs|ag) \| HBM bound .*both / bound ([\d.]+)", line)
-        if m:
-            out.append(f"{m[1]}:{m[2]} both/hbm {m[3]}")
-        m = re.match(r"progress: (rs|ag) alone ([\d.]+) ms", line)
-        if m:
-            out.append(f"{m[1]} alone {m[2]} ms")
+        for pattern, fmt in rules:
+            m = re.match(pattern, line)
+            if m and (text := fmt(m)) is not None:
+                out.append(text)
     return out
 
 
-def engine_progress_rows(path):
-    out = []
-    for line in open(path, errors="replace"):
-        m = re.match(r"progress: (RS|AG) world (\d+)[^|]*\| (\w+) .*coll +([\d.]+) ms.*overlap +(-?[\d.]+),.*victim in both.*\(([-+\d.]+)%\), coll in both.*\(([-+\d.]+)%\)", line)
-        if m and m[2] in ("1", "8"):
-            out.append(f"{m[1]}{m[2]} {m[3]} ov {m[5]} v{m[6]}% c{m[7]}%")
-    return out
+def in_bar(m):
+    """Only worlds 1 and 8: the issue's bars."""
+    return m[2] in ("1", "8")
 
 
-def engine_bar_rows(path):
-    out = []
-    for line in open(path, errors="replace"):
-        m = re.match(r"(RS|AG) world (\d+)[^|]*alone ([\d.]+) ms.*?\| (.*)", line)
-        if m and m[2] in ("1", "8"):
-            bars = re.findall(r"(\w+) [\d.]+ -> [\d.]+ ms ([-+\d.]+%)", m[4])
-            out.append(f"{m[1]}{m[2]} {m[3]}ms " + " ".join(f"{v} {p}" for v, p in bars))
-    return out
+JAX = (  # bench/progress.py
+    (r"progress: (\w+) +(rs|ag) \|.*\| ratio ([\d.]+) \| overlap (-?[\d.]+) \|", lambda m: f"{m[1]}:{m[2]} ov {m[4]} (r {m[3]})"),
+    (r"progress: (\w+) +(rs|ag) \| HBM bound .*both / bound ([\d.]+)", lambda m: f"{m[1]}:{m[2]} both/hbm {m[3]}"),
+    (r"progress: (rs|ag) alone ([\d.]+) ms", lambda m: f"{m[1]} alone {m[2]} ms"),
+)
+ENGINE_PROGRESS = (  # interference progress
+    (r"progress: (RS|AG) world (\d+)[^|]*\| (\w+) .*overlap +(-?[\d.]+),.*victim in both.*\(([-+\d.]+)%\), coll in both.*\(([-+\d.]+)%\)",
+     lambda m: f"{m[1]}{m[2]} {m[3]} ov {m[4]} v{m[5]}% c{m[6]}%" if in_bar(m) else None),
+)
+ENGINE_BARS = (  # interference engine: each row's setting, its time alone, each victim's slowdown
+    (r"(RS|AG) world (\d+)[^:]*: (.*?),? *(?:TIDE_\w+=\w+ +)?alone ([\d.]+) ms.*?\| (.*)",
+     lambda m: f"{m[1]}{m[2]} {m[3].strip()} {m[4]}ms "
+               + " ".join(f"{v} {p}" for v, p in re.findall(r"(\w+) [\d.]+ -> [\d.]+ ms ([-+\d.]+%)", m[5]))
+     if in_bar(m) else None),
+)
 
 
 def main():
@@ -54,14 +54,14 @@ def main():
                     for p in glob.glob(os.path.join(root, "*.txt"))})
     for name in names:
         print(f"== {name}")
-        for label, path, fn in (("jax", f"progress-{name}.txt", jax_rows),
-                                ("eng", f"interference-progress-{name}.txt", engine_progress_rows),
-                                ("#22", f"interference-engine-{name}.txt", engine_bar_rows)):
+        for label, path, rules in (("jax", f"progress-{name}.txt", JAX),
+                                   ("eng", f"interference-progress-{name}.txt", ENGINE_PROGRESS),
+                                   ("#22", f"interference-engine-{name}.txt", ENGINE_BARS)):
             p = os.path.join(root, path)
             if os.path.exists(p):
-                rows = fn(p)
-                for k in range(0, len(rows), 4):
-                    print(f"  {label} " + " | ".join(rows[k:k + 4]))
+                found = rows(p, rules)
+                for k in range(0, len(found), 4):
+                    print(f"  {label} " + " | ".join(found[k:k + 4]))
 
 
 if __name__ == "__main__":
